@@ -1,0 +1,189 @@
+"""One bucket: its pieces, its file, its device buffers and the Adam instance that steps exactly them.
+
+The device buffers are flat fp32 tensors, one per streamed segment, whose storage is materialized
+for the duration of a step and resized to 0 afterwards; the pieces the Adam instance sees are views
+into them, so they stay valid across release and re-materialization.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from .layout import EXP_AVG, EXP_AVG_SQ, MAIN, MOMENTS, BucketLayout, bucket_layout
+from .plan import BucketPlan
+from .stager import BucketFile, Stager
+
+# Master-group keys that belong to the per-bucket instance, not to the hyperparameters it mirrors.
+_NOT_HYPERPARAMETERS = {"params", "step"}
+
+
+@dataclass
+class StreamEntry:
+    """One fp32 master tensor the store manages.
+
+    main: the master optimizer's param (fp32); its storage is released when `model_view` is given.
+    group: index into the master optimizer's param_groups.
+    model_view: where updated mains are published (low-precision model storage, same numel), or None
+        when `main` is itself the model param (plain fp32 training: only the moments stream).
+    """
+
+    main: torch.Tensor
+    group: int
+    model_view: torch.Tensor | None = None
+
+
+def _adam_constructor_kwargs(master: torch.optim.Optimizer) -> dict:
+    accepted = inspect.signature(type(master).__init__).parameters
+    return {k: v for k, v in master.defaults.items() if k in accepted and k != "params"}
+
+
+class Bucket:
+    def __init__(self, index: int, plan: BucketPlan, entries: list[StreamEntry], master: torch.optim.Optimizer,
+                 codecs: dict, file: BucketFile, device: torch.device, streams_main: bool):
+        self.index = index
+        self.pieces = plan.pieces
+        self.numel = plan.numel
+        self.entries = entries
+        self.master = master
+        self.codecs = codecs  # segment name -> codec
+        self.file = file
+        self.streams_main = streams_main
+        self.moments_on_disk = False
+        self.layout: BucketLayout = bucket_layout(
+            [(name, codecs[name].encoded_nbytes(self.numel)) for name in self.segment_names])
+        self.offsets = [0]
+        for piece in self.pieces:
+            self.offsets.append(self.offsets[-1] + piece.numel)
+        # Views must be cut while the storage exists; release() right after frees it.
+        self.flat = {name: torch.empty(self.numel, dtype=torch.float32, device=device) for name in self.segment_names}
+        self.params = [self._param_view(i) for i in range(len(self.pieces))]
+        self.moment_views = [{k: self._flat_view(k, i) for k in MOMENTS} for i in range(len(self.pieces))]
+        groups, self.master_group_of = {}, []
+        for piece, param in zip(self.pieces, self.params):
+            g = entries[piece.entry].group
+            if g not in groups:
+                groups[g] = {**self._hyperparameters(g), "params": []}
+                self.master_group_of.append(g)
+            groups[g]["params"].append(param)
+        self.optimizer = type(master)(list(groups.values()), **_adam_constructor_kwargs(master))
+        self.release()
+
+    @property
+    def segment_names(self) -> tuple[str, ...]:
+        return (MAIN, EXP_AVG, EXP_AVG_SQ) if self.streams_main else (EXP_AVG, EXP_AVG_SQ)
+
+    def _flat_view(self, name: str, i: int) -> torch.Tensor:
+        return self.flat[name][self.offsets[i]:self.offsets[i + 1]]
+
+    def _param_view(self, i: int) -> torch.Tensor:
+        if self.streams_main:
+            return self._flat_view(MAIN, i)
+        piece = self.pieces[i]
+        return self.entries[piece.entry].main.detach().view(-1)[piece.start:piece.stop]
+
+    def _hyperparameters(self, g: int) -> dict:
+        return {k: v for k, v in self.master.param_groups[g].items() if k not in _NOT_HYPERPARAMETERS}
+
+    # ---- residency ----------------------------------------------------------------------------
+    def materialize(self, names) -> None:
+        for name in names:
+            self.flat[name].untyped_storage().resize_(self.numel * 4)
+
+    def release(self) -> None:
+        for flat in self.flat.values():
+            flat.untyped_storage().resize_(0)
+
+    def resident_bytes(self) -> int:
+        total = sum(f.untyped_storage().nbytes() for f in self.flat.values())
+        for param, views in zip(self.params, self.moment_views):
+            state = self.optimizer.state.get(param, {})
+            total += sum(state[k].nbytes for k in MOMENTS if k in state and state[k] is not views[k])
+        return total
+
+    # ---- the data path ------------------------------------------------------------------------
+    def segments_to_fetch(self) -> tuple[str, ...]:
+        """Moments do not exist before the first step: the first fetch reads mains only."""
+        moments = MOMENTS if self.moments_on_disk else ()
+        return ((MAIN,) if self.streams_main else ()) + moments
+
+    def fetch(self, stager: Stager, names: tuple[str, ...]) -> None:
+        self.materialize(names)
+        for name in names:
+            codec, segment = self.codecs[name], self.layout.segments[name]
+            if codec.reads_in_place():
+                stager.read(self.file, segment.offset, self.flat[name])
+            else:
+                encoded = codec.empty_encoded(self.numel, self.flat[name].device)
+                offset = segment.offset
+                for part in encoded:
+                    stager.read(self.file, offset, part)
+                    offset += part.nbytes
+                codec.decode(encoded, self.flat[name])
+
+    def update(self) -> None:
+        """One Adam step over exactly this bucket's pieces, hyperparameters re-read from the master."""
+        for group, g in zip(self.optimizer.param_groups, self.master_group_of):
+            group.update(self._hyperparameters(g))
+        for piece, param in zip(self.pieces, self.params):
+            grad = self.entries[piece.entry].main.grad
+            param.grad = None if grad is None else grad.detach().view(-1)[piece.start:piece.stop]
+        self.optimizer.step()
+        for param in self.params:
+            param.grad = None
+
+    def publish(self) -> None:
+        """Copy updated mains into the model's low-precision storage (cast on the device)."""
+        if not self.streams_main:
+            return
+        for piece, param in zip(self.pieces, self.params):
+            self.entries[piece.entry].model_view[piece.start:piece.stop].copy_(param)
+
+    def write_back(self, stager: Stager) -> None:
+        if self.streams_main:
+            self._write_segment(stager, MAIN, [self.flat[MAIN]])
+        if self.moments_on_disk:
+            self._adopt_new_moments(copy=True)
+            for k in MOMENTS:
+                self._write_segment(stager, k, [self.flat[k]])
+            return
+        states = [self.optimizer.state.get(p, {}) for p in self.params]
+        if not any(states):
+            return  # no piece has stepped yet: there are no moments to keep
+        for k in MOMENTS:
+            values = [s[k] if k in s else torch.zeros(p.numel(), device=p.device) for s, p in zip(states, self.params)]
+            self._write_segment(stager, k, values)
+        self._adopt_new_moments(copy=False)
+        self.moments_on_disk = True
+
+    def _write_segment(self, stager: Stager, name: str, values: list[torch.Tensor]) -> None:
+        offset = self.layout.segments[name].offset
+        for part in self.codecs[name].encode(values):
+            stager.write(self.file, offset, [part])
+            offset += part.nbytes
+
+    def _adopt_new_moments(self, copy: bool) -> None:
+        """Point moments the optimizer created lazily at this bucket's flat buffers.
+
+        copy=True: the buffers are resident and hold this step's values only for adopted pieces, so
+        copy the new ones in. copy=False: the values are already on disk; the released view suffices.
+        """
+        for param, views in zip(self.params, self.moment_views):
+            state = self.optimizer.state.get(param)
+            if not state:
+                continue
+            for k in MOMENTS:
+                if state[k] is not views[k]:
+                    if copy:
+                        views[k].copy_(state[k].view(-1))
+                    state[k] = views[k]
+
+    def refresh_main(self, stager: Stager) -> None:
+        """mains <- model params, through resident storage: writing into released storage is illegal."""
+        self.materialize((MAIN,))
+        for piece, param in zip(self.pieces, self.params):
+            param.copy_(self.entries[piece.entry].model_view[piece.start:piece.stop])
+        self._write_segment(stager, MAIN, [self.flat[MAIN]])
+        self.release()
