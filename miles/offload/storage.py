@@ -1,0 +1,250 @@
+"""Trainer offload for sleep, by tensor storage: the torch backend's own torch_memory_saver.
+
+``sleep(tensors)`` copies the bytes of every distinct storage behind ``tensors`` to host memory
+(target ``cpu``) or to one file in a directory (target ``disk``), then frees the storage with
+``untyped_storage().resize_(0)``. ``wake()`` re-allocates each storage at its old size and copies the
+bytes back. Every tensor and view keeps pointing at the same storage object, so parameters, optimizer
+state and views into them (e.g. a sharded optimizer's ``model_view``) are valid again after wake, with
+bit-identical contents.
+
+Storages that are already empty are skipped: the streamed optimizer state (its mains and moments live
+in the store's bucket files, their storage resized to 0 between steps) needs no backup. Both calls are
+idempotent: sleeping while asleep or waking while awake does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TARGETS = ("cpu", "disk")
+OFFLOAD_FILENAME = "offload.bin"
+
+
+@dataclass
+class OffloadStats:
+    action: str = ""             # "sleep" or "wake"
+    target: str = ""
+    skipped: bool = False        # True when the call was a no-op (already asleep / awake)
+    storages: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    path: Optional[str] = None   # file of the disk target
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / 1e9 / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Saved:
+    storage: torch.UntypedStorage
+    nbytes: int
+    offset: int = 0                          # disk: where its bytes start in the file
+    host: Optional[torch.Tensor] = None      # cpu: the host copy (uint8)
+
+
+def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A 1-D uint8 tensor over the whole storage."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def unique_storages(tensors: Iterable[Optional[torch.Tensor]]) -> list[torch.UntypedStorage]:
+    """Distinct non-empty storages behind ``tensors`` (views and tied weights count once), in order."""
+    seen: set[int] = set()
+    out: list[torch.UntypedStorage] = []
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        out.append(storage)
+    return out
+
+
+def make_resizable(module: torch.nn.Module) -> int:
+    """Give every parameter and buffer a resizable storage of its own (a tensor loaded from an mmap'ed
+    checkpoint cannot be resized). Call before building the optimizer. Returns how many were copied."""
+    copied = 0
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        if not tensor.untyped_storage().resizable():
+            tensor.data = tensor.data.clone()
+            copied += 1
+    return copied
+
+
+class StorageOffloader:
+    """Sleep/wake a set of tensors by storage. See the module docstring."""
+
+    def __init__(self, target: str, directory: Optional[str] = None, chunk_mb: int = 256):
+        if target not in TARGETS:
+            raise ValueError(f"offload target must be one of {TARGETS}, got {target!r}")
+        if target == "disk" and not directory:
+            raise ValueError("the disk offload target needs a directory")
+        self.target = target
+        self.directory = directory
+        self.chunk_bytes = max(1, int(chunk_mb)) * 2**20
+        self._saved: list[_Saved] = []
+        self._asleep = False
+        self._staging: Optional[torch.Tensor] = None
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
+    @property
+    def path(self) -> Optional[str]:
+        return os.path.join(self.directory, OFFLOAD_FILENAME) if self.target == "disk" else None
+
+    # ---- sleep --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def sleep(self, tensors: Iterable[Optional[torch.Tensor]]) -> OffloadStats:
+        if self._asleep:
+            return OffloadStats("sleep", self.target, skipped=True, path=self.path)
+        start = time.perf_counter()
+        storages = unique_storages(tensors)
+        for s in storages:
+            if not s.resizable():
+                raise RuntimeError("cannot offload a non-resizable storage (e.g. mmap'ed from a checkpoint); "
+                                   "call miles.offload.make_resizable(model) before building the optimizer")
+        saved = [_Saved(s, s.nbytes()) for s in storages]
+        if self.target == "disk":
+            self._write_all(saved)
+        else:
+            for item in saved:
+                item.host = self._host_copy(item.storage)
+        for item in saved:
+            item.storage.resize_(0)
+        self._saved = saved
+        self._asleep = True
+        return OffloadStats("sleep", self.target, storages=len(saved), bytes=sum(i.nbytes for i in saved),
+                            seconds=time.perf_counter() - start, path=self.path)
+
+    def _host_copy(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        src = _byte_view(storage)
+        if src.device.type == "cpu":
+            return src.clone()
+        host = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        host.copy_(src, non_blocking=False)
+        return host
+
+    def _stage(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        return self._staging[:nbytes]
+
+    def _write_all(self, saved: list[_Saved]) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        path = self.path
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            with os.fdopen(fd, "wb", buffering=0) as f:
+                offset = 0
+                for item in saved:
+                    item.offset = offset
+                    src = _byte_view(item.storage)
+                    for lo in range(0, item.nbytes, self.chunk_bytes):
+                        hi = min(item.nbytes, lo + self.chunk_bytes)
+                        if src.device.type == "cpu":
+                            chunk = _host_bytes(item.storage, lo, hi)
+                        else:
+                            stage = self._stage(hi - lo, src.device)
+                            stage.copy_(src[lo:hi])
+                            chunk = _host_bytes(stage.untyped_storage(), 0, hi - lo)
+                        _write_fully(f, chunk)
+                    offset += item.nbytes
+        except BaseException:
+            _unlink(path)
+            raise
+
+    # ---- wake ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def wake(self) -> OffloadStats:
+        if not self._asleep:
+            return OffloadStats("wake", self.target, skipped=True, path=self.path)
+        start = time.perf_counter()
+        saved = self._saved
+        for item in saved:
+            item.storage.resize_(item.nbytes)
+        if self.target == "disk":
+            self._read_all(saved)
+        else:
+            for item in saved:
+                _byte_view(item.storage).copy_(item.host)
+                item.host = None
+        stats = OffloadStats("wake", self.target, storages=len(saved), bytes=sum(i.nbytes for i in saved),
+                             seconds=time.perf_counter() - start, path=self.path)
+        self._saved = []
+        self._asleep = False
+        return stats
+
+    def _read_all(self, saved: list[_Saved]) -> None:
+        path = self.path
+        with open(path, "rb", buffering=0) as f:
+            for item in saved:
+                dst = _byte_view(item.storage)
+                f.seek(item.offset)
+                for lo in range(0, item.nbytes, self.chunk_bytes):
+                    hi = min(item.nbytes, lo + self.chunk_bytes)
+                    if dst.device.type == "cpu":
+                        _read_fully(f, _host_bytes(item.storage, lo, hi), path)
+                    else:
+                        stage = self._stage(hi - lo, dst.device)
+                        _read_fully(f, _host_bytes(stage.untyped_storage(), 0, hi - lo), path)
+                        dst[lo:hi].copy_(stage)
+        _unlink(path)  # disk use is bounded: the file only exists while asleep
+
+    # ---- lifetime -----------------------------------------------------------------------------
+    def close(self, remove_directory: bool = False) -> None:
+        """Drop any backup (a trainer being torn down while asleep does not wake)."""
+        self._saved = []
+        self._asleep = False
+        self._staging = None
+        if self.target == "disk":
+            _unlink(self.path)
+            if remove_directory and self.directory:
+                shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _host_bytes(storage: torch.UntypedStorage, lo: int, hi: int) -> memoryview:
+    """A writable memoryview of bytes [lo, hi) of a host storage. Not through ``.numpy()``: exporting a
+    storage to numpy marks it non-resizable for good, and sleep has to resize it."""
+    if hi <= lo:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * (hi - lo)).from_address(storage.data_ptr() + lo)).cast("B")
+
+
+def _write_fully(f, view: memoryview) -> None:
+    view = view.cast("B")
+    while len(view):
+        n = f.write(view)
+        view = view[n:]
+
+
+def _read_fully(f, view: memoryview, path: str) -> None:
+    view = view.cast("B")
+    while len(view):
+        n = f.readinto(view)
+        if not n:
+            raise IOError(f"offload file {path} ended early: it was truncated or removed while the trainer slept")
+        view = view[n:]
+
+
+def _unlink(path: Optional[str]) -> None:
+    if path:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
