@@ -1,0 +1,1 @@
+"""Training backends: `torch` (transformers + ZeRO-1, runs on CPU) and `megatron` (GPU only)."""
