@@ -1,0 +1,177 @@
+"""Binding for megatron-core (0.19.x) DistributedOptimizer and ChainedOptimizer.
+
+Each non-stub DistributedOptimizer gets one store over its fp32 master shards
+(`shard_fp32_from_float16_groups`); updated mains are published into the DDP param buffer exactly
+where Megatron's `_copy_main_params_to_model_params` writes them. Native-fp32 model params (MoE
+router weights kept in fp32, GDN/Mamba `A_log`) are tiny: they stay under a small always-resident
+Adam of the master's own class whose params alias the model params, so stepping updates the model
+with no copy. Nothing here imports megatron at module level: detection is by class.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .bind_torch import _bind_common, _state_marker, check_adam_family
+from .bucket import StreamEntry, _adam_constructor_kwargs
+from .stager import StoreConfigError
+from .store import NVMeOptimizerStateStore
+
+logger = logging.getLogger(__name__)
+
+
+def _is_distributed_optimizer(opt) -> bool:
+    return type(opt).__name__ == "DistributedOptimizer" or any(
+        c.__name__ == "DistributedOptimizer" for c in type(opt).__mro__)
+
+
+def check_megatron_config(opt) -> None:
+    """Reject, at construction, what the store cannot stream correctly."""
+    config, ddp = opt.config, opt.ddp_config
+    if getattr(config, "use_precision_aware_optimizer", False):
+        raise StoreConfigError("streaming optimizer state does not support Megatron's precision-aware optimizer "
+                               "(its FusedAdam holds the mains itself); disable --use-precision-aware-optimizer")
+    if getattr(config, "optimizer_cpu_offload", False) or type(opt.optimizer).__name__ == "HybridDeviceOptimizer":
+        raise StoreConfigError("streaming optimizer state and Megatron's optimizer CPU offload both move the state; "
+                               "disable --optimizer-cpu-offload")
+    if getattr(config, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        raise StoreConfigError("streaming optimizer state does not support the MXFP8 param all-gather "
+                               "(reuse_grad_buf_for_mxfp8_param_ag); disable it")
+    if getattr(ddp, "fp8_param_gather", False) or getattr(ddp, "fp4_param_gather", False):
+        raise StoreConfigError("streaming optimizer state does not support fp8/fp4 params: their quantization is "
+                               "a data-parallel collective over all params that cannot run per bucket; train "
+                               "with bf16 params (drop --fp8-param-gather / fp8 params)")
+    if getattr(ddp, "use_megatron_fsdp", False):
+        raise StoreConfigError("streaming optimizer state does not support Megatron-FSDP; use the DDP "
+                               "DistributedOptimizer")
+    for group in opt.model_float16_groups:
+        for p in group:
+            if opt._is_distopt_quantized_param(p) or type(p).__name__ in ("NVFP4Tensor", "Float8Tensor"):
+                raise StoreConfigError(f"streaming optimizer state does not support fp8 params "
+                                       f"(found {type(p).__name__} of shape {tuple(p.shape)}); use bf16 params")
+    check_adam_family(opt.optimizer)
+
+
+class ResidentAdam:
+    """Adam of the master's class over the native-fp32 shards, which alias the model params."""
+
+    def __init__(self, master: torch.optim.Optimizer, groups: list[list[torch.Tensor]]):
+        self.master = master
+        self.group_index = [g for g, params in enumerate(groups) if params]
+        param_groups = [{**self._hyper(g), "params": groups[g]} for g in self.group_index]
+        self.optimizer = type(master)(param_groups, **_adam_constructor_kwargs(master)) if param_groups else None
+
+    def _hyper(self, g: int) -> dict:
+        return {k: v for k, v in self.master.param_groups[g].items() if k not in ("params", "step")}
+
+    def step(self) -> None:
+        if self.optimizer is None:
+            return
+        for group, g in zip(self.optimizer.param_groups, self.group_index):
+            group.update(self._hyper(g))
+        self.optimizer.step()
+
+
+def _param_buffer_view(opt, model_param) -> torch.Tensor:
+    """Where Megatron publishes this rank's shard of `model_param` (its DDP param buffer slice).
+
+    Adapted from DistributedOptimizer._copy_main_params_to_model_params, megatron-core 0.19.2.
+    """
+    world_range = opt._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+    gbuf_index, _, bucket_id = opt.model_param_gbuf_map[model_param]
+    param_data = opt.buffers[gbuf_index].buckets[bucket_id].param_data
+    return param_data.view(-1)[world_range.start:world_range.end]
+
+
+def _bind_distributed(opt, *, instance: int, **store_kwargs) -> NVMeOptimizerStateStore:
+    check_megatron_config(opt)
+    entries = []
+    for g, (model_group, main_group) in enumerate(zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups)):
+        for model_param, main in zip(model_group, main_group):
+            entries.append(StreamEntry(main=main, group=g, model_view=_param_buffer_view(opt, model_param)))
+    resident = ResidentAdam(opt.optimizer, [list(group) for group in opt.shard_fp32_groups])
+    store = NVMeOptimizerStateStore(entries, opt.optimizer, instance=instance, **store_kwargs)
+    store.resident_adam = resident
+    n_resident = sum(p.numel() for group in opt.shard_fp32_groups for p in group)
+    if n_resident:
+        logger.info("%d native-fp32 param elements stay under a resident Adam (aliasing the model params)",
+                    n_resident)
+
+    def step_with_ready_grads() -> bool:
+        store.step()
+        resident.step()
+        # Param all-gather tail of DistributedOptimizer.step_with_ready_grads (megatron-core 0.19.2). With
+        # overlap_param_gather the next zero_grad / forward pre-hook launches the all-gathers instead.
+        if not opt.ddp_config.overlap_param_gather and not getattr(opt, "_defer_param_sync", False):
+            opt.start_param_sync_for_bucket_group_subset()
+        return True
+
+    def reload_model_params(state_dict=None) -> None:
+        if state_dict is not None:
+            raise StoreConfigError("with streamed optimizer state, mains are refreshed from the model params only; "
+                                   "load the weights into the model, then call reload_model_params()")
+        store.refresh_main_from_model_params()
+
+    opt.step_with_ready_grads = step_with_ready_grads
+    opt.reload_model_params = reload_model_params
+    opt._copy_model_params_to_main_params = reload_model_params
+    opt.sharded_state_dict = lambda *args, **kwargs: {}
+    _bind_common(opt, store)
+    return store
+
+
+class StoreGroup:
+    """The stores of a ChainedOptimizer's members, driven as one (same public methods as a store)."""
+
+    def __init__(self, stores: list[NVMeOptimizerStateStore]):
+        self.stores = stores
+
+    def step(self):
+        return [s.step() for s in self.stores]
+
+    def refresh_main_from_model_params(self) -> None:
+        for s in self.stores:
+            s.refresh_main_from_model_params()
+
+    def save_to(self, checkpoint_base: str) -> None:
+        for s in self.stores:
+            s.save_to(checkpoint_base)
+
+    def load_from(self, checkpoint_base: str) -> bool:
+        return all([s.load_from(checkpoint_base) for s in self.stores])
+
+    @property
+    def stats(self):
+        return [s.stats for s in self.stores]
+
+    def close(self) -> None:
+        for s in self.stores:
+            s.close()
+
+
+def bind_megatron(optimizer, **store_kwargs):
+    """Bind a DistributedOptimizer (returns its store) or a ChainedOptimizer (returns a StoreGroup)."""
+    members = getattr(optimizer, "chained_optimizers", None)
+    if members is None:
+        members = [optimizer]
+    stores = []
+    for member in members:
+        if not _is_distributed_optimizer(member):
+            raise StoreConfigError(f"cannot stream the state of {type(member).__name__}: only megatron-core's "
+                                   "DistributedOptimizer (use_distributed_optimizer=True) is supported")
+        if member.is_stub_optimizer:
+            continue
+        stores.append(_bind_distributed(member, instance=member.distributed_optimizer_instance_id, **store_kwargs))
+    if hasattr(optimizer, "chained_optimizers"):
+        group = StoreGroup(stores)
+        optimizer._nvme_state_store = group
+        optimizer.state_dict = lambda: [_state_marker(s) for s in stores]
+        optimizer.sharded_state_dict = lambda *args, **kwargs: {}
+        optimizer.load_state_dict = lambda state_dict: None
+        return group
+    if not stores:
+        raise StoreConfigError("this DistributedOptimizer is a stub (no trainable params on this rank): "
+                               "there is no state to stream")
+    return stores[0]

@@ -1,0 +1,199 @@
+"""The store bound to megatron-core's DistributedOptimizer / ChainedOptimizer, on one GPU.
+
+Run on the GPU host: `python -m pytest -q -s tests/gpu/test_megatron_binding.py` (needs megatron-core,
+which needs Python >= 3.12 and CUDA). Each model is built twice from one seed: one optimizer keeps its
+state in memory, the other streams it; after every step their params must be bit-identical.
+"""
+
+import os
+import socket
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+megatron = pytest.importorskip("megatron.core")
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron.core.transformer.module import Float16Module  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from miles_plugins.optimizers.nvme_stream import StoreConfigError, stream_optimizer_state  # noqa: E402
+
+VOCAB, SEQ, BATCH = 256, 32, 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_world():
+    if not torch.distributed.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        torch.cuda.set_device(0)
+        torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+
+
+def build(moe: bool, seed: int = 1234, optimizer: str = "adam"):
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    kwargs = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                  use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16)
+    if moe:
+        kwargs.update(num_moe_experts=4, moe_router_topk=2, moe_router_enable_expert_bias=True,
+                      moe_router_score_function="sigmoid", moe_router_dtype="fp32",
+                      moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, add_bias_linear=False)
+    config = TransformerConfig(**kwargs)
+    spec = get_gpt_layer_local_spec(num_experts=4 if moe else None, moe_grouped_gemm=False)
+    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ).cuda()
+    model = Float16Module(config, model)
+    if moe:  # a native-fp32 param: the router weight, as MoE recipes keep it
+        for name, p in model.named_parameters():
+            if "router.weight" in name:
+                p.data = p.data.float()
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=True, bucket_size=40_000)
+    ddp = DistributedDataParallel(config, ddp_config, model)
+    opt_config = OptimizerConfig(optimizer=optimizer, lr=3e-3, weight_decay=0.01, bf16=True,
+                                 use_distributed_optimizer=True, clip_grad=1.0, adam_beta2=0.95)
+    return ddp, get_megatron_optimizer(opt_config, [ddp])
+
+
+def train_step(ddp, opt, step: int):
+    g = torch.Generator(device="cuda").manual_seed(step)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda", generator=g)
+    position_ids = torch.arange(SEQ, device="cuda").expand(BATCH, SEQ)
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    loss = ddp(tokens, position_ids, None, labels=tokens.roll(-1, dims=1)).float().mean()
+    loss.backward()
+    ddp.finish_grad_sync()
+    ok, _, _ = opt.step()
+    assert ok
+    return loss.item()
+
+
+def params_equal(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def members(opt):
+    return getattr(opt, "chained_optimizers", [opt])
+
+
+def main_bytes(opt) -> int:
+    return sum(4 * m.numel() for o in members(opt) for g in o.shard_fp32_from_float16_groups for m in g)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_streamed_matches_in_memory_and_memory_drops(tmp_path, moe):
+    ref_model, ref_opt = build(moe)
+    model, opt = build(moe)
+    assert params_equal(ref_model, model)
+    n_ddp_buckets = sum(len(buf.buckets) for buf in model.buffers + model.expert_parallel_buffers)
+    print(f"\n[{'moe' if moe else 'dense'}] DDP buckets: {n_ddp_buckets}")
+    assert n_ddp_buckets >= 4
+
+    mains = main_bytes(opt)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    store = stream_optimizer_state(opt, dir=str(tmp_path), bucket_numel=30_000)
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_allocated()
+    print(f"memory_allocated: {before} -> {after} bytes (drop {before - after}, fp32 mains {mains})")
+    assert before - after == mains
+
+    stores = getattr(store, "stores", [store])
+    if moe:
+        assert len(stores) == 2, "dense and expert members get one store each"
+        assert len({s.path for s in stores}) == 2
+        assert any(s.resident_adam.optimizer is not None for s in stores), "router weight stays resident"
+    for step in range(5):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        pre = torch.cuda.memory_allocated()
+        loss_ref = train_step(ref_model, ref_opt, step)
+        mid = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss = train_step(model, opt, step)
+        assert loss == loss_ref
+        assert params_equal(ref_model, model), f"step {step}: params differ"
+        bound = max(s.stats.max_bucket_bytes for s in stores)
+        peaks = [s.stats.peak_resident_bytes for s in stores]
+        print(f"step {step}: loss {loss:.4f}; store peak resident {peaks} <= bound {bound}; "
+              f"reference step allocated {mid - pre:+d} bytes")
+        assert max(peaks) <= bound
+
+    # Peak of the optimizer step alone, over its pre-step level.
+    g = torch.Generator(device="cuda").manual_seed(99)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda", generator=g)
+    model.zero_grad_buffer()
+    opt.zero_grad()
+    model(tokens, torch.arange(SEQ, device="cuda").expand(BATCH, SEQ), None, labels=tokens).float().mean().backward()
+    model.finish_grad_sync()
+    torch.cuda.synchronize()
+    pre_step = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    opt.step()
+    torch.cuda.synchronize()
+    excess = torch.cuda.max_memory_allocated() - pre_step
+    bound = max(s.stats.max_bucket_bytes for s in stores)
+    print(f"optimizer.step peak over pre-step level: {excess} bytes; one bucket in flight: {bound} bytes "
+          f"(staging is pinned host memory); all fp32 state: {3 * mains} bytes")
+    assert excess <= bound + (1 << 20)  # + grad-norm scratch
+    store.close()
+
+
+def test_reload_model_params_routes_through_the_store(tmp_path):
+    ref_model, ref_opt = build(moe=False)
+    model, opt = build(moe=False)
+    store = stream_optimizer_state(opt, dir=str(tmp_path), bucket_numel=30_000)
+    for step in range(2):
+        train_step(ref_model, ref_opt, step)
+        train_step(model, opt, step)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    with torch.no_grad():  # "load a checkpoint": new weights into both models
+        for a, b in zip(ref_model.parameters(), model.parameters()):
+            new = torch.randn(a.shape, device="cuda", generator=g).to(a.dtype)
+            a.copy_(new)
+            b.copy_(new)
+    ref_opt.reload_model_params()
+    opt.reload_model_params()
+    for step in range(2, 5):
+        train_step(ref_model, ref_opt, step)
+        train_step(model, opt, step)
+        assert params_equal(ref_model, model), f"step {step} after reload: params differ"
+    print(f"\nreload: bit-identical after 3 steps; store refreshed {store.stats.num_buckets} buckets")
+    store.close()
+
+
+@pytest.mark.parametrize("flag,target,match", [
+    ("use_precision_aware_optimizer", "config", "precision-aware optimizer"),
+    ("optimizer_cpu_offload", "config", "optimizer CPU offload"),
+    ("reuse_grad_buf_for_mxfp8_param_ag", "config", "MXFP8 param all-gather"),
+    ("fp8_param_gather", "ddp_config", "fp8/fp4 params"),
+])
+def test_rejected_configurations(tmp_path, flag, target, match):
+    _, opt = build(moe=False)
+    setattr(getattr(members(opt)[0], target), flag, True)
+    with pytest.raises(StoreConfigError, match=match):
+        stream_optimizer_state(opt, dir=str(tmp_path))
+
+
+def test_rejects_fp8_params_and_non_adam(tmp_path):
+    _, opt = build(moe=False)
+    members(opt)[0]._is_distopt_quantized_param = lambda p: True
+    with pytest.raises(StoreConfigError, match="does not support fp8 params"):
+        stream_optimizer_state(opt, dir=str(tmp_path))
+    _, sgd = build(moe=False, optimizer="sgd")
+    with pytest.raises(StoreConfigError, match="not an Adam optimizer"):
+        stream_optimizer_state(sgd, dir=str(tmp_path))
+    assert os.listdir(tmp_path) == []
