@@ -1,0 +1,404 @@
+"""The torch training backend: a transformers causal LM, data parallel over torch.distributed.
+
+One :class:`TorchTrainer` lives in each train actor (one per data-parallel rank). Every rank holds the
+full model; the fp32 masters and Adam moments are sharded ZeRO-1 style by
+:class:`ShardedMixedPrecisionAdam`, and with ``--stream-optimizer-state-to-disk`` that state lives in
+bucket files under the rank's directory and streams through ``optimizer.step()``.
+
+Sleep/wake (``--offload-train``): on CPU (or GPU without torch_memory_saver) the storage offloader
+moves params, buffers and the resident optimizer state to host copies or a file and resizes their
+storage to 0; on GPU with torch_memory_saver the whole process memory is paused. The streamed
+optimizer state needs no backup: its storage is already released between steps.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from miles.offload import make_offloader, make_resizable
+from miles.ray import layout
+
+logger = logging.getLogger(__name__)
+GB = 1e9
+
+
+def _resolve_dtype(name: Optional[str], device: torch.device) -> torch.dtype:
+    if name in (None, ""):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+            "fp16": torch.float16, "float16": torch.float16}[name]
+
+
+class TorchTrainer:
+    """One data-parallel rank of the torch backend."""
+
+    def __init__(self, args: Any, *, rank: int, world_size: int, cell: int = 0,
+                 rank_dir: Optional[str] = None):
+        self.args = args
+        self.rank = rank
+        self.world_size = world_size
+        self.cell = cell
+        self.rank_dir = rank_dir
+        self.model = None
+        self.tokenizer = None
+        self.optimizer = None
+        self.store = None
+        self.offloader = None
+        self.device = torch.device("cpu")
+        self._closed = False
+
+    # ---- setup --------------------------------------------------------------------------------
+    def init(self, master_port: int) -> dict[str, Any]:
+        args = self.args
+        threads = max(1, int(float(getattr(args, "num_cpus_per_rank", 1) or 1)))
+        torch.set_num_threads(threads)
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.world_size > 1 or not dist.is_initialized():
+            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{master_port}",
+                                    rank=self.rank, world_size=self.world_size,
+                                    timeout=datetime.timedelta(minutes=30))
+        self._prepare_rank_dir()
+
+        seed = int(getattr(args, "seed", 1234))
+        random.seed(seed)
+        torch.manual_seed(seed)
+
+        from miles.models import load_policy  # imported late (heavy)
+
+        try:  # checkpoint saves would draw transformers' per-file progress bars into the operator's log
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        except Exception:
+            pass
+
+        model, tokenizer, description = load_policy(args)
+        dtype = _resolve_dtype(getattr(args, "model_dtype", None), self.device)
+        model = model.to(device=self.device, dtype=dtype)
+        make_resizable(model)  # sleep resizes storages; mmap'ed checkpoint tensors cannot be resized
+        model.train()
+        if hasattr(model, "config"):
+            model.config.use_cache = False
+        self.model, self.tokenizer, self.description = model, tokenizer, description
+        self.optimizer = self._build_optimizer()
+        if getattr(args, "stream_optimizer_state_to_disk", False):
+            self.store = self._build_store()
+        if layout.offload_enabled(args):
+            target = layout.offload_target(args)
+            directory = self.rank_dir
+            if target == "disk" and directory is None:
+                raise RuntimeError("--offload-train-target=disk needs the rank directory (MILES_RANK_DIR)")
+            self.offloader = make_offloader(target, directory, layout.chunk_mb(args), self.device.type)
+        num_params = sum(p.numel() for p in model.parameters())
+        info = {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "backend": backend,
+                "num_params": num_params, "dtype": str(dtype).replace("torch.", ""),
+                "description": description, "rank_dir": self.rank_dir,
+                "offload": type(self.offloader).__name__ if self.offloader else None,
+                "store": self._store_info()}
+        return info
+
+    def _prepare_rank_dir(self) -> None:
+        if not self.rank_dir:
+            return
+        existed = os.path.exists(self.rank_dir)
+        shutil.rmtree(self.rank_dir, ignore_errors=True)
+        os.makedirs(self.rank_dir, exist_ok=True)
+        logger.info("rank %d: per-rank directory %s %s (removed at exit)", self.rank, self.rank_dir,
+                    "wiped and recreated" if existed else "created")
+
+    def _param_groups(self) -> list[dict[str, Any]]:
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            (no_decay if p.dim() < 2 or name.endswith(".bias") else decay).append(p)
+        wd = float(getattr(self.args, "weight_decay", 0.0) or 0.0)
+        groups = [{"params": decay, "weight_decay": wd}]
+        if no_decay:
+            groups.append({"params": no_decay, "weight_decay": 0.0})
+        return [g for g in groups if g["params"]]
+
+    def _lr(self) -> float:
+        lr = getattr(self.args, "lr", None)
+        return float(lr) if lr is not None else 1e-5
+
+    def _build_optimizer(self):
+        args = self.args
+        name = (getattr(args, "optimizer", "adam") or "adam").lower()
+        if name in ("adam", "adamw"):
+            from .sharded_optimizer import ShardedMixedPrecisionAdam
+
+            return ShardedMixedPrecisionAdam(
+                self._param_groups(), lr=self._lr(),
+                betas=(float(getattr(args, "adam_beta1", 0.9)), float(getattr(args, "adam_beta2", 0.999))),
+                eps=float(getattr(args, "adam_eps", 1e-8)), optimizer_cls=torch.optim.AdamW)
+        if name == "sgd":
+            return _DataParallelSGD(self._param_groups(), lr=self._lr(), world_size=self.world_size)
+        raise ValueError(f"the torch backend supports --optimizer adam or sgd, got {name!r}")
+
+    def _build_store(self):
+        args = self.args
+        from miles_plugins.optimizers.nvme_stream import stream_optimizer_state
+
+        return stream_optimizer_state(
+            self.optimizer, dir=layout.optimizer_state_root(args), chunk_mb=layout.chunk_mb(args),
+            moment_dtype=getattr(args, "stream_optimizer_state_moment_dtype", "fp32") or "fp32",
+            bucket_numel=int(getattr(args, "stream_optimizer_state_bucket_numel", 200_000_000) or 200_000_000),
+            rank=self.rank)
+
+    def _store_info(self) -> Optional[dict[str, Any]]:
+        if self.store is None:
+            return None
+        st = self.store.stats
+        return {"num_buckets": st.num_buckets, "state_bytes": st.state_bytes,
+                "path": getattr(self.store, "path", None), "relative_dir": getattr(self.store, "relative_dir", None)}
+
+    # ---- training -----------------------------------------------------------------------------
+    def _micro_batches(self, n: int) -> Iterator[slice]:
+        mbs = max(1, int(getattr(self.args, "micro_batch_size", 1) or 1))
+        for i in range(0, n, mbs):
+            yield slice(i, min(n, i + mbs))
+
+    def _all_reduce(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        if dist.is_initialized() and self.world_size > 1:
+            t = t.to(self.device) if self.device.type == "cuda" else t
+            dist.all_reduce(t)
+        return [float(v) for v in t.cpu()]
+
+    def train(self, rollout_id: int, samples: list, advantages: list[float]) -> dict[str, Any]:
+        """One optimizer step over this rank's share of a rollout.
+
+        ``samples`` carry ``prompt_ids``, ``response_ids``, ``response_logprobs`` (the rollout engine's
+        log-probs); ``advantages[i]`` belongs to ``samples[i]``. The loss is the token mean over the whole
+        rollout (all ranks): each rank divides by the global token count / world size, and the DP grad
+        average makes the sum.
+        """
+        from miles.rl.loss import collate_samples, forward_logprobs, policy_gradient_loss
+
+        start = time.perf_counter()
+        args, model, opt = self.args, self.model, self.optimizer
+        eps_clip = float(getattr(args, "eps_clip", 0.2) or 0.2)
+        temperature = float(getattr(args, "rollout_temperature", 1.0) or 1.0)
+        pad_id = int(getattr(self.tokenizer, "pad_token_id", 0) or 0)
+        local_tokens = float(sum(len(s.response_ids) for s in samples))
+        global_tokens, global_samples = self._all_reduce([local_tokens, float(len(samples))])
+        num_tokens = max(1.0, global_tokens) / self.world_size
+
+        opt.zero_grad(set_to_none=True)
+        sums = [0.0, 0.0, 0.0]  # loss, clipped tokens, |train logp - rollout logp| over tokens
+        fwd_bwd = time.perf_counter()
+        for sl in self._micro_batches(len(samples)):
+            batch = collate_samples(samples[sl], pad_id, advantages[sl])
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            logp = forward_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature)
+            loss, m = policy_gradient_loss(logp, batch["rollout_logprobs"], batch["advantages"], batch["loss_mask"],
+                                           eps_clip=eps_clip, num_tokens=num_tokens)
+            loss.backward()
+            with torch.no_grad():
+                mask = batch["loss_mask"]
+                sums[0] += float(loss.detach())
+                sums[1] += float(m["clipfrac"]) * float(mask.sum())
+                sums[2] += float(((logp.detach() - batch["rollout_logprobs"]).abs() * mask).sum())
+        fwd_bwd = time.perf_counter() - fwd_bwd
+
+        step_start = time.perf_counter()
+        grad_norm = self._optimizer_step()
+        step_seconds = time.perf_counter() - step_start
+        opt.zero_grad(set_to_none=True)
+
+        loss_sum, clipped, absdiff = self._all_reduce(sums)
+        tokens = max(1.0, global_tokens)
+        metrics: dict[str, Any] = {
+            "rank": self.rank,
+            "loss": loss_sum / self.world_size,  # each rank's sum is its part of the global token mean x world
+            "clipfrac": clipped / tokens,
+            "train_rollout_logprob_abs_diff": absdiff / tokens,
+            "grad_norm": grad_norm,
+            "samples": len(samples),
+            "response_tokens": int(local_tokens),
+            "forward_backward_seconds": fwd_bwd,
+            "optimizer_step_seconds": step_seconds,
+            "train_seconds": time.perf_counter() - start,
+        }
+        if self.store is not None:
+            last = self.store.stats.last_step
+            metrics.update({
+                "stream_bytes_read": int(last.bytes_read), "stream_bytes_written": int(last.bytes_written),
+                "stream_seconds": float(last.wall_seconds), "stream_io_seconds": float(last.io_seconds),
+                "stream_buckets": int(last.buckets),
+                "stream_peak_resident_bytes": int(self.store.stats.peak_resident_bytes),
+            })
+        return metrics
+
+    @torch.no_grad()
+    def _optimizer_step(self) -> float:
+        opt = self.optimizer
+        clip = float(getattr(self.args, "clip_grad", 0.0) or 0.0)
+        if not hasattr(opt, "reduce_grads"):  # the SGD fallback
+            return opt.step(clip)
+        opt.reduce_grads()
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for s in opt.shards:
+            if s.master.grad is not None:
+                sq += s.master.grad.double().pow(2).sum()
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(sq)
+        norm = math.sqrt(float(sq))
+        if clip > 0 and math.isfinite(norm) and norm > clip:
+            coef = clip / (norm + 1e-6)
+            for s in opt.shards:
+                if s.master.grad is not None:
+                    s.master.grad.mul_(coef)
+        opt.update()  # the streamed step when the store is bound
+        opt.gather_params()
+        return norm
+
+    # ---- weights ------------------------------------------------------------------------------
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Full model weights on the host (every rank holds them after the step's all-gather)."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def save(self, base: str) -> dict[str, Any]:
+        from miles import checkpoint
+
+        with self._awake():
+            return checkpoint.save_train_state(base, model=self.model, optimizer=self.optimizer, store=self.store,
+                                               rank=self.rank, world_size=self.world_size,
+                                               tokenizer=self.tokenizer)
+
+    def load(self, base: str, load_optimizer: bool) -> dict[str, Any]:
+        from miles import checkpoint
+
+        with self._awake():
+            return checkpoint.load_train_state(base, model=self.model, optimizer=self.optimizer, store=self.store,
+                                               rank=self.rank, world_size=self.world_size,
+                                               load_optimizer=load_optimizer)
+
+    # ---- sleep / wake -------------------------------------------------------------------------
+    def _offload_tensors(self) -> list[torch.Tensor]:
+        tensors: list[torch.Tensor] = list(self.model.parameters()) + list(self.model.buffers())
+        tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.store is None:  # streamed state lives on disk already: nothing to back up
+            opt = self.optimizer
+            tensors += [s.master for s in getattr(opt, "shards", [])]
+            inner = getattr(opt, "inner", opt)
+            for state in getattr(inner, "state", {}).values():
+                tensors += [v for v in state.values() if torch.is_tensor(v)]
+        return tensors
+
+    def sleep(self) -> dict[str, Any]:
+        if self.offloader is None:
+            return {"rank": self.rank, "skipped": True, "reason": "--offload-train is off"}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        stats = self.offloader.sleep(self._offload_tensors())
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"rank": self.rank, **_stats_dict(stats)}
+
+    def wake(self) -> dict[str, Any]:
+        if self.offloader is None:
+            return {"rank": self.rank, "skipped": True, "reason": "--offload-train is off"}
+        return {"rank": self.rank, **_stats_dict(self.offloader.wake())}
+
+    def _awake(self):
+        trainer = self
+
+        class _Ctx:
+            def __enter__(self):
+                self.was_asleep = trainer.offloader is not None and trainer.offloader.asleep
+                if self.was_asleep:
+                    trainer.wake()
+
+            def __exit__(self, *exc):
+                if self.was_asleep:
+                    trainer.sleep()
+                return False
+
+        return _Ctx()
+
+    # ---- teardown -----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.store is not None:
+            try:
+                self.store.close()
+            except Exception:
+                logger.exception("closing the optimizer-state store failed")
+        if self.offloader is not None:
+            self.offloader.close()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        remove_rank_dir(self.rank_dir, self.rank)
+
+
+def remove_rank_dir(rank_dir: Optional[str], rank: int) -> bool:
+    if not rank_dir or not os.path.exists(rank_dir):
+        return False
+    shutil.rmtree(rank_dir, ignore_errors=True)
+    logger.info("rank %d: removed per-rank directory %s", rank, rank_dir)
+    return True
+
+
+def _stats_dict(stats) -> dict[str, Any]:
+    return {"action": stats.action, "target": stats.target, "skipped": stats.skipped, "storages": stats.storages,
+            "bytes": stats.bytes, "seconds": stats.seconds, "path": stats.path}
+
+
+class _DataParallelSGD:
+    """--optimizer sgd on the torch backend: grads averaged over DP ranks, plain SGD on the params."""
+
+    def __init__(self, groups, lr: float, world_size: int):
+        self.inner = torch.optim.SGD(groups, lr=lr)
+        self.world_size = world_size
+        self.shards: list = []
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self, clip: float = 0.0) -> float:
+        params = [p for g in self.inner.param_groups for p in g["params"] if p.grad is not None]
+        if dist.is_initialized() and self.world_size > 1:
+            for p in params:
+                dist.all_reduce(p.grad)
+                p.grad.div_(self.world_size)
+        norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
+        self.inner.step()
+        return norm
+
+    def reload_model_params(self):
+        pass
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, sd):
+        self.inner.load_state_dict(sd)

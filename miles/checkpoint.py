@@ -1,0 +1,221 @@
+"""Checkpoints: the one place every save and load goes through.
+
+Layout of ``--save`` (and what ``--load`` reads)::
+
+    <save>/
+      latest_checkpointed_rollout.txt     name of the newest complete checkpoint, e.g. "rollout_000002"
+      rollout_000002/                     state after 2 completed rollouts (the next run starts at rollout 2)
+        meta.json                         rollout id to resume at, data position, world size, flags
+        model/                            HF folder (config, safetensors, tokenizer): rank 0
+        optimizer/rank00000.pt            the sharded optimizer's per-rank state (not streamed)
+        nvme_opt_state/rank00000/opt0_0/  the streamed optimizer state: ``store.save_to(<checkpoint>)``
+
+A checkpoint becomes visible only when every rank wrote its part and the driver wrote ``meta.json``
+and then replaced the ``latest`` marker (write + rename): a crash mid-save leaves the previous
+checkpoint as the latest. ``--load`` accepts the save root (uses the marker) or one checkpoint folder.
+
+Loading order in each rank: model weights -> ``optimizer.reload_model_params()`` (bound to the store's
+``refresh_main_from_model_params`` when streaming, which routes the write through the store) -> the
+optimizer state, either ``optimizer.load_state_dict`` or ``store.load_from(<checkpoint>)``.
+``--no-load-optim`` and ``--finetune`` skip the optimizer state (``--finetune`` also restarts at
+rollout 0 and at the start of the data).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+LATEST_FILE = "latest_checkpointed_rollout.txt"
+META_FILE = "meta.json"
+MODEL_DIR = "model"
+OPTIMIZER_DIR = "optimizer"
+STREAMED_DIR = "nvme_opt_state"  # owned by the store: store.save_to(base) writes <base>/nvme_opt_state/...
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def checkpoint_name(completed_rollouts: int) -> str:
+    return f"rollout_{completed_rollouts:06d}"
+
+
+def checkpoint_path(save_dir: str, completed_rollouts: int) -> str:
+    return os.path.join(save_dir, checkpoint_name(completed_rollouts))
+
+
+def optimizer_file(base: str, rank: int) -> str:
+    return os.path.join(base, OPTIMIZER_DIR, f"rank{rank:05d}.pt")
+
+
+# ---- driver side ----------------------------------------------------------------------------------
+def prepare(save_dir: str, completed_rollouts: int) -> str:
+    """Create (or empty, if a previous attempt left it incomplete) the folder of a new checkpoint."""
+    base = checkpoint_path(save_dir, completed_rollouts)
+    if os.path.exists(base):
+        shutil.rmtree(base)
+    os.makedirs(base)
+    return base
+
+
+def write_meta(base: str, *, next_rollout_id: int, data_state: dict[str, Any], world_size: int,
+               extra: Optional[dict[str, Any]] = None) -> None:
+    meta = {"format": FORMAT_VERSION, "next_rollout_id": int(next_rollout_id), "data_state": data_state,
+            "world_size": int(world_size), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    meta.update(extra or {})
+    _atomic_write(os.path.join(base, META_FILE), json.dumps(meta, indent=2, sort_keys=True))
+
+
+def publish(save_dir: str, base: str) -> None:
+    """Make ``base`` the latest checkpoint (after every rank saved and the meta was written)."""
+    if not os.path.exists(os.path.join(base, META_FILE)):
+        raise CheckpointError(f"refusing to publish {base}: it has no {META_FILE}")
+    _atomic_write(os.path.join(save_dir, LATEST_FILE), os.path.basename(base) + "\n")
+
+
+def resolve(load_dir: str) -> Optional[str]:
+    """The checkpoint folder that ``--load load_dir`` means, or None when there is none yet."""
+    if not os.path.isdir(load_dir):
+        return None
+    if os.path.exists(os.path.join(load_dir, META_FILE)):
+        return load_dir
+    marker = os.path.join(load_dir, LATEST_FILE)
+    if not os.path.exists(marker):
+        return None
+    with open(marker) as f:
+        name = f.read().strip()
+    base = os.path.join(load_dir, name)
+    if not os.path.exists(os.path.join(base, META_FILE)):
+        raise CheckpointError(f"{marker} names {name!r}, but {base} has no {META_FILE}")
+    return base
+
+
+def read_meta(base: str) -> dict[str, Any]:
+    with open(os.path.join(base, META_FILE)) as f:
+        return json.load(f)
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ---- rank side ------------------------------------------------------------------------------------
+def save_train_state(base: str, *, model, optimizer, store, rank: int, world_size: int,
+                     tokenizer=None) -> dict[str, Any]:
+    """Write this rank's part of a checkpoint: the model (rank 0) and the optimizer state."""
+    import torch
+
+    start = time.perf_counter()
+    info: dict[str, Any] = {"rank": rank}
+    if rank == 0:
+        model_dir = os.path.join(base, MODEL_DIR)
+        os.makedirs(model_dir, exist_ok=True)
+        _save_model(model, model_dir)
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            try:
+                tokenizer.save_pretrained(model_dir)
+            except Exception:  # a tokenizer that cannot serialize must not fail the checkpoint
+                logger.warning("could not save the tokenizer to %s", model_dir, exc_info=True)
+    if store is not None:
+        store.save_to(base)  # the bucket files are the state
+        info["optimizer"] = "streamed"
+    elif optimizer is not None:
+        os.makedirs(os.path.join(base, OPTIMIZER_DIR), exist_ok=True)
+        torch.save(optimizer.state_dict(), optimizer_file(base, rank))
+        info["optimizer"] = "state_dict"
+    info["seconds"] = time.perf_counter() - start
+    return info
+
+
+def _save_model(model, model_dir: str) -> None:
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(model_dir, safe_serialization=True)
+    else:
+        import torch
+
+        torch.save(model.state_dict(), os.path.join(model_dir, "model.pt"))
+
+
+def load_model_weights(model, model_dir: str) -> int:
+    """Copy the weights saved in ``model_dir`` into ``model`` in place (storages are kept, which the
+    offloader and the optimizer's views rely on). Returns the number of tensors loaded."""
+    import torch
+
+    state = _read_model_state(model_dir)
+    result = model.load_state_dict(state, strict=False)
+    if result.unexpected_keys:
+        raise CheckpointError(f"{model_dir} has weights the model does not: {result.unexpected_keys[:5]}")
+    if result.missing_keys:
+        current = model.state_dict()
+        loaded = {current[k].untyped_storage()._cdata for k in state if k in current}
+        untied = [k for k in result.missing_keys if current[k].untyped_storage()._cdata not in loaded]
+        if untied:
+            raise CheckpointError(f"{model_dir} lacks weights of the model: {untied[:5]}")
+    del torch
+    return len(state)
+
+
+def _read_model_state(model_dir: str) -> dict:
+    import glob
+
+    import torch
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if files:
+        from safetensors.torch import load_file
+
+        state: dict = {}
+        for f in files:
+            state.update(load_file(f))
+        return state
+    pt = os.path.join(model_dir, "model.pt")
+    if os.path.exists(pt):
+        return torch.load(pt, map_location="cpu", weights_only=True)
+    raise CheckpointError(f"no model weights in {model_dir}")
+
+
+def load_train_state(base: str, *, model, optimizer, store, rank: int, world_size: int,
+                     load_optimizer: bool) -> dict[str, Any]:
+    """Load this rank's part of a checkpoint. Returns what was loaded."""
+    import torch
+
+    start = time.perf_counter()
+    meta = read_meta(base)
+    n = load_model_weights(model, os.path.join(base, MODEL_DIR))
+    if optimizer is not None and hasattr(optimizer, "reload_model_params"):
+        optimizer.reload_model_params()  # masters <- the loaded weights (through the store when bound)
+    info: dict[str, Any] = {"rank": rank, "model_tensors": n, "optimizer": "skipped"}
+    if load_optimizer:
+        saved_world = meta.get("world_size")
+        if saved_world is not None and int(saved_world) != world_size:
+            raise CheckpointError(
+                f"{base} was saved by {saved_world} train ranks and this run has {world_size}: the sharded "
+                "optimizer state only resumes onto the same data-parallel size (use --no-load-optim to "
+                "load the weights alone)")
+        if store is not None:
+            found = store.load_from(base)
+            info["optimizer"] = "streamed" if found else "streamed state absent: fresh optimizer state"
+        else:
+            path = optimizer_file(base, rank)
+            if os.path.exists(path):
+                optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+                info["optimizer"] = "state_dict"
+            else:
+                logger.warning("rank %d: %s has no optimizer state for this rank (%s): fresh optimizer state",
+                               rank, base, path)
+                info["optimizer"] = "absent: fresh optimizer state"
+    info["seconds"] = time.perf_counter() - start
+    return info

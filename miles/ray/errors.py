@@ -1,0 +1,48 @@
+"""Fail fast on actor errors: wait for a batch of actor calls and raise on the first failure.
+
+Data-parallel ranks block in collectives, so when one rank raises the others hang until their
+collective times out. Waiting with ``ray.get(all_refs)`` would then wait for the hung ranks first;
+:func:`wait_all` surfaces the first failure as soon as it happens instead, with the actor's traceback.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional, Sequence
+
+import ray
+from ray.exceptions import RayError
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class ActorFailure(RuntimeError):
+    """A Ray actor call failed. ``str()`` carries the actor's own traceback (what Ray sent back)."""
+
+    def __init__(self, what: str, actor: str, cause: BaseException):
+        self.what = what
+        self.actor = actor
+        self.cause = cause
+        self.remote_traceback = _ANSI.sub("", str(cause))
+        super().__init__(f"{what} failed on {actor}:\n{self.remote_traceback}")
+
+
+def wait_all(refs: Sequence[Any], what: str, labels: Optional[Sequence[str]] = None,
+             timeout: Optional[float] = None) -> list[Any]:
+    """``ray.get`` of every ref, raising :class:`ActorFailure` on the first one that fails."""
+    refs = list(refs)
+    labels = list(labels) if labels is not None else [f"actor {i}" for i in range(len(refs))]
+    label_of = {ref: label for ref, label in zip(refs, labels)}
+    results: dict[Any, Any] = {}
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+        if not ready:
+            raise TimeoutError(f"{what}: no answer from {[label_of[r] for r in pending]} within {timeout} s")
+        for ref in ready:
+            try:
+                results[ref] = ray.get(ref)
+            except RayError as e:
+                raise ActorFailure(what, label_of[ref], e) from e
+    return [results[r] for r in refs]

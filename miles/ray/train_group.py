@@ -1,0 +1,101 @@
+"""The train group: the train actors of one cell, driven together.
+
+Every call broadcasts to all ranks and waits with :func:`miles.ray.errors.wait_all`, so the first
+failing rank stops the run with its traceback instead of leaving the driver waiting on ranks that
+hang in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any, Optional
+
+import ray
+
+from . import actor_factory, layout
+from .errors import wait_all
+
+logger = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RayTrainGroup:
+    def __init__(self, args: Any, pg, use_gpu: bool, cell: int = 0):
+        self.args = args
+        self.cell = cell
+        self.use_gpu = use_gpu
+        self.actors = actor_factory.make_train_actors(args, pg, use_gpu, cell)
+        self.labels = [f"train actor cell{cell} rank {r}" for r in range(len(self.actors))]
+        self.rank_dirs = actor_factory.rank_dirs(args, cell)
+        self.asleep = False
+
+    @property
+    def world_size(self) -> int:
+        return len(self.actors)
+
+    def _all(self, method: str, *args, **kwargs) -> list[Any]:
+        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+        return wait_all(refs, method, self.labels)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def init(self) -> list[dict[str, Any]]:
+        return self._all("init", free_port())
+
+    def load(self, base: str, load_optimizer: bool) -> list[dict[str, Any]]:
+        return self._all("load", base, load_optimizer)
+
+    def train(self, rollout_id: int, shards: list[tuple[list, list[float]]]) -> list[dict[str, Any]]:
+        """``shards[r] = (samples, advantages)`` of rank r; returns each rank's metrics."""
+        if len(shards) != self.world_size:
+            raise ValueError(f"{len(shards)} data shards for {self.world_size} train ranks")
+        refs = [a.train.remote(rollout_id, samples, adv) for a, (samples, adv) in zip(self.actors, shards)]
+        return wait_all(refs, f"train (rollout {rollout_id})", self.labels)
+
+    def export_weights(self):
+        """An ObjectRef to the full weights from rank 0 (every rank holds them after the step)."""
+        ref = self.actors[0].export_weights.remote()
+        wait_all([ref], "export_weights", self.labels[:1])
+        return ref
+
+    def save(self, base: str) -> list[dict[str, Any]]:
+        return self._all("save", base)
+
+    def sleep(self) -> list[dict[str, Any]]:
+        out = self._all("sleep")
+        self.asleep = True
+        return out
+
+    def wake(self) -> list[dict[str, Any]]:
+        out = self._all("wake")
+        self.asleep = False
+        return out
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Ask every live actor to close its store and remove its directory, then kill them all."""
+        refs = []
+        for a in self.actors:
+            try:
+                refs.append(a.shutdown.remote())
+            except Exception:
+                pass
+        if refs:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+            for r in ready:
+                try:
+                    ray.get(r)
+                except Exception:  # a dead or failed actor: the driver's backstop cleans up
+                    pass
+        self.kill()
+
+    def kill(self) -> None:
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
