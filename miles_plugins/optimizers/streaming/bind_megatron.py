@@ -15,7 +15,7 @@ import logging
 import torch
 
 from .bind_torch import _bind_common, _state_marker, check_adam_family
-from .bucket import StreamEntry, _adam_constructor_kwargs
+from .bucket import StreamEntry, adam_constructor_kwargs
 from .stager import StoreConfigError
 from .store import NVMeOptimizerStateStore
 
@@ -55,13 +55,20 @@ def check_megatron_config(opt) -> None:
 
 
 class ResidentAdam:
-    """Adam of the master's class over the native-fp32 shards, which alias the model params."""
+    """Adam of the master's class over the native-fp32 shards, which alias the model params.
+
+    Megatron's shards are views of params that require grad (non-leaf tensors a torch optimizer
+    refuses), so the instance steps detached aliases and takes their grads from the shards.
+    """
 
     def __init__(self, master: torch.optim.Optimizer, groups: list[list[torch.Tensor]]):
         self.master = master
-        self.group_index = [g for g, params in enumerate(groups) if params]
-        param_groups = [{**self._hyper(g), "params": groups[g]} for g in self.group_index]
-        self.optimizer = type(master)(param_groups, **_adam_constructor_kwargs(master)) if param_groups else None
+        self.group_index = [g for g, shards in enumerate(groups) if shards]
+        self.shards = [s for g in self.group_index for s in groups[g]]
+        self.aliases = [s.detach() for s in self.shards]
+        alias_of = dict(zip(map(id, self.shards), self.aliases))
+        param_groups = [{**self._hyper(g), "params": [alias_of[id(s)] for s in groups[g]]} for g in self.group_index]
+        self.optimizer = type(master)(param_groups, **adam_constructor_kwargs(master)) if param_groups else None
 
     def _hyper(self, g: int) -> dict:
         return {k: v for k, v in self.master.param_groups[g].items() if k not in ("params", "step")}
@@ -71,7 +78,11 @@ class ResidentAdam:
             return
         for group, g in zip(self.optimizer.param_groups, self.group_index):
             group.update(self._hyper(g))
+        for alias, shard in zip(self.aliases, self.shards):
+            alias.grad = shard.grad
         self.optimizer.step()
+        for alias in self.aliases:
+            alias.grad = None
 
 
 def _param_buffer_view(opt, model_param) -> torch.Tensor:

@@ -45,12 +45,12 @@ def bind_plain_adam(optimizer: torch.optim.Optimizer, **store_kwargs) -> NVMeOpt
     check_adam_family(optimizer)
     entries = []
     for g, group in enumerate(optimizer.param_groups):
-        for p in group["params"]:
+        for p in group["params"]:  # identity: the param's position in group order (checkpoints)
             if p.dtype != torch.float32:
                 raise StoreConfigError(
                     f"param of shape {tuple(p.shape)} is {p.dtype}; a plain Adam streams fp32 params only. For "
                     "low-precision params use miles' ShardedMixedPrecisionAdam (fp32 masters) and stream that")
-            entries.append(StreamEntry(main=p, group=g))
+            entries.append(StreamEntry(main=p, group=g, name=f"param{len(entries)}"))
     store = NVMeOptimizerStateStore(entries, optimizer, **store_kwargs)
 
     def step(closure=None):
@@ -69,7 +69,8 @@ def bind_plain_adam(optimizer: torch.optim.Optimizer, **store_kwargs) -> NVMeOpt
 def bind_sharded_adam(optimizer, **store_kwargs) -> NVMeOptimizerStateStore:
     """ZeRO-1 sharded mixed precision: the fp32 master shards stream; updates publish into the model."""
     check_adam_family(optimizer.inner)
-    entries = [StreamEntry(main=s.master, group=s.group, model_view=s.model_view) for s in optimizer.shards]
+    entries = [StreamEntry(main=s.master, group=s.group, model_view=s.model_view, name=f"param{s.index}",
+                           start=s.start, full_numel=s.param.numel()) for s in optimizer.shards]
     store = NVMeOptimizerStateStore(entries, optimizer.inner, **store_kwargs)
     optimizer.update = store.step
     optimizer.reload_model_params = store.refresh_main_from_model_params

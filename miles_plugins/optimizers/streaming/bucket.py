@@ -28,14 +28,20 @@ class StreamEntry:
     group: index into the master optimizer's param_groups.
     model_view: where updated mains are published (low-precision model storage, same numel), or None
         when `main` is itself the model param (plain fp32 training: only the moments stream).
+    name, start, full_numel: identity for checkpoints: `main` is elements [start, start + numel) of the
+        flattened param `name` of `full_numel` elements. Lets a checkpoint be resharded onto another
+        data-parallel size; None (no identity) means it resumes only onto the same layout.
     """
 
     main: torch.Tensor
     group: int
     model_view: torch.Tensor | None = None
+    name: str | None = None
+    start: int = 0
+    full_numel: int | None = None
 
 
-def _adam_constructor_kwargs(master: torch.optim.Optimizer) -> dict:
+def adam_constructor_kwargs(master: torch.optim.Optimizer) -> dict:
     accepted = inspect.signature(type(master).__init__).parameters
     return {k: v for k, v in master.defaults.items() if k in accepted and k != "params"}
 
@@ -68,7 +74,7 @@ class Bucket:
                 groups[g] = {**self._hyperparameters(g), "params": []}
                 self.master_group_of.append(g)
             groups[g]["params"].append(param)
-        self.optimizer = type(master)(list(groups.values()), **_adam_constructor_kwargs(master))
+        self.optimizer = type(master)(list(groups.values()), **adam_constructor_kwargs(master))
         self.release()
 
     @property
@@ -110,18 +116,34 @@ class Bucket:
         return ((MAIN,) if self.streams_main else ()) + moments
 
     def fetch(self, stager: Stager, names: tuple[str, ...]) -> None:
+        """Materialize `names` and fill them from the file; returns once they hold the bytes."""
+        self.start_fetch(stager, names)
+        self.finish_fetch(stager)
+
+    def start_fetch(self, stager: Stager, names: tuple[str, ...]) -> None:
+        """Materialize `names` and submit their reads (one request per segment; the engine may run
+        them in the background, after any write of this file still in flight)."""
         self.materialize(names)
+        self._decode_pending = []
         for name in names:
             codec, segment = self.codecs[name], self.layout.segments[name]
             if codec.reads_in_place():
-                stager.read(self.file, segment.offset, self.flat[name])
+                stager.read_async(self.file, segment.offset, [self.flat[name]])
             else:
                 encoded = codec.empty_encoded(self.numel, self.flat[name].device)
-                offset = segment.offset
-                for part in encoded:
-                    stager.read(self.file, offset, part)
-                    offset += part.nbytes
-                codec.decode(encoded, self.flat[name])
+                stager.read_async(self.file, segment.offset, encoded)
+                self._decode_pending.append((name, encoded))
+
+    def finish_fetch(self, stager: Stager) -> None:
+        """Wait for the reads start_fetch submitted, then decode narrow segments into the fp32 buffers."""
+        stager.wait_reads(self.file)
+        pending, self._decode_pending = getattr(self, "_decode_pending", []), []
+        for name, encoded in pending:
+            self.codecs[name].decode(encoded, self.flat[name])
+
+    def pending_decode_bytes(self) -> int:
+        """Device bytes of encoded segments read but not yet decoded (they count towards residency)."""
+        return sum(t.nbytes for _, encoded in getattr(self, "_decode_pending", []) for t in encoded)
 
     def update(self) -> None:
         """One Adam step over exactly this bucket's pieces, hyperparameters re-read from the master."""
@@ -159,10 +181,12 @@ class Bucket:
         self.moments_on_disk = True
 
     def _write_segment(self, stager: Stager, name: str, values: list[torch.Tensor]) -> None:
-        offset = self.layout.segments[name].offset
-        for part in self.codecs[name].encode(values):
-            stager.write(self.file, offset, [part])
-            offset += part.nbytes
+        """Submit one write of the whole segment: small parts (per-piece moments, a codec's scales and
+        payload) are packed into chunk-sized transfers by the engine. The segment's tail up to the next
+        4 KiB boundary is reserved (layout.py), so the engine may pad it for O_DIRECT. The sources must
+        stay allocated until stager.wait_sources(file)."""
+        stager.write_async(self.file, self.layout.segments[name].offset, self.codecs[name].encode(values),
+                           pad_tail=True)
 
     def _adopt_new_moments(self, copy: bool) -> None:
         """Point moments the optimizer created lazily at this bucket's flat buffers.
@@ -186,4 +210,5 @@ class Bucket:
         for piece, param in zip(self.pieces, self.params):
             param.copy_(self.entries[piece.entry].model_view[piece.start:piece.stop])
         self._write_segment(stager, MAIN, [self.flat[MAIN]])
+        stager.wait_sources(self.file)
         self.release()

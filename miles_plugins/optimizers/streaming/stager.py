@@ -1,20 +1,25 @@
 """The stager: the only code that touches the filesystem and host staging memory.
 
-Everything above it (bucket, store, bindings) speaks in device tensors and byte offsets. A GPUDirect
-Storage backend or a different I/O engine is a change to this module alone.
+Everything above it (bucket, store, bindings) speaks in device tensors and byte offsets. The bytes are
+moved by the I/O engine the stager owns (engine.py, its sibling and only helper): `sync` (the seed's
+synchronous path) or `pipelined` (worker threads, several pinned staging buffers, CUDA streams, O_DIRECT,
+an optional host-RAM cache). A GPUDirect Storage backend or a different I/O engine is a change to these
+two modules alone.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
 import shutil
-import time
+import zlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+
+from .engine import ENGINES, IOCounters, Ticket, as_bytes, drop_page_cache, host_buffer, make_engine  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -25,21 +30,6 @@ class StoreConfigError(ValueError):
     """Bad input to the store, found at construction, before anything on disk was touched."""
 
 
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor (no copy)."""
-    return tensor.detach().reshape(-1).view(torch.uint8)
-
-
-def host_buffer(tensor: torch.Tensor) -> memoryview:
-    """A writable memoryview over a contiguous CPU tensor's bytes.
-
-    Not `tensor.numpy()`: exporting to numpy marks the storage non-resizable, and releasing bucket
-    storage relies on resizing it to 0.
-    """
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
-        return memoryview(bytearray(0))
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 @dataclass
@@ -47,33 +37,54 @@ class BucketFile:
     path: str
     fd: int
     nbytes: int
-
-
-@dataclass
-class IOCounters:
-    bytes_read: int = 0
-    bytes_written: int = 0
-    read_seconds: float = 0.0
-    write_seconds: float = 0.0
+    # Called before any write to this file: a checkpoint taken in the background copies the file's
+    # current bytes first (checkpoint.py). Every write path of any I/O engine must call it.
+    before_write: Callable[[], None] | None = None
+    dfd: int = -1  # O_DIRECT descriptor of the same file, opened by the pipelined engine on first use
 
 
 class Stager:
-    """Synchronous chunked I/O through one pinned staging buffer (pinned only where CUDA exists).
+    """Moves bucket bytes between the files and device (or CPU) tensors through its I/O engine.
 
-    CPU tensors are read into and written from their own memory directly: staging would only add
-    a copy. Device tensors move in chunk_bytes pieces: disk <-> pinned buffer <-> device, always as
-    same-dtype bytes (a copy into a differently typed host view takes no DMA path).
+    io_engine: "pipelined" (default) or "sync" (the seed's path, kept as the in-run baseline).
+    io_threads: reader and writer threads of the pipelined engine (each). direct_io: None probes
+    O_DIRECT (logged fallback to buffered where the filesystem refuses it), True asks for it (a refusal
+    is logged as a warning), False never uses it. host_cache_bytes: RAM budget for whole-file images of
+    the most recently written buckets (0: none).
+
+    Two ways to call it. `read`/`write` are synchronous whatever the engine (they return once the bytes
+    are in the tensor / in the file). `read_async`/`write_async` return a Ticket and let the engine run
+    them in the background; `wait_reads(file)` (the destination tensors hold the bytes),
+    `wait_sources(file)` (the source tensors of the file's writes may be released) and
+    `wait_writes(file)` (the file holds them) wait per file; `wait_all()` waits for everything and
+    `drain()` also forgets cached images and tells the store to release what its pipeline holds.
     """
 
-    def __init__(self, device: torch.device, chunk_bytes: int):
+    def __init__(self, device: torch.device, chunk_bytes: int, io_engine: str = "pipelined", io_threads: int = 2,
+                 direct_io: bool | None = None, host_cache_bytes: int = 0):
         if chunk_bytes < 4096 or chunk_bytes % 4096:
             raise StoreConfigError(f"chunk size must be a positive multiple of 4 KiB, got {chunk_bytes} bytes")
+        if io_engine not in ENGINES:
+            raise StoreConfigError(f"io_engine must be one of {ENGINES}, got {io_engine!r}")
+        if io_threads < 1:
+            raise StoreConfigError(f"io_threads must be >= 1, got {io_threads}")
+        if host_cache_bytes < 0:
+            raise StoreConfigError(f"the host cache budget must be >= 0, got {host_cache_bytes} bytes")
         self.device = torch.device(device)
         self.chunk_bytes = chunk_bytes
-        self.counters = IOCounters()
-        self._staging = None
-        if self.device.type != "cpu":
-            self._staging = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        self.engine = make_engine(io_engine, self.device, chunk_bytes, threads=io_threads, direct=direct_io,
+                                  host_cache_bytes=host_cache_bytes)
+        self.counters = self.engine.counters
+        self._drain_hooks: list[Callable[[], None]] = []
+
+    @property
+    def io_engine(self) -> str:
+        return self.engine.name
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host staging memory the engine may use (pinned where CUDA is); the host cache comes on top."""
+        return self.engine.staging_bytes
 
     # ---- directories --------------------------------------------------------------------------
     @staticmethod
@@ -136,48 +147,78 @@ class Stager:
         if file.fd >= 0:
             os.close(file.fd)
             file.fd = -1
+        if file.dfd >= 0:
+            os.close(file.dfd)
+            file.dfd = -1
 
     # ---- data ---------------------------------------------------------------------------------
     def read(self, file: BucketFile, offset: int, dst: torch.Tensor) -> None:
-        """Fill the contiguous tensor `dst` with the bytes at `offset`."""
-        start = time.perf_counter()
-        dst_bytes = as_bytes(dst)
-        total = dst_bytes.numel()
-        if self._staging is None:
-            _pread_into(file.fd, host_buffer(dst_bytes), offset)
-        else:
-            for pos in range(0, total, self.chunk_bytes):
-                n = min(self.chunk_bytes, total - pos)
-                _pread_into(file.fd, host_buffer(self._staging[:n]), offset + pos)
-                dst_bytes[pos:pos + n].copy_(self._staging[:n])
-        self.counters.bytes_read += total
-        self.counters.read_seconds += time.perf_counter() - start
+        """Fill the contiguous tensor `dst` with the bytes at `offset` (returns once it holds them)."""
+        self.engine.read(file, offset, [dst]).wait()
 
     def write(self, file: BucketFile, offset: int, srcs: list[torch.Tensor]) -> None:
-        """Write the contiguous tensors `srcs` back to back starting at `offset`."""
-        start = time.perf_counter()
-        views = [as_bytes(t) for t in srcs]
-        total = sum(v.numel() for v in views)
-        if self._staging is None:
-            _pwrite_all(file.fd, [host_buffer(v) for v in views], offset)
-        else:
-            filled, written = 0, 0
-            for view in views:
-                pos = 0
-                while pos < view.numel():
-                    n = min(self.chunk_bytes - filled, view.numel() - pos)
-                    self._staging[filled:filled + n].copy_(view[pos:pos + n])
-                    filled, pos = filled + n, pos + n
-                    if filled == self.chunk_bytes:
-                        _pwrite_all(file.fd, [host_buffer(self._staging)], offset + written)
-                        written, filled = written + filled, 0
-            if filled:
-                _pwrite_all(file.fd, [host_buffer(self._staging[:filled])], offset + written)
-        self.counters.bytes_written += total
-        self.counters.write_seconds += time.perf_counter() - start
+        """Write the contiguous tensors `srcs` back to back starting at `offset` (returns once written)."""
+        self.engine.write(file, offset, srcs).wait()
+
+    def read_async(self, file: BucketFile, offset: int, dsts: list[torch.Tensor]) -> Ticket:
+        """Submit: fill `dsts` (back to back) from `offset`. Waits for the file's earlier writes first."""
+        return self.engine.read(file, offset, dsts)
+
+    def write_async(self, file: BucketFile, offset: int, srcs: list[torch.Tensor], pad_tail: bool = False) -> Ticket:
+        """Submit: write `srcs` back to back at `offset`. pad_tail: the bytes after the last one, up to the
+        next 4 KiB boundary, are reserved space the engine may overwrite with zeros (O_DIRECT)."""
+        return self.engine.write(file, offset, srcs, pad_tail=pad_tail)
+
+    def wait_reads(self, file: BucketFile) -> None:
+        for t in self.engine.pending(file, "read"):
+            t.wait()
+
+    def wait_sources(self, file: BucketFile) -> None:
+        for t in self.engine.pending(file, "write"):
+            t.wait("consumed")
+
+    def sources_released(self, file: BucketFile) -> bool:
+        """True when no write of `file` still needs its source tensors (non-blocking)."""
+        return all(t.done("consumed") for t in self.engine.pending(file, "write"))
+
+    def wait_writes(self, file: BucketFile) -> None:
+        for t in self.engine.pending(file, "write"):
+            t.wait()
+
+    def is_cached(self, file: BucketFile, offset: int, nbytes: int) -> bool:
+        """True when the host cache holds these bytes (a read of them costs no disk I/O)."""
+        return self.engine.is_cached(file, offset, nbytes)
+
+    def wait_all(self, raise_errors: bool = True) -> None:
+        self.engine.wait_all(raise_errors=raise_errors)
+
+    def check(self) -> None:
+        """Raise the error of any background task that failed (the engine is unusable after one)."""
+        self.engine.check()
+
+    def on_drain(self, hook: Callable[[], None]) -> None:
+        """`hook` runs at the end of every drain() (the store releases its prefetched buckets there)."""
+        self._drain_hooks.append(hook)
+
+    def drain(self) -> None:
+        """Return once every read and write issued so far has ended and the files hold every write
+        (checkpoints copy the files after this; a load rewrites them). Cached images are forgotten and
+        the drain hooks run, since whoever drains may change the files behind the engine's back."""
+        try:
+            self.engine.wait_all()
+        finally:
+            self.engine.drop_cache()
+            for hook in self._drain_hooks:
+                hook()
+
+    def drop_page_cache(self, files: list[BucketFile]) -> None:
+        """Benchmarks: flush these files and drop their pages from the page cache (cold reads)."""
+        for file in files:
+            if file.fd >= 0:
+                drop_page_cache(file.fd)
 
     def close(self) -> None:
-        self._staging = None
+        self.engine.close()
 
 
 def _tree_bytes(path: str) -> int:
@@ -224,3 +265,120 @@ def _pwrite_all(fd: int, buffers: list, offset: int) -> None:
         while done < len(view):
             done += os.pwrite(fd, view[done:done + (1 << 30)], offset + done)
         offset += len(view)
+
+
+# ---- checkpoint files (checkpoint.py decides what to copy; these move the bytes) --------------------
+COPY_CHUNK_BYTES = 16 << 20
+_FICLONE = 0x40049409  # ioctl: share a file's extents (btrfs, XFS with reflink, bcachefs)
+
+
+def open_read(path: str) -> int:
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+def open_new(path: str) -> int:
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+
+
+def close_fd(fd: int, sync: bool = False) -> None:
+    try:
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def reflink(src_fd: int, dst_fd: int) -> bool:
+    """Make dst share src's extents: an instant copy-on-write snapshot. False where unsupported."""
+    try:
+        import fcntl
+        fcntl.ioctl(dst_fd, _FICLONE, src_fd)
+        return True
+    except OSError:
+        return False
+
+
+def copy_with_crc(src_fd: int, dst_fd: int | None, nbytes: int, src_offset: int = 0, dst_offset: int = 0,
+                  crc: int = 0, on_chunk: Callable[[], None] | None = None) -> int:
+    """Copy `nbytes` (dst_fd None: only read them) and return their zlib.crc32, chained from `crc`.
+
+    Chunked through one buffer: the reads, writes and crc32 of each chunk release the GIL, so a copy
+    in a background thread does not stall the training thread. Short files raise IOError.
+    """
+    buf = memoryview(bytearray(max(1, min(COPY_CHUNK_BYTES, nbytes))))
+    for pos in range(0, nbytes, len(buf)):
+        chunk = buf[:min(len(buf), nbytes - pos)]
+        _pread_into(src_fd, chunk, src_offset + pos)
+        crc = zlib.crc32(chunk, crc)
+        if dst_fd is not None:
+            _pwrite_all(dst_fd, [chunk], dst_offset + pos)
+        if on_chunk is not None:
+            on_chunk()
+    return crc
+
+
+def file_size(path: str) -> int:
+    return os.stat(path).st_size
+
+
+def read_file(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def write_file_durable(path: str, data: bytes) -> None:
+    fd = open_new(path)
+    try:
+        _pwrite_all(fd, [memoryview(data)], 0)
+    finally:
+        close_fd(fd, sync=True)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_dirs(path: str) -> None:
+    """Create `path` and its missing parents, each made durable in its parent."""
+    path = os.path.abspath(path)
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for p in reversed(missing):
+        try:
+            os.mkdir(p)
+        except FileExistsError:
+            pass
+        fsync_dir(os.path.dirname(p))
+
+
+def publish_dir(tmp: str, final: str, on_step: Callable[[], None] | None = None) -> None:
+    """Rename the complete directory `tmp` to `final`, durably. An existing `final` (a re-save to the
+    same place) is renamed aside first and removed after: no moment exposes a mix of the two."""
+    step = on_step or (lambda: None)
+    parent = os.path.dirname(final)
+    old = None
+    if os.path.lexists(final):
+        old = f"{final}.old-{os.getpid()}"
+        os.rename(final, old)
+        step()
+    os.rename(tmp, final)
+    step()
+    fsync_dir(parent)
+    step()
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_tree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def glob_paths(pattern: str) -> list[str]:
+    import glob
+    return sorted(glob.glob(pattern))

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import checkpoint
 from .bucket import Bucket, StreamEntry
-from .codec import Fp32Codec, make_codec
+from .codec import Fp32Codec, make_moment_codecs
 from .layout import EXP_AVG, EXP_AVG_SQ, MAIN, bucket_filename, bucket_layout, next_store_uid, store_relative_dir
 from .plan import DEFAULT_BUCKET_NUMEL, plan_buckets
 from .stager import Stager, StoreConfigError
@@ -66,8 +67,8 @@ class NVMeOptimizerStateStore:
         self.moment_dtype = moment_dtype
         self.uid = next_store_uid()
         self.relative_dir = store_relative_dir(rank, instance, self.uid)
-        moment_codec = make_codec(moment_dtype)
-        self.codecs = {MAIN: Fp32Codec(), EXP_AVG: moment_codec, EXP_AVG_SQ: moment_codec}
+        # One codec per segment: exp_avg_sq may be stored differently from exp_avg (codec.py says why).
+        self.codecs = {MAIN: Fp32Codec(), **make_moment_codecs(moment_dtype)}
         plans = plan_buckets([e.main.numel() for e in entries], bucket_numel)
         names = (MAIN, EXP_AVG, EXP_AVG_SQ) if self.streams_main else (EXP_AVG, EXP_AVG_SQ)
         file_bytes = [bucket_layout([(n, self.codecs[n].encoded_nbytes(p.numel)) for n in names]).file_bytes
@@ -160,11 +161,36 @@ class NVMeOptimizerStateStore:
             bucket.refresh_main(self.stager)
 
     # ---- checkpoints --------------------------------------------------------------------------
-    def save_to(self, checkpoint_base: str) -> None:
-        raise NotImplementedError("saving streamed optimizer state is not yet supported by this build")
+    def save_to(self, checkpoint_base: str, wait: bool = True) -> dict | None:
+        """Write the state to `<base>/nvme_opt_state/<relative_dir>/` (format: checkpoint.py), atomically.
+
+        wait=False returns once the state is snapshotted; the files are copied in the background and
+        the next step waits only for buckets it overwrites before they are copied. Call
+        `wait_for_save()` before treating the checkpoint as complete. Returns the save's stats when waited.
+        """
+        self._check_open()
+        self.wait_for_save()
+        self._save_job = checkpoint.SaveJob(self, checkpoint_base)
+        return self.wait_for_save() if wait else None
+
+    def wait_for_save(self) -> dict | None:
+        """Block until the save in flight (if any) is published; raise CheckpointError if it failed."""
+        job, self._save_job = getattr(self, "_save_job", None), None
+        if job is None:
+            return None
+        self.last_save = job.wait()
+        logger.info("saved optimizer state to %s: %.3f GB, blocked %.3f s, step stalled %.3f s, published "
+                    "after %.2f s", job.final, job.stats["bytes"] / GB, job.stats["blocked_seconds"],
+                    job.stats["stalled_seconds"], job.stats["seconds"])
+        return self.last_save
 
     def load_from(self, checkpoint_base: str) -> bool:
-        raise NotImplementedError("loading streamed optimizer state is not yet supported by this build")
+        """Restore the state saved by `save_to` (resharding onto this layout when it differs). False:
+        the checkpoint has no streamed state (logged; the optimizer starts fresh). Call it after the
+        model weights and any `refresh_main_from_model_params()`: it overwrites the mains."""
+        self._check_open()
+        self.wait_for_save()
+        return checkpoint.load(self, checkpoint_base)
 
     # ---- lifetime -----------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -175,6 +201,10 @@ class NVMeOptimizerStateStore:
         """Close and remove the bucket files. Runs at exit too; safe to call twice."""
         if getattr(self, "_closed", False):
             return
+        try:  # a checkpoint still copying from the live files finishes first
+            self.wait_for_save()
+        except Exception:
+            logger.exception("a background save of optimizer state failed")
         self._closed = True
         for bucket in getattr(self, "buckets", []):
             self.stager.close_file(bucket.file)

@@ -1,0 +1,413 @@
+"""Checkpoints of streamed optimizer state: manifest, atomic publish, verification, resharding.
+
+Format (version 1). `store.save_to(base)` writes one directory per store, named by the store:
+
+    <base>/nvme_opt_state/<store.relative_dir>/     e.g. nvme_opt_state/rank00000/opt0_0/
+        bucket00000.bin ...   byte copies of the live bucket files (layout.py: segments
+                              [main | exp_avg | exp_avg_sq], each starting on a 4 KiB boundary)
+        manifest.json
+
+    manifest.json
+      format, version, relative_dir, streams_main (false: plain fp32 Adam, moments only)
+      segments     {segment: codec.describe()}: storage dtype, block size, scale layout
+      entries      [{name, start, stop, full_numel, group}]: entry i holds elements [start, stop) of
+                   the flattened param `name` (null: no identity; resumes onto the same layout only)
+      group_steps  {group: largest Adam step} (a summary; the per-piece steps below are the state)
+      buckets      [{file, numel, file_bytes, crc32, moments, segments: {segment: [offset, nbytes]},
+                     pieces: [[entry, start, stop, step]]}]   crc32: zlib.crc32 of the whole file;
+                   moments false: no step ran yet, moment segments hold nothing; step null: no Adam
+                   state for that piece yet (its grad never arrived)
+
+Atomic publish: the files go to `<dir>.tmp-<pid>/`, each fsynced, the manifest last; then that
+directory is renamed to `<dir>` and the parent fsynced. A kill at any point leaves either what `<dir>`
+held before (nothing, when every checkpoint has its own base) or the complete new checkpoint; a
+`.tmp-` leftover is never read, and the next save to that base removes it. A different base (the
+previous checkpoint) is never touched.
+
+Saving without stalling: `save_to` drains pending writes, snapshots the metadata (steps, which
+buckets have moments) and returns the copy to a background thread (reflink where the filesystem has
+it). Until a bucket is copied its live file carries a `before_write` guard: the first write to it
+(the next step) copies it first. Training waits only for buckets it is about to overwrite.
+`save_to(base, wait=False)` returns after the snapshot; `store.wait_for_save()` returns once the
+checkpoint is published, or raises why it was not. Only then may a caller call the checkpoint complete.
+
+Loading checks format, mains, segment codecs, then either restores the same layout (each file copied
+back, its crc32 checked on the way) or reshards: it reads the manifests of this store identity on
+every rank (`rank*/opt{instance}_{uid}`), checks every named param range is covered exactly once,
+verifies the crc32 of the files it uses, and copies each element range into place. Then it restores
+the per-piece Adam steps and points the moments at the bucket buffers, so the first step streams
+them. A load that fails after touching the live files resets the store to fresh state (mains <- model
+params, no moments) before raising: it never trains on a half-restored state.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import os
+import threading
+import time
+
+import torch
+
+from . import stager as io
+from .layout import MAIN, MOMENTS, bucket_filename
+
+logger = logging.getLogger(__name__)
+FORMAT, VERSION = "miles-streamed-optimizer-state", 1
+STREAMED_DIR, MANIFEST = "nvme_opt_state", "manifest.json"
+FAULT_HOOK = None  # tests: called at every point of a save where they may kill the process
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint of streamed state is incomplete, corrupt, or does not fit this store."""
+
+
+def _fault() -> None:
+    if FAULT_HOOK is not None:
+        FAULT_HOOK()
+
+
+def _describe(codec) -> dict:
+    if hasattr(codec, "describe"):
+        return codec.describe()
+    return {"name": codec.name, "storage_dtype": str(codec.storage_dtype).replace("torch.", "")}
+
+
+def _segment_names(store) -> tuple[str, ...]:
+    return ((MAIN,) if store.streams_main else ()) + MOMENTS
+
+
+def _entry_meta(e) -> dict:
+    numel = e.main.numel()
+    return {"name": e.name, "start": e.start, "stop": e.start + numel,
+            "full_numel": numel if e.full_numel is None else e.full_numel, "group": e.group}
+
+
+def _step(state):
+    if not state or "step" not in state:
+        return None
+    value = float(state["step"])
+    return int(value) if value.is_integer() else value
+
+
+def build_manifest(store) -> dict:
+    buckets, group_steps = [], {}
+    for b in store.buckets:
+        pieces = []
+        for piece, param in zip(b.pieces, b.params):
+            step = _step(b.optimizer.state.get(param))
+            pieces.append([piece.entry, piece.start, piece.stop, step])
+            g = str(store.entries[piece.entry].group)
+            group_steps[g] = max(group_steps.get(g, 0), step or 0)
+        buckets.append({"file": bucket_filename(b.index), "numel": b.numel, "file_bytes": b.file.nbytes,
+                        "crc32": None, "moments": b.moments_on_disk, "pieces": pieces,
+                        "segments": {n: [s.offset, s.nbytes] for n, s in b.layout.segments.items()}})
+    return {"format": FORMAT, "version": VERSION, "relative_dir": store.relative_dir,
+            "streams_main": store.streams_main,
+            "segments": {n: _describe(store.codecs[n]) for n in _segment_names(store)},
+            "entries": [_entry_meta(e) for e in store.entries], "group_steps": group_steps, "buckets": buckets}
+
+
+# ---- save -----------------------------------------------------------------------------------------
+class SaveJob:
+    """One save in flight: live bucket files -> `<dir>.tmp-<pid>/` -> manifest -> rename to `<dir>`."""
+
+    def __init__(self, store, base: str):
+        t0 = time.perf_counter()
+        self.store, self.final = store, os.path.join(os.path.abspath(base), STREAMED_DIR, store.relative_dir)
+        self.tmp = f"{self.final}.tmp-{os.getpid()}"
+        store.stager.drain()  # write-behind must have landed in the files we copy
+        self.manifest = build_manifest(store)
+        for stale in io.glob_paths(f"{self.final}.tmp-*"):
+            io.remove_tree(stale)
+        io.make_dirs(self.tmp)
+        _fault()
+        order = store._order() if hasattr(store, "_order") else store.buckets
+        self.order = [b.index for b in order]  # the order the next step overwrites them in
+        self.locks = {i: threading.Lock() for i in self.order}
+        self.fds, self.done, self.error, self.use_reflink = {}, set(), None, True
+        self.stats = {"path": self.final, "bytes": sum(b.file.nbytes for b in store.buckets),
+                      "reflinked_buckets": 0, "stalled_seconds": 0.0}
+        for b in store.buckets:
+            b.file.before_write = lambda i=b.index: self._guard(i)
+        self.t0 = t0
+        self.thread = threading.Thread(target=self._run, name="nvme-opt-checkpoint", daemon=True)
+        self.thread.start()
+        self.stats["blocked_seconds"] = time.perf_counter() - t0
+
+    def _guard(self, i: int) -> None:
+        t = time.perf_counter()
+        self._copy(i)
+        self.stats["stalled_seconds"] += time.perf_counter() - t
+
+    def _copy(self, i: int) -> None:
+        with self.locks[i]:
+            if i in self.done:
+                return
+            file = self.store.buckets[i].file
+            try:
+                if self.error is None:
+                    fd = self.fds[i] = io.open_new(os.path.join(self.tmp, bucket_filename(i)))
+                    crc = None  # reflinked: checksummed later from the clone, off the training path
+                    if not (self.use_reflink and io.reflink(file.fd, fd)):
+                        self.use_reflink = False
+                        crc = io.copy_with_crc(file.fd, fd, file.nbytes, on_chunk=_fault)
+                    self.manifest["buckets"][i]["crc32"] = crc
+            except Exception as e:  # training goes on; wait_for_save() reports it
+                self.error = self.error or e
+            finally:
+                self.done.add(i)
+                file.before_write = None
+
+    def _run(self) -> None:
+        try:
+            for i in self.order:
+                self._copy(i)
+            if self.error is not None:
+                raise self.error
+            for i in sorted(self.fds):
+                meta = self.manifest["buckets"][i]
+                if meta["crc32"] is None:
+                    meta["crc32"] = io.copy_with_crc(self.fds[i], None, meta["file_bytes"], on_chunk=_fault)
+                    self.stats["reflinked_buckets"] += 1
+                io.close_fd(self.fds.pop(i), sync=True)
+                _fault()
+            io.write_file_durable(os.path.join(self.tmp, MANIFEST), json.dumps(self.manifest, indent=1).encode())
+            _fault()
+            io.fsync_dir(self.tmp)
+            _fault()
+            io.publish_dir(self.tmp, self.final, on_step=_fault)
+            self.stats["seconds"] = time.perf_counter() - self.t0
+        except BaseException as e:
+            self.error = self.error or e
+            for fd in self.fds.values():
+                io.close_fd(fd)
+            io.remove_tree(self.tmp)
+        finally:
+            for b in self.store.buckets:
+                b.file.before_write = None
+
+    def wait(self) -> dict:
+        self.thread.join()
+        if self.error is not None:
+            raise CheckpointError(f"saving optimizer state to {self.final} failed: {self.error!r}") from self.error
+        return self.stats
+
+
+# ---- load -----------------------------------------------------------------------------------------
+def _read_manifest(directory: str) -> dict:
+    path = os.path.join(directory, MANIFEST)
+    try:
+        m = json.loads(io.read_file(path))
+        if not {"format", "version", "segments", "entries", "buckets", "streams_main"} <= set(m):
+            raise ValueError("required keys are missing")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: manifest is truncated or unreadable ({e}); this checkpoint of "
+                              "optimizer state is incomplete or corrupt") from e
+    return m
+
+
+def _check_format(m: dict, directory: str, store) -> None:
+    if (m["format"], m["version"]) != (FORMAT, VERSION):
+        raise CheckpointError(f"{directory}: format {m['format']!r} version {m['version']}, this build reads "
+                              f"{FORMAT!r} version {VERSION}")
+    if m["streams_main"] != store.streams_main:
+        what = lambda s: "fp32 masters and moments" if s else "moments only (plain fp32 Adam)"  # noqa: E731
+        raise CheckpointError(f"{directory}: checkpoint holds {what(m['streams_main'])}, this store streams "
+                              f"{what(store.streams_main)}")
+    for name in _segment_names(store):
+        saved, live = m["segments"].get(name), _describe(store.codecs[name])
+        if saved != live:
+            s = saved or {}
+            raise CheckpointError(
+                f"{directory}: {name} is stored as {s.get('storage_dtype')} (codec {s.get('name')}) in the "
+                f"checkpoint, as {live.get('storage_dtype')} (codec {live.get('name')}) by this store; resume "
+                f"with moment_dtype={s.get('name')!r} (saved format {saved}, this store {live})")
+
+
+def _layout_diff(m: dict, store) -> str | None:
+    """The first difference between the checkpoint's layout and this store's, or None."""
+    entries = [_entry_meta(e) for e in store.entries]
+    show = lambda e: f"{e['name']}[{e['start']}:{e['stop']}] of {e['full_numel']} (group {e['group']})"  # noqa: E731
+    for i, (saved, live) in enumerate(zip(m["entries"], entries)):
+        if saved != live:
+            return f"entry {i}: {show(saved)} in checkpoint, {show(live)} now"
+    if len(m["entries"]) != len(entries):
+        return f"{len(m['entries'])} entries in checkpoint, {len(entries)} now"
+    if len(m["buckets"]) != len(store.buckets):
+        return f"{len(m['buckets'])} buckets in checkpoint, {len(store.buckets)} now"
+    for b, sb in zip(store.buckets, m["buckets"]):
+        if sb["numel"] != b.numel:
+            return f"bucket {b.index}: {sb['numel']} elements in checkpoint, {b.numel} now"
+        if ([p[:3] for p in sb["pieces"]] != [[p.entry, p.start, p.stop] for p in b.pieces]
+                or sb["segments"] != {n: [s.offset, s.nbytes] for n, s in b.layout.segments.items()}):
+            return f"bucket {b.index}: its pieces or segment offsets differ"
+    return None
+
+
+def _checked_size(path: str, expected: int) -> None:
+    try:
+        size = io.file_size(path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: missing from the checkpoint ({e})") from e
+    if size != expected:
+        raise CheckpointError(f"{path}: {size} bytes, the manifest says {expected} (truncated or corrupt)")
+
+
+def _copy_checked(path: str, expected_crc: int, nbytes: int, dst_fd: int | None) -> None:
+    fd = io.open_read(path)
+    try:
+        crc = io.copy_with_crc(fd, dst_fd, nbytes)
+    finally:
+        io.close_fd(fd)
+    if crc != expected_crc:
+        raise CheckpointError(f"{path}: checksum mismatch (crc32 {crc:08x}, manifest {expected_crc:08x}); "
+                              "the file is corrupt")
+
+
+def load(store, base: str) -> bool:
+    root = os.path.join(os.path.abspath(base), STREAMED_DIR)
+    if not io.glob_paths(root):
+        logger.warning("%s has no streamed optimizer state (%s): the optimizer state starts fresh", base, root)
+        return False
+    own = os.path.join(root, store.relative_dir)
+    m = _read_manifest(own) if io.glob_paths(os.path.join(own, MANIFEST)) else None
+    diff = _layout_diff(m, store) if m is not None else f"no {STREAMED_DIR}/{store.relative_dir} in the checkpoint"
+    if m is not None:
+        _check_format(m, own, store)
+    store.stager.drain()
+    if diff is None:
+        for sb in m["buckets"]:
+            _checked_size(os.path.join(own, sb["file"]), sb["file_bytes"])
+        copies = [(os.path.join(own, sb["file"]), sb["crc32"], 0, b.file.fd, 0, sb["file_bytes"])
+                  for b, sb in zip(store.buckets, m["buckets"])]
+        steps = [[p[3] for p in sb["pieces"]] for sb in m["buckets"]]
+        moments = [sb["moments"] for sb in m["buckets"]]
+    else:
+        copies, steps, moments = _plan_reshard(store, root, own, diff)
+        logger.info("resharding streamed optimizer state from %s (%s)", root, diff)
+    sources = {}
+    try:
+        for path, crc, src_off, dst_fd, dst_off, nbytes in copies:
+            if diff is None:
+                _copy_checked(path, crc, nbytes, dst_fd)  # a whole file, checked on the way
+                continue
+            if path not in sources:
+                sources[path] = io.open_read(path)
+            io.copy_with_crc(sources[path], dst_fd, nbytes, src_off, dst_off)
+        for b, s, mo in zip(store.buckets, steps, moments):
+            _install(b, s, mo)
+    except BaseException:
+        logger.error("loading optimizer state from %s failed: resetting the store to fresh state", own)
+        for b in store.buckets:
+            b.optimizer.state.clear()
+            b.moments_on_disk = False
+        store.refresh_main_from_model_params()
+        raise
+    finally:
+        for fd in sources.values():
+            io.close_fd(fd)
+    logger.info("loaded streamed optimizer state from %s (group steps %s)", root,
+                m["group_steps"] if m is not None and diff is None else "resharded")
+    return True
+
+
+def _plan_reshard(store, root: str, own: str, diff: str):
+    """Verify a reshard is possible and return (copies, steps, moments); touches no live file."""
+    def fail(why):
+        return CheckpointError(f"{own}: the checkpoint's layout differs from this store's ({diff}) and it "
+                               f"cannot be resharded: {why}")
+    identity = os.path.basename(store.relative_dir)
+    paths = io.glob_paths(os.path.join(root, "rank*", identity, MANIFEST))
+    if not paths:
+        leftovers = io.glob_paths(os.path.join(root, "rank*", identity + ".*"))
+        raise fail(f"no complete state of store {identity} under {root}"
+                   + (f" (an interrupted save left {leftovers})" if leftovers else ""))
+    if any(e.name is None for e in store.entries):
+        raise fail("this optimizer's binding gives its entries no param identities")
+    sizes = {}
+    for n in _segment_names(store):
+        codec, size = store.codecs[n], store.codecs[n].encoded_nbytes(1)
+        if _describe(codec).get("block_size") or codec.encoded_nbytes(4099) != 4099 * size:
+            raise fail(f"{n} is stored block-scaled ({codec.name}); resume at the saved data-parallel size")
+        sizes[n] = size
+    sources, files = {}, {}  # name -> sorted [(lo, hi, path, bucket meta, element offset, step, entry)]
+    for mpath in paths:
+        directory = os.path.dirname(mpath)
+        m = _read_manifest(directory)
+        _check_format(m, directory, store)
+        for sb in m["buckets"]:
+            path, offset = os.path.join(directory, sb["file"]), 0
+            files[path] = sb
+            for entry, start, stop, step in sb["pieces"]:
+                e = m["entries"][entry]
+                if e["name"] is None:
+                    raise fail(f"{mpath} has entries without param identities")
+                sources.setdefault(e["name"], []).append(
+                    (e["start"] + start, e["start"] + stop, path, sb, offset, step, e))
+                offset += stop - start
+    for name, srcs in sources.items():
+        srcs.sort(key=lambda s: s[0])
+        for a, b in zip(srcs, srcs[1:]):
+            if b[0] < a[1]:
+                raise fail(f"{name}[{b[0]}:{a[1]}] is saved twice ({a[2]}, {b[2]})")
+    copies, steps, moments, used = [], [], [], set()
+    for b in store.buckets:
+        bucket_steps = []
+        for j, piece in enumerate(b.pieces):
+            e = _entry_meta(store.entries[piece.entry])
+            lo, hi, srcs = e["start"] + piece.start, e["start"] + piece.stop, sources.get(e["name"], [])
+            if not srcs:
+                raise fail(f"{e['name']} is not in the checkpoint")
+            saved = srcs[0][6]
+            if (saved["full_numel"], saved["group"]) != (e["full_numel"], e["group"]):
+                raise fail(f"{e['name']}: {saved['full_numel']} elements in group {saved['group']} in checkpoint, "
+                           f"{e['full_numel']} in group {e['group']} now")
+            k, covered, found = max(0, bisect.bisect_right([s[0] for s in srcs], lo) - 1), 0, []
+            for s_lo, s_hi, path, sb, offset, step, _ in srcs[k:]:
+                a, z = max(lo, s_lo), min(hi, s_hi)
+                if s_lo >= hi:
+                    break
+                if a >= z:
+                    continue
+                covered, found = covered + z - a, found + [step]
+                used.add(path)
+                for n, size in sizes.items():
+                    if n in MOMENTS and step is None:
+                        continue  # no Adam state: nothing on disk to keep
+                    copies.append((path, None, sb["segments"][n][0] + (offset + a - s_lo) * size, b.file.fd,
+                                   b.layout.segments[n].offset + (b.offsets[j] + a - lo) * size, (z - a) * size))
+            if covered != hi - lo:
+                raise fail(f"{e['name']}[{lo}:{hi}] is only partly in the checkpoint ({covered} of {hi - lo} elements)")
+            if len(set(found)) != 1:
+                raise fail(f"{e['name']}[{lo}:{hi}] has inconsistent Adam steps {sorted(set(map(str, found)))}")
+            bucket_steps.append(found[0])
+        steps.append(bucket_steps)
+        moments.append(any(s is not None for s in bucket_steps))
+    for path in sorted(used):  # verify every file we read from, before touching the live files
+        _checked_size(path, files[path]["file_bytes"])
+        _copy_checked(path, files[path]["crc32"], files[path]["file_bytes"], None)
+    return copies, steps, moments
+
+
+def _install(bucket, steps: list, moments: bool) -> None:
+    """Adam state as torch creates it, with the moments pointing at the (released) bucket buffers."""
+    try:
+        from torch.optim.optimizer import _get_scalar_dtype
+        scalar = _get_scalar_dtype()
+    except ImportError:
+        scalar = torch.float32
+    groups = {id(p): g for g in bucket.optimizer.param_groups for p in g["params"]}
+    bucket.optimizer.state.clear()
+    for param, views, step in zip(bucket.params, bucket.moment_views, steps):
+        if step is None:
+            continue
+        g = groups[id(param)]
+        on_device = bool(g.get("capturable") or g.get("fused"))
+        bucket.optimizer.state[param] = {
+            "step": torch.tensor(float(step), dtype=torch.float32 if on_device else scalar,
+                                 device=param.device if on_device else "cpu"),
+            **{k: views[k] for k in MOMENTS}}
+    bucket.moments_on_disk = moments
