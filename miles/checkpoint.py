@@ -114,8 +114,13 @@ def _atomic_write(path: str, text: str) -> None:
 
 # ---- rank side ------------------------------------------------------------------------------------
 def save_train_state(base: str, *, model, optimizer, store, rank: int, world_size: int,
-                     tokenizer=None) -> dict[str, Any]:
-    """Write this rank's part of a checkpoint: the model (rank 0) and the optimizer state."""
+                     tokenizer=None, wait: bool = True) -> dict[str, Any]:
+    """Write this rank's part of a checkpoint: the model (rank 0) and the optimizer state.
+
+    With ``wait=False`` the streamed optimizer state is copied in the background (the store snapshots
+    it and training goes on; the next step waits only for buckets it overwrites before they are
+    copied): ``info["pending"]`` is then True and :func:`finish_train_state` must return before the
+    checkpoint may be published."""
     import torch
 
     start = time.perf_counter()
@@ -129,8 +134,13 @@ def save_train_state(base: str, *, model, optimizer, store, rank: int, world_siz
                 tokenizer.save_pretrained(model_dir)
             except Exception:  # a tokenizer that cannot serialize must not fail the checkpoint
                 logger.warning("could not save the tokenizer to %s", model_dir, exc_info=True)
+    info["pending"] = False
     if store is not None:
-        store.save_to(base)  # the bucket files are the state
+        if wait:
+            store.save_to(base)  # the bucket files are the state
+        else:
+            store.save_to(base, wait=False)
+            info["pending"] = True
         info["optimizer"] = "streamed"
     elif optimizer is not None:
         os.makedirs(os.path.join(base, OPTIMIZER_DIR), exist_ok=True)
@@ -138,6 +148,14 @@ def save_train_state(base: str, *, model, optimizer, store, rank: int, world_siz
         info["optimizer"] = "state_dict"
     info["seconds"] = time.perf_counter() - start
     return info
+
+
+def finish_train_state(store) -> Optional[dict[str, Any]]:
+    """Wait until this rank's background save (if any) is published; raises if it failed."""
+    if store is None:
+        return None
+    stats = store.wait_for_save()
+    return dict(stats) if stats else None
 
 
 def _save_model(model, model_dir: str) -> None:

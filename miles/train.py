@@ -270,9 +270,11 @@ def _loop(args, rollout_ids, cursor, tokenizer, train_group, rollout, sink, summ
     from miles.ray import layout
 
     offload = layout.offload_enabled(args)
+    streaming = bool(getattr(args, "stream_optimizer_state_to_disk", False))
     batch_size = int(getattr(args, "rollout_batch_size", 1))
     num_rollout = int(getattr(args, "num_rollout", 1))
     record = None
+    pending = None  # a checkpoint whose streamed optimizer state is still being copied
     with logging_redirect_tqdm(), tqdm(rollout_ids, desc="rollouts", unit="rollout", initial=rollout_ids.start,
                                        total=num_rollout, dynamic_ncols=True) as bar:
         for rollout_id in bar:
@@ -298,16 +300,24 @@ def _loop(args, rollout_ids, cursor, tokenizer, train_group, rollout, sink, summ
             ranks = train_group.train(rollout_id, _shards(samples, advantages, train_group.world_size))
             weights = train_group.export_weights()
             t_train = time.perf_counter() - t
+            if pending is not None:  # the previous checkpoint's streamed state copied during this step
+                _publish(args, train_group, pending, summary)
+                pending = None
 
             completed = rollout_id + 1
             saved = None
             t_save = 0.0
             if _should_save(args, completed):
                 t = time.perf_counter()
-                saved = _save(args, train_group, completed, cursor)
+                # streamed state: copy in the background while the next rollout runs, publish after its
+                # step; the last checkpoint of the run (nothing to overlap with) is waited for at once
+                background = streaming and completed < num_rollout
+                pending = _save(args, train_group, completed, cursor, wait=not background)
+                saved = pending["base"]
+                if not background:
+                    _publish(args, train_group, pending, summary, waited=True)
+                    pending = None
                 t_save = time.perf_counter() - t
-                summary["checkpoints"].append(saved)
-                summary["latest_checkpoint"] = saved
 
             t = time.perf_counter()
             sleep = train_group.sleep() if offload else []
@@ -329,18 +339,30 @@ def _loop(args, rollout_ids, cursor, tokenizer, train_group, rollout, sink, summ
             summary["records"].append(record)
             bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:+.3g}")
             logger.info(_format_line(record, num_rollout))
+    if pending is not None:
+        _publish(args, train_group, pending, summary)
     return record
 
 
-def _save(args, train_group, completed: int, cursor: _DataCursor) -> str:
+def _save(args, train_group, completed: int, cursor: _DataCursor, wait: bool) -> dict[str, Any]:
     base = checkpoint.prepare(args.save, completed)
-    train_group.save(base)
-    checkpoint.write_meta(base, next_rollout_id=completed, data_state=cursor.state(),
+    train_group.save(base, wait)
+    return {"base": base, "completed": completed, "data_state": cursor.state()}
+
+
+def _publish(args, train_group, pending: dict[str, Any], summary: dict[str, Any], waited: bool = False) -> None:
+    """Every rank's part is on disk: write the meta, then point ``latest`` at the checkpoint."""
+    if not waited:
+        train_group.finish_save()
+    base = pending["base"]
+    checkpoint.write_meta(base, next_rollout_id=pending["completed"], data_state=pending["data_state"],
                           world_size=train_group.world_size,
                           extra={"streamed_optimizer_state": bool(getattr(args, "stream_optimizer_state_to_disk", False))})
     checkpoint.publish(args.save, base)
-    logger.info("saved checkpoint %s", base)
-    return base
+    summary["checkpoints"].append(base)
+    summary["latest_checkpoint"] = base
+    logger.info("checkpoint complete: %s%s", base,
+                "" if waited else " (optimizer state copied in the background during the next rollout)")
 
 
 def _record(rollout_id, rewards, samples, ranks, wake, sleep, timings, saved) -> dict[str, Any]:
@@ -390,7 +412,7 @@ def _format_line(rec: dict[str, Any], num_rollout: int) -> str:
     parts.append(f"sleep {rec['sleep_seconds']:.2f}s wake {rec['wake_seconds']:.2f}s "
                  f"({rec['offload_bytes'] / GB:.3f} GB offloaded)")
     if rec.get("checkpoint"):
-        parts.append(f"saved {rec['checkpoint']}")
+        parts.append(f"saving {rec['checkpoint']}")
     return " | ".join(parts)
 
 

@@ -70,8 +70,11 @@ class TrainActor:
     def export_weights(self):
         return self.trainer.export_weights()
 
-    def save(self, base: str) -> dict[str, Any]:
-        return self.trainer.save(base)
+    def save(self, base: str, wait: bool = True) -> dict[str, Any]:
+        return self.trainer.save(base, wait)
+
+    def finish_save(self):
+        return self.trainer.finish_save()
 
     def load(self, base: str, load_optimizer: bool) -> dict[str, Any]:
         return self.trainer.load(base, load_optimizer)

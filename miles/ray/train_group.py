@@ -63,8 +63,11 @@ class RayTrainGroup:
         wait_all([ref], "export_weights", self.labels[:1])
         return ref
 
-    def save(self, base: str) -> list[dict[str, Any]]:
-        return self._all("save", base)
+    def save(self, base: str, wait: bool = True) -> list[dict[str, Any]]:
+        return self._all("save", base, wait)
+
+    def finish_save(self) -> list[Any]:
+        return self._all("finish_save")
 
     def sleep(self) -> list[dict[str, Any]]:
         out = self._all("sleep")

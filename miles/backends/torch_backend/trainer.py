@@ -272,13 +272,18 @@ class TorchTrainer:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     # ---- checkpoints --------------------------------------------------------------------------
-    def save(self, base: str) -> dict[str, Any]:
+    def save(self, base: str, wait: bool = True) -> dict[str, Any]:
         from miles import checkpoint
 
         with self._awake():
             return checkpoint.save_train_state(base, model=self.model, optimizer=self.optimizer, store=self.store,
                                                rank=self.rank, world_size=self.world_size,
-                                               tokenizer=self.tokenizer)
+                                               tokenizer=self.tokenizer, wait=wait)
+
+    def finish_save(self) -> Optional[dict[str, Any]]:
+        from miles import checkpoint
+
+        return checkpoint.finish_train_state(self.store)
 
     def load(self, base: str, load_optimizer: bool) -> dict[str, Any]:
         from miles import checkpoint
