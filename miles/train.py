@@ -195,8 +195,11 @@ def run(args: Any) -> dict[str, Any]:
         pg, use_gpu, bundles = create_placement_group(args)
         train_group = RayTrainGroup(args, pg, use_gpu)
         rollout = RolloutManager(args, pg, use_gpu)
+        logger.info("starting %d train actor(s) and %d rollout engine(s) (each imports torch and builds the "
+                    "model: this takes a while on a small machine)", len(train_group.actors), len(rollout.engines))
         infos = train_group.init()
         engine_infos = rollout.init()
+        summary["train_ranks"], summary["rollout_engines"] = infos, engine_infos
         info0 = infos[0]
         logger.info("policy: %s | %.2fM params, %s on %s | %d train ranks (%s), %d rollout engine(s)%s",
                     source.description, info0["num_params"] / 1e6, info0["dtype"], info0["device"], len(infos),
