@@ -218,12 +218,12 @@ def load_train_state(base: str, *, model, optimizer, store, rank: int, world_siz
     info: dict[str, Any] = {"rank": rank, "model_tensors": n, "optimizer": "skipped"}
     if load_optimizer:
         saved_world = meta.get("world_size")
-        if saved_world is not None and int(saved_world) != world_size:
+        if store is None and saved_world is not None and int(saved_world) != world_size:
             raise CheckpointError(
                 f"{base} was saved by {saved_world} train ranks and this run has {world_size}: the sharded "
                 "optimizer state only resumes onto the same data-parallel size (use --no-load-optim to "
                 "load the weights alone)")
-        if store is not None:
+        if store is not None:  # the store reshards its own state when the data-parallel size changed
             found = store.load_from(base)
             info["optimizer"] = "streamed" if found else "streamed state absent: fresh optimizer state"
         else:
