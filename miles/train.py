@@ -85,7 +85,10 @@ class _DataCursor:
         self.position = position
 
     def next_batch(self, batch_size: int) -> list:
-        items = [self.source.get_batch(k, 1)[0] for k in range(self.position, self.position + batch_size)]
+        if self.position % batch_size == 0:  # the usual case: one call of the source's own batching
+            items = self.source.get_batch(self.position // batch_size, batch_size)
+        else:  # resumed with a different batch size: prompt by prompt
+            items = [self.source.get_batch(k, 1)[0] for k in range(self.position, self.position + batch_size)]
         self.position += batch_size
         return items
 
@@ -153,8 +156,9 @@ def _init_ray(args: Any) -> bool:
     address = os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=True)
-    else:
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # one node: stay on loopback
+    else:  # a private single-node cluster for this run, bound to loopback
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(include_dashboard=False, log_to_driver=True)
     return True
 

@@ -157,3 +157,26 @@ def test_resolve_without_checkpoint(tmp_path):
     assert checkpoint.resolve(str(tmp_path / "missing")) is None
     with pytest.raises(checkpoint.CheckpointError):
         checkpoint.publish(str(tmp_path), str(tmp_path / "rollout_000001"))
+
+
+def test_sgd_optimizer_trains(tmp_path, trainers):
+    samples, adv = _samples()
+    t = TorchTrainer(_args(tmp_path, "--optimizer", "sgd", "--lr", "0.1"), rank=0, world_size=1)
+    trainers.append(t)
+    t.init(_port())
+    before = _params(t)
+    m = t.train(0, samples, adv)
+    assert m["grad_norm"] > 0 and not _same(_params(t), before)
+
+
+def test_data_cursor_resumes_at_any_batch_size():
+    from miles.rl import arithmetic_task
+    from miles.rl.data import PromptSource
+    from miles.train import _DataCursor
+
+    source = PromptSource(arithmetic_task(num_prompts=10, seed=3), seed=3)
+    straight = _DataCursor(source).next_batch(12)  # crosses an epoch boundary
+    c = _DataCursor(source)
+    first = c.next_batch(4)
+    resumed = _DataCursor(source, c.position)
+    assert first + resumed.next_batch(3) + resumed.next_batch(5) == straight
