@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import Any, Optional
+from typing import Any
 
 import ray
 
-from . import actor_factory, layout
+from . import actor_factory
 from .errors import wait_all
 
 logger = logging.getLogger(__name__)
