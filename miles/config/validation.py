@@ -1,7 +1,8 @@
 """Validation of ``miles train`` arguments.
 
 :func:`validate_args` is a pure function of the parsed namespace and an :class:`Environment`
-(Python version, CUDA, importable packages, files on disk). It returns a NEW namespace with every
+(Python version, CUDA, importable packages, files on disk; a ``--prompt-data`` file is parsed here so
+that a malformed line is reported before any actor starts). It returns a NEW namespace with every
 tri-state and environment-dependent default resolved, or raises exactly one :class:`ArgumentError`
 naming the conflicting flags and the fix. It starts nothing, creates nothing and is idempotent:
 ``validate_args(validate_args(a)) == validate_args(a)``.
@@ -71,6 +72,17 @@ def _cuda_available() -> bool:
         return False
 
 
+def _check_prompt_data(path: str) -> Optional[str]:
+    """Parse the JSONL prompt file now (so a bad line fails before any actor starts); the problem or None."""
+    from miles.rl.data import PromptDataError, load_prompt_data
+
+    try:
+        load_prompt_data(path)
+    except PromptDataError as e:
+        return str(e)
+    return None
+
+
 @dataclass
 class Environment:
     """What validation may look at besides the args. Tests pass a fixed one.
@@ -84,6 +96,7 @@ class Environment:
     path_exists: Callable[[str], bool] = os.path.exists
     is_dir: Callable[[str], bool] = os.path.isdir
     is_file: Callable[[str], bool] = os.path.isfile
+    check_prompt_data: Callable[[str], Optional[str]] = _check_prompt_data  # None if the file parses
     scratch_root: Optional[str] = None  # None: $SCRATCH or the system temp dir
     run_id: Optional[str] = None  # None: "<YYYYmmdd-HHMMSS>-<pid>"
 
@@ -238,10 +251,15 @@ def _check_rollout(a: argparse.Namespace, env: Environment) -> None:
     if a.rollout_engine == "sglang" and not env.has_module("sglang"):
         raise _err("--rollout-engine sglang: sglang is not importable here (it needs a CUDA machine with "
                    "sglang installed).", ("--rollout-engine",), "use --rollout-engine embedded.")
-    if a.prompt_data is not None and not env.is_file(a.prompt_data):
-        raise _err(f"--prompt-data {a.prompt_data}: no such file.", ("--prompt-data",),
-                   'pass a JSONL file with one {"prompt": ..., "answer": ...} object per line, or drop the '
-                   "flag to use the built-in arithmetic task.")
+    if a.prompt_data is not None:
+        if not env.is_file(a.prompt_data):
+            raise _err(f"--prompt-data {a.prompt_data}: no such file.", ("--prompt-data",),
+                       'pass a JSONL file with one {"prompt": ..., "answer": ...} object per line, or drop the '
+                       "flag to use the built-in arithmetic task.")
+        problem = env.check_prompt_data(a.prompt_data)
+        if problem:
+            raise _err(f"--prompt-data: {problem}.", ("--prompt-data",),
+                       'make every non-blank line a JSON object {"prompt": "<text>", "answer": "<text or number>"}.')
 
 
 def _check_checkpoint(a: argparse.Namespace, env: Environment) -> None:

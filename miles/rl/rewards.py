@@ -25,7 +25,7 @@ def arithmetic_reward(response: str, answer: str | int) -> float:
     ``0.5 * correct + 0.3 * closeness + 0.2 * digit_fraction`` where ``correct`` is 1 when the last
     integer in the response equals the answer, ``closeness = max(0, 1 - |last - answer| / max(|answer|, 1))``
     (0 without any integer) and ``digit_fraction`` is the share of non-space characters that are digits.
-    Exactly ``"<answer>"`` (optionally with a trailing period) scores 1.0; ``"3 + 4 = 7"`` scores 0.95;
+    Exactly ``"<answer>"`` (optionally with a trailing period) scores 1.0; ``"3 + 4 = 7"`` scores 0.92;
     a response without digits scores 0.
     """
     target = int(str(answer).strip())

@@ -24,6 +24,7 @@ def paths(tmp_path):
     ckpt.mkdir()
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi", "answer": "1"}\n')
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "hi", "answer": "1"}\n{"prompt": "no answer"}\n')
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -128,6 +129,9 @@ CASES = [
     (["--prompt-data", "{tmp}/missing.jsonl"],
      "--prompt-data {tmp}/missing.jsonl: no such file. Fix: pass a JSONL file with one {{\"prompt\": ..., "
      "\"answer\": ...}} object per line, or drop the flag to use the built-in arithmetic task."),
+    (["--prompt-data", "{tmp}/bad.jsonl"],
+     "--prompt-data: {tmp}/bad.jsonl:2: missing key \"answer\" (each line needs \"prompt\" and \"answer\"). "
+     "Fix: make every non-blank line a JSON object {{\"prompt\": \"<text>\", \"answer\": \"<text or number>\"}}."),
     (["--hf-checkpoint", "{tmp}/nope"],
      "--hf-checkpoint {tmp}/nope: no such file or directory. Fix: pass the folder of a HuggingFace model "
      "(with config.json), or drop the flag to use the embedded default model."),
