@@ -12,29 +12,51 @@ Interface, per segment of a bucket (`numel` elements, `values` logically concate
     encode(values)                 device tensors to write back to back (never modifies `values`)
     name, describe()               what a checkpoint manifest records
 
-Formats (`moment_dtype`; bytes per param per step with streamed fp32 mains, B = BLOCK_SIZE = 256):
-    fp32     4 B/moment, the buffer's own bytes, bit-exact           12 B/param
-    bf16     2 B/moment, stochastic rounding, no scale               8 B/param
-    fp16     2 B/moment + fp32 scale per block, stochastic rounding   8 + 8/B = 8.03 B/param
-    fp8e4m3  1 B/moment + fp32 scale per block, stochastic rounding   6 + 8/B = 6.03 B/param
-    fp8e5m2  1 B/moment + fp32 scale per block, stochastic rounding   6 + 8/B = 6.03 B/param
-Without streamed mains (plain fp32 Adam) subtract 4 B/param.
+Formats (`moment_dtype`). Bytes per param per step, each direction, with streamed fp32 masters
+(B = BLOCK_SIZE = 256; subtract 4 when the params are themselves the fp32 masters):
+    fp32     the buffer's own bytes, bit-exact                                      12
+    bf16     2 B, stochastic rounding, no scale (bf16 has fp32's exponent range)    8
+    fp16     2 B + fp32 scale per block, nearest rounding, exp_avg_sq as sqrt       8 + 8/B = 8.03
+    fp8e4m3  1 B + fp32 scale per block, stochastic rounding, exp_avg_sq as sqrt    6 + 8/B = 6.03
+    fp8e5m2  1 B + fp32 scale per block, stochastic rounding, exp_avg_sq as is      6 + 8/B = 6.03
+fp16 needs the scale (8/B extra) because its range is not fp32's: unscaled, an exp_avg below 6e-5
+loses mantissa bits (subnormal) and an exp_avg_sq below 3e-8 rounds to 0.
 
-Block-scaled segment layout: `[fp32 scales, ceil(n/B) x 4 B | payload, n x itemsize]`, one tensor, so
-one segment is one contiguous read and one contiguous write starting on the segment's 4 KiB boundary.
-Block k covers elements [kB, (k+1)B) of the segment (blocks run across param boundaries: the segment is
-one logical vector). scale_k = max|x| over the block / the format's largest finite value (floored at
-fp32's smallest normal), payload = round(x / scale_k), decoded = payload * scale_k.
+Block-scaled segment layout: one tensor `[fp32 scales, ceil(n/B) x 4 B | payload, n x itemsize]`, so a
+segment is one contiguous read and one contiguous write from its 4 KiB boundary. Block k covers
+elements [kB, (k+1)B) of the segment, which runs across param boundaries (the bucket's segment is one
+logical vector). scale_k = max|x| over the block / the format's largest finite value (at least fp32's
+smallest normal), payload = round(clamp(x / scale_k)), decoded = payload * scale_k. exp_avg and
+exp_avg_sq use the same blocks.
 
-exp_avg_sq in fp8e4m3 / fp16 is stored as its square root (sign-preserving: decode squares it back):
-sqrt halves the dynamic range a block must hold (Adam's denominator spans the square of the gradient
-range) and the update consumes sqrt(v) anyway, so the 3-bit mantissa's error lands on the update
-once, not halved-then-doubled. fp8e5m2 stores exp_avg_sq as is (its 5-bit exponent has the range;
-sqrt would spend mantissa it does not have). A nonzero exp_avg_sq never decodes to 0 (a zero
-denominator turns Adam's update into exp_avg / eps): magnitudes below the smallest code round up to it.
-
-Why these choices, measured by `scripts/compare_moment_dtypes.py` (numbers in docs/benchmarks.md):
-see DECISIONS below.
+Decisions, measured by `scripts/compare_moment_dtypes.py study` (the same gradient stream drives an
+fp32 Adam and one whose moments round-trip through the encoding every step, 1000 steps; err = relative
+L2 error of the update m_hat / (sqrt(v_hat) + eps) at the end, 'rows' = per-row gradient scales like a
+weight matrix, 'elem' = 8 decades of scale inside every block; full table in docs/benchmarks.md):
+  * exp_avg_sq as its square root in e4m3. Stored as is, v spans the square of the gradient range
+    and small entries flush to 0 in their block: the update becomes exp_avg / eps (err 3e5, largest
+    update 7.6e6 x lr). sqrt halves the range a block must hold and is what the update consumes, so the
+    mantissa error lands on the update once: err 0.217 vs 0.331 ('rows') with the floor below on both.
+    e5m2 keeps v as is (its 5-bit exponent holds the range; err 0.279 'rows' vs 0.345 with sqrt,
+    which wins only on the adversarial 'elem' data, 0.348 vs 0.625). fp16 stores sqrt too: as is,
+    v's 16 decades overflow fp16's range inside a block ('elem' err 59, largest update 684 x lr).
+  * A nonzero exp_avg_sq never decodes to 0: what rounds to 0 becomes the smallest code. Without it
+    e4m3 + sqrt still blows up (err 11 'rows', 472 'elem'; largest update 6.4e3 x lr); with it the
+    largest update stays within 2x fp32's. Why it suffices: exp_avg shares the block partition, so a
+    tiny exp_avg that rounds up to the smallest code (scale_m * min_code) meets a denominator of at
+    least scale_v * min_code, and scale_m / scale_v = max|m| / max sqrt(v) over the block, which Adam
+    itself keeps O(1).
+  * Stochastic rounding for fp8 and bf16: an EMA step of (1 - beta2) = 0.1% is below half an ulp of
+    8 bits (and of bf16's 8-bit mantissa), so round-to-nearest freezes the moments: e4m3 nearest err
+    0.515 vs 0.217 stochastic; bf16 nearest drifts 0.031 -> 0.081 -> 0.148 at steps 1000/2000/4000
+    while stochastic stays 0.017 -> 0.020 -> 0.021. fp16's 10-bit mantissa does not freeze (nearest
+    0.0033 -> 0.0042, stochastic 0.0046 -> 0.0061), so fp16 rounds to nearest. The noise comes from
+    one seeded generator per segment codec and device: runs are reproducible given the same order of
+    encodes (a resumed run draws different noise than an uninterrupted one).
+  * Block size 256: err 0.207 / 0.213 / 0.217 / 0.217 for 32 / 128 / 256 / 512 ('rows'; 0.602 at
+    2048, where a block spans rows of different scale), for 0.25 / 0.06 / 0.03 / 0.016 B/param of scales.
+Training a small LM 200 steps through the store (docs/benchmarks.md): final loss within 0.05% of fp32
+for every format; the unscaled fp8 cast (private "_fp8e4m3_unscaled") diverges to loss ~1e5.
 """
 
 from __future__ import annotations
@@ -50,8 +72,6 @@ BLOCK_SIZE = 256
 # Encode/decode walk a segment in chunks of this many elements (a multiple of BLOCK_SIZE), so the
 # device temporaries stay a few tens of MB whatever the bucket size.
 CHUNK_NUMEL = 1 << 22
-
-DECISIONS = """(filled in from measurements)"""
 
 
 class Fp32Codec:
@@ -129,6 +149,11 @@ def _round(x: torch.Tensor, fmt: _Format, stochastic: bool, generator: torch.Gen
     return y.clamp_(-fmt.max, fmt.max)
 
 
+def _floor(q: torch.Tensor, x: torch.Tensor, fmt: _Format) -> torch.Tensor:
+    """Nonzero inputs that rounded to 0 become the smallest code of their sign."""
+    return torch.where((q == 0) & (x != 0), torch.copysign(torch.full_like(q, fmt.min_positive), x), q)
+
+
 def _cat_chunk(values: list[torch.Tensor], bounds: list[int], start: int, stop: int) -> torch.Tensor:
     """Elements [start, stop) of the logical concatenation of `values` (a view when inside one)."""
     parts = []
@@ -152,6 +177,11 @@ class _CodecBase:
     def reads_in_place(self) -> bool:
         return False
 
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The payload's element type (a block-scaled segment's buffer is bytes: scales, then payload)."""
+        return self.fmt.dtype
+
     def _generator(self, device: torch.device) -> torch.Generator | None:
         """One seeded generator per device: runs are reproducible given the same encode order."""
         if not self.stochastic:
@@ -166,9 +196,9 @@ class _CodecBase:
 class CastCodec(_CodecBase):
     """A 16-bit format with the fp32 exponent range (bf16): a plain device cast, no scale needed."""
 
-    def __init__(self, name: str, fmt: _Format, stochastic: bool = True, seed: int = 0):
+    def __init__(self, name: str, fmt: _Format, stochastic: bool = True, floor_nonzero: bool = False, seed: int = 0):
         super().__init__(stochastic, seed)
-        self.name, self.fmt = name, fmt
+        self.name, self.fmt, self.floor_nonzero = name, fmt, floor_nonzero
 
     def encoded_nbytes(self, numel: int) -> int:
         return numel * self.fmt.itemsize
@@ -187,14 +217,16 @@ class CastCodec(_CodecBase):
             gen = self._generator(v.device)
             for s in range(0, v.numel(), CHUNK_NUMEL):
                 x = v[s:s + CHUNK_NUMEL].clamp(-self.fmt.max, self.fmt.max)
-                enc[s:s + CHUNK_NUMEL].copy_(_round(x, self.fmt, self.stochastic, gen))
+                q = _round(x, self.fmt, self.stochastic, gen)
+                enc[s:s + CHUNK_NUMEL].copy_(_floor(q, x, self.fmt) if self.floor_nonzero else q)
             out.append(enc)
         return out
 
     def describe(self) -> dict:
         return {"name": self.name, "storage_dtype": str(self.fmt.dtype).replace("torch.", ""), "block_size": None,
                 "layout": f"[{self.fmt.itemsize}-byte values]", "transform": "none",
-                "rounding": "stochastic" if self.stochastic else "nearest"}
+                "rounding": "stochastic" if self.stochastic else "nearest",
+                "nonzero_never_decodes_to_zero": self.floor_nonzero}
 
 
 class BlockScaledCodec(_CodecBase):
@@ -244,7 +276,7 @@ class BlockScaledCodec(_CodecBase):
             q = (x / scale[:, None]).clamp_(-fmt.max, fmt.max)
             q = _round(q, fmt, self.stochastic, gen)
             if self.floor_nonzero:
-                q = torch.where((q == 0) & (x != 0), torch.copysign(torch.full_like(q, fmt.min_positive), x), q)
+                q = _floor(q, x, fmt)
             payload[s:e].copy_(q.view(-1)[:n])
             scales[s // B:s // B + nb].copy_(scale)
         return [buf]
@@ -291,9 +323,10 @@ def _moment_codecs(moment_dtype: str):
     f = FORMATS
     table = {
         "fp32": lambda: (Fp32Codec(), Fp32Codec()),
-        "bf16": lambda: (CastCodec("bf16", f["bf16"], seed=1), CastCodec("bf16", f["bf16"], seed=2)),
-        "fp16": lambda: (BlockScaledCodec("fp16", f["fp16"], seed=1),
-                         BlockScaledCodec("fp16", f["fp16"], sqrt=True, floor_nonzero=True, seed=2)),
+        "bf16": lambda: (CastCodec("bf16", f["bf16"], seed=1),
+                         CastCodec("bf16", f["bf16"], floor_nonzero=True, seed=2)),
+        "fp16": lambda: (BlockScaledCodec("fp16", f["fp16"], stochastic=False),
+                         BlockScaledCodec("fp16", f["fp16"], sqrt=True, stochastic=False, floor_nonzero=True)),
         "fp8e4m3": lambda: (BlockScaledCodec("fp8e4m3", f["fp8e4m3"], seed=1),
                             BlockScaledCodec("fp8e4m3", f["fp8e4m3"], sqrt=True, floor_nonzero=True, seed=2)),
         "fp8e5m2": lambda: (BlockScaledCodec("fp8e5m2", f["fp8e5m2"], seed=1),
@@ -316,8 +349,3 @@ def make_moment_codecs(moment_dtype: str) -> dict:
             f"moment_dtype {moment_dtype!r} is not supported; choose one of {', '.join(MOMENT_DTYPES)}")
     exp_avg, exp_avg_sq = make()
     return {EXP_AVG: exp_avg, EXP_AVG_SQ: exp_avg_sq}
-
-
-def make_codec(moment_dtype: str):
-    """The exp_avg codec of a `moment_dtype` (kept for callers that want one codec)."""
-    return make_moment_codecs(moment_dtype)["exp_avg"]
