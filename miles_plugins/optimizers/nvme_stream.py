@@ -17,12 +17,13 @@ from __future__ import annotations
 import torch
 
 from .streaming.bind_torch import bind_plain_adam, bind_sharded_adam
+from .streaming.checkpoint import CheckpointError
 from .streaming.plan import DEFAULT_BUCKET_NUMEL, plan_buckets
 from .streaming.stager import StoreConfigError
 from .streaming.store import NVMeOptimizerStateStore, StepStats, StoreStats
 
-__all__ = ["stream_optimizer_state", "NVMeOptimizerStateStore", "StoreConfigError", "StoreStats", "StepStats",
-           "plan_buckets", "DEFAULT_BUCKET_NUMEL"]
+__all__ = ["stream_optimizer_state", "NVMeOptimizerStateStore", "StoreConfigError", "CheckpointError", "StoreStats",
+           "StepStats", "plan_buckets", "DEFAULT_BUCKET_NUMEL"]
 
 
 def _is_megatron_optimizer(optimizer) -> bool:

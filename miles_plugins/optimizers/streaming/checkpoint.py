@@ -1,62 +1,57 @@
 """Checkpoints of streamed optimizer state: manifest, atomic publish, verification, resharding.
 
-Format (version 1). `store.save_to(base)` writes one directory per store, named by the store:
-
-    <base>/nvme_opt_state/<store.relative_dir>/     e.g. nvme_opt_state/rank00000/opt0_0/
-        bucket00000.bin ...   byte copies of the live bucket files (layout.py: segments
-                              [main | exp_avg | exp_avg_sq], each starting on a 4 KiB boundary)
-        manifest.json
-
-    manifest.json
-      format, version, relative_dir, streams_main (false: plain fp32 Adam, moments only)
+Format, version 1. `store.save_to(base)` writes one directory per store, named by the store:
+  <base>/nvme_opt_state/<store.relative_dir>/     (e.g. rank00000/opt0_0/)
+    bucket00000.bin ...  byte copies of the live bucket files ([main | exp_avg | exp_avg_sq], layout.py)
+    manifest.json        format, version, relative_dir, streams_main (false: plain fp32 Adam, moments only),
       segments     {segment: codec.describe()}: storage dtype, block size, scale layout
-      entries      [{name, start, stop, full_numel, group}]: entry i holds elements [start, stop) of
-                   the flattened param `name` (null: no identity; resumes onto the same layout only)
-      group_steps  {group: largest Adam step} (a summary; the per-piece steps below are the state)
-      buckets      [{file, numel, file_bytes, crc32, moments, segments: {segment: [offset, nbytes]},
-                     pieces: [[entry, start, stop, step]]}]   crc32: zlib.crc32 of the whole file;
-                   moments false: no step ran yet, moment segments hold nothing; step null: no Adam
-                   state for that piece yet (its grad never arrived)
+      entries      [{name, start, stop, full_numel, group}]: elements [start, stop) of the flattened
+                   param `name` (null: no identity, resumes onto the same layout only)
+      group_steps  {group: largest Adam step} (a summary; the per-piece steps are the state)
+      buckets      [{file, numel, file_bytes, crc32 (zlib, whole file), moments (false: never stepped,
+                    moment segments hold nothing), segments {name: [offset, nbytes]},
+                    pieces [[entry, start, stop, step or null (no Adam state yet)]]}]
+      resident     {file, file_bytes, crc32} of resident_adam.pt, when the binding keeps a small resident
+                   Adam (store.resident_adam: Megatron's native-fp32 params): its torch state_dict
+      manifest_crc32  crc32 of the rest (json, sorted keys)
 
-Atomic publish: the files go to `<dir>.tmp-<pid>/`, each fsynced, the manifest last; then that
-directory is renamed to `<dir>` and the parent fsynced. A kill at any point leaves either what `<dir>`
-held before (nothing, when every checkpoint has its own base) or the complete new checkpoint; a
-`.tmp-` leftover is never read, and the next save to that base removes it. A different base (the
-previous checkpoint) is never touched.
+Atomic publish: files go to `<dir>.tmp-<pid>/`, each fsynced, the manifest last; the directory is then
+renamed to `<dir>` and its parent fsynced. A kill at any point leaves what `<dir>` held before (nothing,
+when each checkpoint has its own base) or the complete new one. A `.tmp-` leftover is never read; the
+next save to that base removes it. Other bases (the previous checkpoint) are never touched.
 
-Saving without stalling: `save_to` drains pending writes, snapshots the metadata (steps, which
-buckets have moments) and returns the copy to a background thread (reflink where the filesystem has
-it). Until a bucket is copied its live file carries a `before_write` guard: the first write to it
-(the next step) copies it first. Training waits only for buckets it is about to overwrite.
-`save_to(base, wait=False)` returns after the snapshot; `store.wait_for_save()` returns once the
-checkpoint is published, or raises why it was not. Only then may a caller call the checkpoint complete.
+No stall: save_to drains pending writes, snapshots the metadata and hands the copy to a thread
+(reflink where the filesystem has it). Until a bucket is copied its live file has a `before_write`
+guard: the first write to it (the next step) copies it first. Training waits only for buckets it is
+about to overwrite. wait=False returns after the snapshot; wait_for_save() returns once published.
 
-Loading checks format, mains, segment codecs, then either restores the same layout (each file copied
-back, its crc32 checked on the way) or reshards: it reads the manifests of this store identity on
-every rank (`rank*/opt{instance}_{uid}`), checks every named param range is covered exactly once,
-verifies the crc32 of the files it uses, and copies each element range into place. Then it restores
-the per-piece Adam steps and points the moments at the bucket buffers, so the first step streams
-them. A load that fails after touching the live files resets the store to fresh state (mains <- model
-params, no moments) before raising: it never trains on a half-restored state.
+Load checks format, mains and codecs, then restores the same layout (copying each file back, its
+crc32 checked on the way) or reshards: it reads the manifests of this store identity on every rank
+(`rank*/opt{instance}_{uid}`), checks each named param range is covered exactly once, verifies the
+files it uses and copies element ranges into place. Then it restores the per-piece Adam steps and
+points the moments at the bucket buffers, so the first step streams them. A load that fails after
+touching the live files resets the store to fresh state (mains <- model params, no moments).
 """
 
 from __future__ import annotations
 
-import bisect
 import json
 import logging
 import os
 import threading
 import time
+import zlib
+from io import BytesIO
 
 import torch
 
 from . import stager as io
-from .layout import MAIN, MOMENTS, bucket_filename
+from .layout import MOMENTS, bucket_filename
+from .reshard import ReshardError, entry_meta, plan_reshard, segment_names
 
 logger = logging.getLogger(__name__)
 FORMAT, VERSION = "miles-streamed-optimizer-state", 1
-STREAMED_DIR, MANIFEST = "nvme_opt_state", "manifest.json"
+STREAMED_DIR, MANIFEST, RESIDENT = "nvme_opt_state", "manifest.json", "resident_adam.pt"
 FAULT_HOOK = None  # tests: called at every point of a save where they may kill the process
 
 
@@ -67,22 +62,6 @@ class CheckpointError(RuntimeError):
 def _fault() -> None:
     if FAULT_HOOK is not None:
         FAULT_HOOK()
-
-
-def _describe(codec) -> dict:
-    if hasattr(codec, "describe"):
-        return codec.describe()
-    return {"name": codec.name, "storage_dtype": str(codec.storage_dtype).replace("torch.", "")}
-
-
-def _segment_names(store) -> tuple[str, ...]:
-    return ((MAIN,) if store.streams_main else ()) + MOMENTS
-
-
-def _entry_meta(e) -> dict:
-    numel = e.main.numel()
-    return {"name": e.name, "start": e.start, "stop": e.start + numel,
-            "full_numel": numel if e.full_numel is None else e.full_numel, "group": e.group}
 
 
 def _step(state):
@@ -106,8 +85,8 @@ def build_manifest(store) -> dict:
                         "segments": {n: [s.offset, s.nbytes] for n, s in b.layout.segments.items()}})
     return {"format": FORMAT, "version": VERSION, "relative_dir": store.relative_dir,
             "streams_main": store.streams_main,
-            "segments": {n: _describe(store.codecs[n]) for n in _segment_names(store)},
-            "entries": [_entry_meta(e) for e in store.entries], "group_steps": group_steps, "buckets": buckets}
+            "segments": {n: store.codecs[n].describe() for n in segment_names(store)},
+            "entries": [entry_meta(e) for e in store.entries], "group_steps": group_steps, "buckets": buckets}
 
 
 # ---- save -----------------------------------------------------------------------------------------
@@ -120,6 +99,13 @@ class SaveJob:
         self.tmp = f"{self.final}.tmp-{os.getpid()}"
         store.stager.drain()  # write-behind must have landed in the files we copy
         self.manifest = build_manifest(store)
+        self.resident = None  # the small always-resident Adam (native-fp32 params) is in memory: snapshot it now
+        if _resident(store) is not None:
+            buf = BytesIO()
+            torch.save(_resident(store).state_dict(), buf)
+            self.resident = buf.getvalue()
+            self.manifest["resident"] = {"file": RESIDENT, "file_bytes": len(self.resident),
+                                         "crc32": zlib.crc32(self.resident)}
         for stale in io.glob_paths(f"{self.final}.tmp-*"):
             io.remove_tree(stale)
         io.make_dirs(self.tmp)
@@ -129,7 +115,7 @@ class SaveJob:
         self.locks = {i: threading.Lock() for i in self.order}
         self.fds, self.done, self.error, self.use_reflink = {}, set(), None, True
         self.stats = {"path": self.final, "bytes": sum(b.file.nbytes for b in store.buckets),
-                      "reflinked_buckets": 0, "stalled_seconds": 0.0}
+                      "reflinked_buckets": 0, "stalled_seconds": 0.0, "copied_by_writer": 0}
         for b in store.buckets:
             b.file.before_write = lambda i=b.index: self._guard(i)
         self.t0 = t0
@@ -139,13 +125,13 @@ class SaveJob:
 
     def _guard(self, i: int) -> None:
         t = time.perf_counter()
-        self._copy(i)
+        self.stats["copied_by_writer"] += self._copy(i)
         self.stats["stalled_seconds"] += time.perf_counter() - t
 
-    def _copy(self, i: int) -> None:
+    def _copy(self, i: int) -> bool:
         with self.locks[i]:
             if i in self.done:
-                return
+                return False
             file = self.store.buckets[i].file
             try:
                 if self.error is None:
@@ -160,9 +146,11 @@ class SaveJob:
             finally:
                 self.done.add(i)
                 file.before_write = None
+            return True
 
     def _run(self) -> None:
         try:
+            _fault()
             for i in self.order:
                 self._copy(i)
             if self.error is not None:
@@ -174,7 +162,12 @@ class SaveJob:
                     self.stats["reflinked_buckets"] += 1
                 io.close_fd(self.fds.pop(i), sync=True)
                 _fault()
-            io.write_file_durable(os.path.join(self.tmp, MANIFEST), json.dumps(self.manifest, indent=1).encode())
+            if self.resident is not None:
+                io.write_file_durable(os.path.join(self.tmp, RESIDENT), self.resident)
+                _fault()
+            body = json.dumps(self.manifest, sort_keys=True)
+            text = json.dumps({**self.manifest, "manifest_crc32": zlib.crc32(body.encode())}, indent=1)
+            io.write_file_durable(os.path.join(self.tmp, MANIFEST), text.encode())
             _fault()
             io.fsync_dir(self.tmp)
             _fault()
@@ -197,12 +190,16 @@ class SaveJob:
 
 
 # ---- load -----------------------------------------------------------------------------------------
+def _resident(store):
+    return getattr(getattr(store, "resident_adam", None), "optimizer", None)
+
+
 def _read_manifest(directory: str) -> dict:
     path = os.path.join(directory, MANIFEST)
     try:
         m = json.loads(io.read_file(path))
-        if not {"format", "version", "segments", "entries", "buckets", "streams_main"} <= set(m):
-            raise ValueError("required keys are missing")
+        if m.pop("manifest_crc32", None) != zlib.crc32(json.dumps(m, sort_keys=True).encode()):
+            raise ValueError("its checksum does not match")
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: manifest is truncated or unreadable ({e}); this checkpoint of "
                               "optimizer state is incomplete or corrupt") from e
@@ -217,8 +214,8 @@ def _check_format(m: dict, directory: str, store) -> None:
         what = lambda s: "fp32 masters and moments" if s else "moments only (plain fp32 Adam)"  # noqa: E731
         raise CheckpointError(f"{directory}: checkpoint holds {what(m['streams_main'])}, this store streams "
                               f"{what(store.streams_main)}")
-    for name in _segment_names(store):
-        saved, live = m["segments"].get(name), _describe(store.codecs[name])
+    for name in segment_names(store):
+        saved, live = m["segments"].get(name), store.codecs[name].describe()
         if saved != live:
             s = saved or {}
             raise CheckpointError(
@@ -229,7 +226,7 @@ def _check_format(m: dict, directory: str, store) -> None:
 
 def _layout_diff(m: dict, store) -> str | None:
     """The first difference between the checkpoint's layout and this store's, or None."""
-    entries = [_entry_meta(e) for e in store.entries]
+    entries = [entry_meta(e) for e in store.entries]
     show = lambda e: f"{e['name']}[{e['start']}:{e['stop']}] of {e['full_numel']} (group {e['group']})"  # noqa: E731
     for i, (saved, live) in enumerate(zip(m["entries"], entries)):
         if saved != live:
@@ -277,17 +274,28 @@ def load(store, base: str) -> bool:
     diff = _layout_diff(m, store) if m is not None else f"no {STREAMED_DIR}/{store.relative_dir} in the checkpoint"
     if m is not None:
         _check_format(m, own, store)
+    resident, resident_state = _resident(store), None
+    if diff is None and (resident is None) != (m.get("resident") is None):
+        has = m.get("resident") is not None
+        raise CheckpointError(f"{own}: the checkpoint {'holds' if has else 'lacks'} the state of a resident Adam "
+                              f"(native-fp32 params), which this store {'lacks' if has else 'has'}")
     store.stager.drain()
     if diff is None:
         for sb in m["buckets"]:
             _checked_size(os.path.join(own, sb["file"]), sb["file_bytes"])
+        if resident is not None:
+            path, meta = os.path.join(own, m["resident"]["file"]), m["resident"]
+            _checked_size(path, meta["file_bytes"])
+            data = io.read_file(path)
+            if zlib.crc32(data) != meta["crc32"]:
+                raise CheckpointError(f"{path}: checksum mismatch; the file is corrupt")
+            resident_state = torch.load(BytesIO(data), map_location="cpu", weights_only=True)
         copies = [(os.path.join(own, sb["file"]), sb["crc32"], 0, b.file.fd, 0, sb["file_bytes"])
                   for b, sb in zip(store.buckets, m["buckets"])]
         steps = [[p[3] for p in sb["pieces"]] for sb in m["buckets"]]
         moments = [sb["moments"] for sb in m["buckets"]]
     else:
-        copies, steps, moments = _plan_reshard(store, root, own, diff)
-        logger.info("resharding streamed optimizer state from %s (%s)", root, diff)
+        copies, steps, moments = _reshard(store, root, own, diff)
     sources = {}
     try:
         for path, crc, src_off, dst_fd, dst_off, nbytes in copies:
@@ -299,11 +307,15 @@ def load(store, base: str) -> bool:
             io.copy_with_crc(sources[path], dst_fd, nbytes, src_off, dst_off)
         for b, s, mo in zip(store.buckets, steps, moments):
             _install(b, s, mo)
+        if resident_state is not None:
+            resident.load_state_dict(resident_state)
     except BaseException:
         logger.error("loading optimizer state from %s failed: resetting the store to fresh state", own)
         for b in store.buckets:
             b.optimizer.state.clear()
             b.moments_on_disk = False
+        if resident is not None:
+            resident.state.clear()
         store.refresh_main_from_model_params()
         raise
     finally:
@@ -314,81 +326,29 @@ def load(store, base: str) -> bool:
     return True
 
 
-def _plan_reshard(store, root: str, own: str, diff: str):
-    """Verify a reshard is possible and return (copies, steps, moments); touches no live file."""
-    def fail(why):
-        return CheckpointError(f"{own}: the checkpoint's layout differs from this store's ({diff}) and it "
-                               f"cannot be resharded: {why}")
+def _reshard(store, root: str, own: str, diff: str):
+    """Plan the copies from every rank's state of this store identity, verify the files they read."""
     identity = os.path.basename(store.relative_dir)
     paths = io.glob_paths(os.path.join(root, "rank*", identity, MANIFEST))
-    if not paths:
-        leftovers = io.glob_paths(os.path.join(root, "rank*", identity + ".*"))
-        raise fail(f"no complete state of store {identity} under {root}"
-                   + (f" (an interrupted save left {leftovers})" if leftovers else ""))
-    if any(e.name is None for e in store.entries):
-        raise fail("this optimizer's binding gives its entries no param identities")
-    sizes = {}
-    for n in _segment_names(store):
-        codec, size = store.codecs[n], store.codecs[n].encoded_nbytes(1)
-        if _describe(codec).get("block_size") or codec.encoded_nbytes(4099) != 4099 * size:
-            raise fail(f"{n} is stored block-scaled ({codec.name}); resume at the saved data-parallel size")
-        sizes[n] = size
-    sources, files = {}, {}  # name -> sorted [(lo, hi, path, bucket meta, element offset, step, entry)]
-    for mpath in paths:
-        directory = os.path.dirname(mpath)
-        m = _read_manifest(directory)
-        _check_format(m, directory, store)
-        for sb in m["buckets"]:
-            path, offset = os.path.join(directory, sb["file"]), 0
-            files[path] = sb
-            for entry, start, stop, step in sb["pieces"]:
-                e = m["entries"][entry]
-                if e["name"] is None:
-                    raise fail(f"{mpath} has entries without param identities")
-                sources.setdefault(e["name"], []).append(
-                    (e["start"] + start, e["start"] + stop, path, sb, offset, step, e))
-                offset += stop - start
-    for name, srcs in sources.items():
-        srcs.sort(key=lambda s: s[0])
-        for a, b in zip(srcs, srcs[1:]):
-            if b[0] < a[1]:
-                raise fail(f"{name}[{b[0]}:{a[1]}] is saved twice ({a[2]}, {b[2]})")
-    copies, steps, moments, used = [], [], [], set()
-    for b in store.buckets:
-        bucket_steps = []
-        for j, piece in enumerate(b.pieces):
-            e = _entry_meta(store.entries[piece.entry])
-            lo, hi, srcs = e["start"] + piece.start, e["start"] + piece.stop, sources.get(e["name"], [])
-            if not srcs:
-                raise fail(f"{e['name']} is not in the checkpoint")
-            saved = srcs[0][6]
-            if (saved["full_numel"], saved["group"]) != (e["full_numel"], e["group"]):
-                raise fail(f"{e['name']}: {saved['full_numel']} elements in group {saved['group']} in checkpoint, "
-                           f"{e['full_numel']} in group {e['group']} now")
-            k, covered, found = max(0, bisect.bisect_right([s[0] for s in srcs], lo) - 1), 0, []
-            for s_lo, s_hi, path, sb, offset, step, _ in srcs[k:]:
-                a, z = max(lo, s_lo), min(hi, s_hi)
-                if s_lo >= hi:
-                    break
-                if a >= z:
-                    continue
-                covered, found = covered + z - a, found + [step]
-                used.add(path)
-                for n, size in sizes.items():
-                    if n in MOMENTS and step is None:
-                        continue  # no Adam state: nothing on disk to keep
-                    copies.append((path, None, sb["segments"][n][0] + (offset + a - s_lo) * size, b.file.fd,
-                                   b.layout.segments[n].offset + (b.offsets[j] + a - lo) * size, (z - a) * size))
-            if covered != hi - lo:
-                raise fail(f"{e['name']}[{lo}:{hi}] is only partly in the checkpoint ({covered} of {hi - lo} elements)")
-            if len(set(found)) != 1:
-                raise fail(f"{e['name']}[{lo}:{hi}] has inconsistent Adam steps {sorted(set(map(str, found)))}")
-            bucket_steps.append(found[0])
-        steps.append(bucket_steps)
-        moments.append(any(s is not None for s in bucket_steps))
-    for path in sorted(used):  # verify every file we read from, before touching the live files
-        _checked_size(path, files[path]["file_bytes"])
-        _copy_checked(path, files[path]["crc32"], files[path]["file_bytes"], None)
+    try:
+        if _resident(store) is not None:
+            raise ReshardError("the resident Adam over native-fp32 params does not reshard")
+        if not paths:
+            leftovers = io.glob_paths(os.path.join(root, "rank*", identity + ".*"))
+            raise ReshardError(f"no complete state of store {identity} under {root}"
+                               + (f" (an interrupted save left {leftovers})" if leftovers else ""))
+        manifests = []
+        for path in paths:
+            manifests.append((os.path.dirname(path), _read_manifest(os.path.dirname(path))))
+            _check_format(manifests[-1][1], manifests[-1][0], store)
+        copies, steps, moments, used = plan_reshard(store, manifests)
+    except ReshardError as e:
+        raise CheckpointError(f"{own}: the checkpoint's layout differs from this store's ({diff}) and it "
+                              f"cannot be resharded: {e}") from None
+    for path, meta in sorted(used.items()):  # every file we read from, before touching the live files
+        _checked_size(path, meta["file_bytes"])
+        _copy_checked(path, meta["crc32"], meta["file_bytes"], None)
+    logger.info("resharding streamed optimizer state from %s (%s)", root, diff)
     return copies, steps, moments
 
 

@@ -298,23 +298,70 @@ def reflink(src_fd: int, dst_fd: int) -> bool:
         return False
 
 
+_NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
+_kernel_copy = hasattr(os, "copy_file_range")  # False once refused (other filesystems, old kernels, gVisor)
+
+
+def _copy_range(src_fd: int, dst_fd: int, n: int, src_off: int, dst_off: int, buf: memoryview) -> None:
+    global _kernel_copy
+    done = 0
+    while _kernel_copy and done < n:  # in the kernel: no copy through user memory (reflink on XFS)
+        try:
+            k = os.copy_file_range(src_fd, dst_fd, n - done, src_off + done, dst_off + done)
+        except OSError as e:
+            if e.errno not in _NO_COPY_FILE_RANGE:
+                raise
+            _kernel_copy = False
+            break
+        if k == 0:
+            raise IOError(f"unexpected end of file copying fd {src_fd} at byte {src_off + done}")
+        done += k
+    for pos in range(done, n, len(buf)):
+        chunk = buf[:min(len(buf), n - pos)]
+        _pread_into(src_fd, chunk, src_off + pos)
+        _pwrite_all(dst_fd, [chunk], dst_off + pos)
+
+
 def copy_with_crc(src_fd: int, dst_fd: int | None, nbytes: int, src_offset: int = 0, dst_offset: int = 0,
                   crc: int = 0, on_chunk: Callable[[], None] | None = None) -> int:
     """Copy `nbytes` (dst_fd None: only read them) and return their zlib.crc32, chained from `crc`.
 
-    Chunked through one buffer: the reads, writes and crc32 of each chunk release the GIL, so a copy
-    in a background thread does not stall the training thread. Short files raise IOError.
+    Chunk by chunk: the copy runs in the kernel (copy_file_range; pread/pwrite where refused) while a
+    helper thread checksums the previous chunk, re-read from the page cache. Every syscall and crc32
+    releases the GIL, so a copy in a background thread does not stall the training thread. Short
+    files raise IOError.
     """
-    buf = memoryview(bytearray(max(1, min(COPY_CHUNK_BYTES, nbytes))))
-    for pos in range(0, nbytes, len(buf)):
-        chunk = buf[:min(len(buf), nbytes - pos)]
-        _pread_into(src_fd, chunk, src_offset + pos)
-        crc = zlib.crc32(chunk, crc)
-        if dst_fd is not None:
-            _pwrite_all(dst_fd, [chunk], dst_offset + pos)
-        if on_chunk is not None:
-            on_chunk()
-    return crc
+    chunk_bytes = max(1, min(COPY_CHUNK_BYTES, nbytes))
+    if dst_fd is None or nbytes <= chunk_bytes:
+        buf = memoryview(bytearray(chunk_bytes))
+        for pos in range(0, nbytes, chunk_bytes):
+            n = min(chunk_bytes, nbytes - pos)
+            if dst_fd is not None:
+                _copy_range(src_fd, dst_fd, n, src_offset + pos, dst_offset + pos, buf)
+            _pread_into(src_fd, buf[:n], src_offset + pos)
+            crc = zlib.crc32(buf[:n], crc)
+            if on_chunk is not None:
+                on_chunk()
+        return crc
+    from concurrent.futures import ThreadPoolExecutor
+
+    copy_buf, crc_buf, state = memoryview(bytearray(chunk_bytes)), memoryview(bytearray(chunk_bytes)), [crc]
+
+    def checksum(pos: int, n: int) -> None:  # one worker: runs in submission order
+        _pread_into(src_fd, crc_buf[:n], src_offset + pos)
+        state[0] = zlib.crc32(crc_buf[:n], state[0])
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-crc") as pool:
+        futures = []
+        for pos in range(0, nbytes, chunk_bytes):
+            n = min(chunk_bytes, nbytes - pos)
+            _copy_range(src_fd, dst_fd, n, src_offset + pos, dst_offset + pos, copy_buf)
+            futures.append(pool.submit(checksum, pos, n))
+            if on_chunk is not None:
+                on_chunk()
+        for f in futures:
+            f.result()
+    return state[0]
 
 
 def file_size(path: str) -> int:

@@ -1,0 +1,107 @@
+"""Resharding: which byte ranges of saved bucket files fill this store's buckets when the layout
+differs (another data-parallel size, another bucket size). Pure: manifests in, a copy plan out.
+
+Every entry with a name is elements [start, stop) of a flattened param (bucket.StreamEntry). A saved
+piece covers [entry start + piece start, entry start + piece stop) of its param; each live piece is
+filled from the saved pieces that overlap it, segment by segment. That is a byte copy only where a
+segment stores a fixed number of bytes per element (fp32, bf16), not with per-block scales.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+
+from .layout import MAIN, MOMENTS
+
+
+class ReshardError(ValueError):
+    """The saved state cannot be mapped onto this store's layout."""
+
+
+def segment_names(store) -> tuple[str, ...]:
+    return ((MAIN,) if store.streams_main else ()) + MOMENTS
+
+
+def entry_meta(e) -> dict:
+    numel = e.main.numel()
+    return {"name": e.name, "start": e.start, "stop": e.start + numel,
+            "full_numel": numel if e.full_numel is None else e.full_numel, "group": e.group}
+
+
+def _element_sizes(store) -> dict[str, int]:
+    sizes = {}
+    for n in segment_names(store):
+        codec = store.codecs[n]
+        size = codec.encoded_nbytes(1)
+        if codec.describe().get("block_size") or codec.encoded_nbytes(4099) != 4099 * size:
+            raise ReshardError(f"{n} is stored block-scaled ({codec.name}); resume at the saved data-parallel size")
+        sizes[n] = size
+    return sizes
+
+
+def _saved_pieces(manifests) -> tuple[dict, dict]:
+    """{param name: [(lo, hi, file, bucket meta, element offset in its segments, step, entry)]} sorted."""
+    sources, files = {}, {}
+    for directory, m in manifests:
+        for sb in m["buckets"]:
+            path, offset = os.path.join(directory, sb["file"]), 0
+            files[path] = sb
+            for entry, start, stop, step in sb["pieces"]:
+                e = m["entries"][entry]
+                if e["name"] is None:
+                    raise ReshardError(f"{directory} has entries without param identities")
+                sources.setdefault(e["name"], []).append((e["start"] + start, e["start"] + stop, path, sb,
+                                                          offset, step, e))
+                offset += stop - start
+    for name, srcs in sources.items():
+        srcs.sort(key=lambda s: s[0])
+        for a, b in zip(srcs, srcs[1:]):
+            if b[0] < a[1]:
+                raise ReshardError(f"{name}[{b[0]}:{a[1]}] is saved twice ({a[2]}, {b[2]})")
+    return sources, files
+
+
+def plan_reshard(store, manifests: list[tuple[str, dict]]):
+    """-> (copies, steps, moments, used files). copies: (path, None, src offset, dst fd, dst offset,
+    nbytes); steps: per live bucket, per piece, the Adam step or None; moments: per live bucket, whether
+    its moment segments hold state; used: {path: bucket meta} of the files read."""
+    if any(e.name is None for e in store.entries):
+        raise ReshardError("this optimizer's binding gives its entries no param identities")
+    sizes = _element_sizes(store)
+    sources, files = _saved_pieces(manifests)
+    copies, steps, moments, used = [], [], [], {}
+    for b in store.buckets:
+        bucket_steps = []
+        for j, piece in enumerate(b.pieces):
+            e = entry_meta(store.entries[piece.entry])
+            lo, hi, srcs = e["start"] + piece.start, e["start"] + piece.stop, sources.get(e["name"], [])
+            if not srcs:
+                raise ReshardError(f"{e['name']} is not in the checkpoint")
+            saved = srcs[0][6]
+            if (saved["full_numel"], saved["group"]) != (e["full_numel"], e["group"]):
+                raise ReshardError(f"{e['name']}: {saved['full_numel']} elements in group {saved['group']} in "
+                                   f"checkpoint, {e['full_numel']} in group {e['group']} now")
+            k, covered, found = max(0, bisect.bisect_right([s[0] for s in srcs], lo) - 1), 0, set()
+            for s_lo, s_hi, path, sb, offset, step, _ in srcs[k:]:
+                if s_lo >= hi:
+                    break
+                a, z = max(lo, s_lo), min(hi, s_hi)
+                if a >= z:
+                    continue
+                covered, used[path] = covered + z - a, files[path]
+                found.add(step)
+                for n, size in sizes.items():
+                    if n in MOMENTS and step is None:
+                        continue  # no Adam state: nothing on disk to keep
+                    copies.append((path, None, sb["segments"][n][0] + (offset + a - s_lo) * size, b.file.fd,
+                                   b.layout.segments[n].offset + (b.offsets[j] + a - lo) * size, (z - a) * size))
+            if covered != hi - lo:
+                raise ReshardError(f"{e['name']}[{lo}:{hi}] is only partly in the checkpoint "
+                                   f"({covered} of {hi - lo} elements)")
+            if len(found) != 1:
+                raise ReshardError(f"{e['name']}[{lo}:{hi}] has inconsistent Adam steps {sorted(map(str, found))}")
+            bucket_steps.append(found.pop())
+        steps.append(bucket_steps)
+        moments.append(any(s is not None for s in bucket_steps))
+    return copies, steps, moments, used

@@ -1,0 +1,100 @@
+"""Resume streamed state on another data-parallel size: DP=2 -> DP=1 and DP=1 -> DP=2.
+
+ShardedMixedPrecisionAdam over fp32 model params, so a DP=1 run fed the fp32 average of two virtual
+ranks' grads is bit-identical to the DP=2 run (two processes over gloo). Checked:
+the gathered masters, moments and step counts after a resharded load equal those saved, bit for bit,
+and the resumed run equals the uninterrupted one, bit for bit. DP=2 -> DP=2 (same layout) resumes
+in new processes too. Every run is a set of forked children (DP=2: two, over gloo) of a parent that
+never built an optimizer or a process group.
+"""
+
+import os
+import socket
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from test_checkpoint import (  # noqa: E402,F401  (_restarted_process_uids: autouse fixture)
+    _restarted_process_uids, assert_same, build, fresh_uids, gather, in_child, in_children, load, save, state,
+    state_parts, train)
+
+FP32 = torch.float32
+
+
+def _dp1_train_save(root, base):
+    params, opt, store = build("sharded", root, dtype=FP32)
+    train(params, opt, range(3), virtual_world=2)
+    at_save = state(store, params)
+    save(params, store, base)
+    train(params, opt, range(3, 6), virtual_world=2)
+    return at_save, state(store, params)
+
+
+def _dp1_load_train(root, base):
+    params, opt, store = build("sharded", root, dtype=FP32)
+    assert load(params, opt, store, base)
+    loaded = state(store, params)
+    train(params, opt, range(3, 6), virtual_world=2)
+    return loaded, state(store, params)
+
+
+def _dp2_rank(phase, rank, port, tmp):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    root, out = os.path.join(tmp, "live2"), {}
+
+    def run(base, name, save_to=None):
+        params, opt, store = build("sharded", root, dtype=FP32)
+        assert opt.dp_world_size == 2
+        if save_to is None:
+            assert load(params, opt, store, base)
+        else:
+            train(params, opt, range(3), rank, world=2)
+        out[name + "_at3"] = (state_parts(store), [p.detach().clone() for p in params])
+        if save_to is not None:
+            save(params, store, save_to)
+        train(params, opt, range(3, 6), rank, world=2)
+        out[name + "_at6"] = (state_parts(store), [p.detach().clone() for p in params])
+        store.close()
+
+    try:
+        if phase == "save":
+            run(None, "trained", save_to=os.path.join(tmp, "dp2_iter3"))
+        else:
+            run(os.path.join(tmp, "dp2_iter3"), "same_dp")
+            fresh_uids()
+            run(os.path.join(tmp, "dp1_iter3"), "resharded")
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def _dp2(phase, tmp):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = in_children(_dp2_rank, [(phase, r, port, str(tmp)) for r in range(2)])
+    return {k: gather([results[0][k][0], results[1][k][0]], results[0][k][1]) for k in results[0]}
+
+
+def test_resume_on_another_data_parallel_size(tmp_path):
+    dp1_at3, dp1_at6 = in_child(_dp1_train_save, tmp_path / "live1", str(tmp_path / "dp1_iter3"))
+    dp2 = _dp2("save", tmp_path)
+    # The premise: DP=2 and DP=1-with-averaged-grads are the same run, bit for bit.
+    assert_same(dp2["trained_at3"], dp1_at3, "DP=2 vs DP=1 after 3 steps")
+    assert_same(dp2["trained_at6"], dp1_at6, "DP=2 vs DP=1 after 6 steps")
+    assert sorted(os.listdir(tmp_path / "dp2_iter3/nvme_opt_state")) == ["rank00000", "rank00001"]
+    assert os.listdir(tmp_path / "dp1_iter3/nvme_opt_state") == ["rank00000"]
+
+    loaded, resumed = in_child(_dp1_load_train, tmp_path / "live1", str(tmp_path / "dp2_iter3"))
+    assert_same(loaded, dp2["trained_at3"], "DP=2 -> DP=1: state after load")
+    assert_same(resumed, dp1_at6, "DP=2 -> DP=1: resumed run")
+
+    dp2 = _dp2("load", tmp_path)
+    assert_same(dp2["same_dp_at3"], dp1_at3, "DP=2 -> DP=2: state after load")
+    assert_same(dp2["same_dp_at6"], dp1_at6, "DP=2 -> DP=2: resumed run")
+    assert_same(dp2["resharded_at3"], dp1_at3, "DP=1 -> DP=2: state after load")
+    assert_same(dp2["resharded_at6"], dp1_at6, "DP=1 -> DP=2: resumed run")
