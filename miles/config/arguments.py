@@ -128,7 +128,8 @@ class OptimizerConfig:
 
     optimizer: str = knob("adam", "Optimizer (adam means AdamW with --weight-decay).", choices=("adam", "sgd"))
     lr: Optional[float] = knob(
-        None, "Learning rate (default: 2e-5 for a pretrained model, 1e-2 for the tiny random model)."
+        None, "Learning rate (default, tuned for a visible rise within a few rollouts: 5e-5 for a pretrained "
+        "model, 1e-2 for the tiny random model)."
     )
     weight_decay: float = knob(0.0, "Decoupled weight decay.")
     adam_beta1: float = knob(0.9, "Adam beta1.")

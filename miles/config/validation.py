@@ -12,7 +12,7 @@ Resolved values (``None`` after parsing -> concrete after validation):
 - ``offload_train``: True under ``--colocate`` or with ``--offload-train-target=disk``, else False.
 - ``offload_train_target``: ``"cpu"``.
 - ``model_dtype``: ``"fp32"`` without CUDA, ``"bf16"`` with CUDA.
-- ``lr``: 2e-5 for a pretrained model, 1e-2 for the tiny random model.
+- ``lr``: 5e-5 for a pretrained model, 1e-2 for the tiny random model.
 - ``offload_train_disk_dir``: absolute; default ``$SCRATCH`` (or the system temp dir)
   ``/miles-run-<YYYYmmdd-HHMMSS>-<pid>``.
 
@@ -40,7 +40,7 @@ from typing import Callable, Optional
 
 __all__ = ["ArgumentError", "Environment", "validate_args", "DEFAULT_LR_PRETRAINED", "DEFAULT_LR_TINY"]
 
-DEFAULT_LR_PRETRAINED = 2e-5
+DEFAULT_LR_PRETRAINED = 5e-5
 DEFAULT_LR_TINY = 1e-2
 
 _STREAM = "--stream-optimizer-state-to-disk"

@@ -276,7 +276,7 @@ def test_model_source_smollm2_when_available(monkeypatch):
 
     monkeypatch.setattr(models, "smollm2_gguf_path", lambda: "/x/SmolLM2-135M-Instruct.Q4_1.gguf")
     a = validate_args(parse_args([]), env(modules={"gguf"}))
-    assert a.model_source == "smollm2" and a.lr == pytest.approx(2e-5)
+    assert a.model_source == "smollm2" and a.lr == pytest.approx(5e-5)
     assert validate_args(parse_args([]), env()).model_source == "tiny"  # gguf missing
     assert validate_args(parse_args(["--tiny-model"]), env(modules={"gguf"})).model_source == "tiny"
 
