@@ -67,7 +67,7 @@ def run(rank, world, root, bucket_numel):
         assert torch.equal(m0, m1) and torch.equal(a0, a1) and torch.equal(s0, s1), f"rank {rank}: state"
     mains = 4 * sum(s.stop - s.start for s in opt.shards)
     assert store.stats.last_step.bytes_read == 3 * mains and store.stats.last_step.bytes_written == 3 * mains
-    assert store.stats.peak_resident_bytes <= store.stats.max_bucket_bytes
+    assert store.stats.peak_resident_bytes <= store.stats.residency_bound_bytes
     store.close()
     return store.stats.num_buckets
 

@@ -306,6 +306,8 @@ class TorchTrainer:
         return tensors
 
     def sleep(self) -> dict[str, Any]:
+        if self.store is not None:  # write-behind / read-ahead: nothing in flight or held while asleep
+            self.store.flush()
         if self.offloader is None:
             return {"rank": self.rank, "skipped": True, "reason": "--offload-train is off"}
         if self.device.type == "cuda":

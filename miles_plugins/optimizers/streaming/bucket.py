@@ -96,7 +96,9 @@ class Bucket:
     # ---- residency ----------------------------------------------------------------------------
     def materialize(self, names) -> None:
         for name in names:
-            self.flat[name].untyped_storage().resize_(self.numel * 4)
+            storage = self.flat[name].untyped_storage()
+            if storage.nbytes() != self.numel * 4:  # resize_ reallocates even to the same size: a
+                storage.resize_(self.numel * 4)    # write-back may still be copying out of this memory
 
     def release(self) -> None:
         for flat in self.flat.values():

@@ -10,14 +10,16 @@ sync       The seed's path, kept as the in-run baseline: the calling thread does
            (CPU tensors). Tickets come back finished.
 
 pipelined  Requests are cut into chunk-sized tasks (small shards of one request are packed into the same
-           chunk) and run by worker threads, one pool for reads and one for writes, so reads of the buckets
-           ahead, writes of the buckets behind and the update of the current bucket all overlap. Worker
-           threads spend their time in preadv/pwrite, torch copies and CUDA event waits, all of which
-           release the GIL. Host side:
+           chunk) and run by worker threads: `threads` readers, `threads` writers, and `threads` more
+           for write-behind from the host cache, so reads of the buckets ahead, writes of the buckets
+           behind and the update of the current bucket all overlap. Worker threads spend their time in
+           preadv/pwritev, torch copies and CUDA event waits, all of which release the GIL. Host side:
              staging    2 x (threads + 1) buffers of chunk_bytes, 4 KiB aligned, pinned where CUDA is
                         (cudaHostRegister'ed, so sizes are exact). A read task: file -> staging -> device
-                        (H2D on its own CUDA stream, an event per chunk); a write task: device -> staging
-                        (D2H on its own stream, after an event recorded on the compute stream) -> file.
+                        (H2D on its own CUDA stream after an event recorded on the compute stream when the
+                        destination was allocated; the worker waits for the copy's event); a write task:
+                        device -> staging (D2H on its own stream, after an event recorded on the compute
+                        stream once the bucket's update and publish were queued) -> file.
                         CPU tensors with buffered I/O skip staging (preadv/pwritev into/from their memory).
              O_DIRECT   where the filesystem supports it (`direct=None` probes, one log line on
                         fallback): offsets are 4 KiB aligned (layout.py), staging is aligned, and tail
@@ -26,23 +28,27 @@ pipelined  Requests are cut into chunk-sized tasks (small shards of one request 
                         unaligned goes through the buffered descriptor of the same file.
              host cache optional budget (`host_cache_bytes`) of whole-file images. A write to a file
                         with an image fills the image (write-through; the device buffer is free as soon as
-                        the copy lands, at PCIe speed) and writes the file from it in the background; a
-                        read of a range the image holds is served from RAM. Images go to the files written
-                        most recently (LRU by write), which, with the store's alternating bucket order,
-                        are the ones the next step reads first.
+                        the copy lands, at PCIe speed) and writes the file from it in the background, on
+                        the write-behind threads, only while no disk read is in flight (the step's reads
+                        come first; the writes land during the next forward/backward). A read of a range
+                        the image holds is served from RAM. Files get images at their first write while
+                        the budget lasts and keep them: a fixed set of hot buckets skips the disk read
+                        every step and has its disk write hidden behind the next forward/backward.
 
-Ordering: a read of a file waits (in the worker, not the caller) for that file's earlier writes: until
-they are in the file, or only until their bytes are in the host image when the read is served from it.
-A write waits for the file's earlier reads and writes. Every write calls `file.before_write()` first (a
+Ordering: a read of a file waits (in the worker, not the caller) for that file's earlier writes of the
+same bytes: until they are in the file, or only until they are in the host image when the read is
+served from it. A write waits for the file's earlier reads and writes of the same bytes. Every write calls `file.before_write()` first (a
 background checkpoint copies the file's bytes before they change). Errors raised in a worker are kept
 on the ticket and raised by whoever waits on it; tasks that depend on a failed ticket fail too.
 
 Ticket levels: `consumed` (a write no longer needs its source tensors: their storage may be released)
-and `finished` (the bytes are in the file / in the destination tensors).
+and `finished` (the bytes are in the file / in the destination tensors). Whoever waits for a write to
+be finished runs its not-yet-started background part itself, so no wait depends on idle threads.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import logging
@@ -104,8 +110,9 @@ class Ticket:
         self._lock = threading.Lock()
         self._unconsumed = chunks
         self._unfinished = chunks
-        self._events: list = []  # CUDA events the consumer of a read synchronizes
         self._holds = holds  # tensors kept alive until the request is finished
+        self._deferred: list[_Deferred] = []  # background parts not started yet (stealable by waiters)
+        self.span = (0, 0)  # file bytes the request touches (padded to 4 KiB)
         if chunks == 0:
             self.consumed.set()
             self.finished.set()
@@ -117,40 +124,66 @@ class Ticket:
             if self._unconsumed == 0:
                 self.consumed.set()
 
-    def _finish(self, error: BaseException | None, event=None) -> None:
+    def _finish(self, error: BaseException | None) -> None:
         with self._lock:
             if error is not None and self.error is None:
                 self.error = error
-            if event is not None:
-                self._events.append(event)
             self._unfinished -= 1
             done = self._unfinished == 0
         if done:
             self._holds = None
             self.finished.set()
 
+    def _run_deferred(self) -> None:
+        """Whoever needs this request finished runs its background parts now instead of waiting for
+        the writer threads to get to them (they yield to reads): no wait can depend on idle threads."""
+        for task in list(self._deferred):
+            task.run()
+
     def wait(self, level: str = "finished") -> None:
-        """Block until `level`; raise the error of any failed task. Reads: the data is usable after this."""
+        """Block until `level`; raise the error of any failed task. A finished read's bytes are in its
+        destination tensors (on CUDA: the H2D copies have completed)."""
+        if level == "finished":
+            self._run_deferred()
         (self.consumed if level == "consumed" else self.finished).wait()
         if self.error is not None and (level == "finished" or self.finished.is_set()):
             raise self.error
-        if level == "finished":
-            for event in self._events:
-                event.synchronize()
-            self._events = []
 
     def done(self, level: str = "finished") -> bool:
         return (self.consumed if level == "consumed" else self.finished).is_set()
 
     def _wait_dependency(self, level: str) -> None:
-        """Used by worker tasks: wait without touching CUDA events; a failed dependency fails the task."""
+        """Used by worker tasks: a failed dependency fails the task."""
+        if level == "finished":
+            self._run_deferred()
         (self.consumed if level == "consumed" else self.finished).wait()
         if self.error is not None:
             raise IOError(f"an earlier I/O request on the same file failed: {self.error!r}") from self.error
 
 
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
 def _finished_ticket(kind: str) -> Ticket:
     return Ticket(kind, 0, [])
+
+
+class _Deferred:
+    """A background task that runs exactly once: by a writer thread when the disk has no reads to
+    serve, or by whoever waits for its request first."""
+
+    __slots__ = ("_fn", "_lock", "_started")
+
+    def __init__(self, fn):
+        self._fn, self._lock, self._started = fn, threading.Lock(), False
+
+    def run(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        self._fn()
 
 
 # ---- host memory ----------------------------------------------------------------------------------
@@ -200,15 +233,15 @@ class HostMemory:
 
 
 class _Buffer:
-    __slots__ = ("tensor", "event")
+    __slots__ = ("tensor",)
 
     def __init__(self, tensor):
         self.tensor = tensor
-        self.event = None  # CUDA event of the last copy out of / into it
 
 
 class _StagingPool:
-    """`count` chunk buffers, created on first use; acquiring one waits for its last CUDA copy."""
+    """`count` chunk buffers, created on first use (a task releases its buffer only after its copies
+    to/from the device have completed)."""
 
     def __init__(self, count: int, nbytes: int, memory: HostMemory):
         self.count, self.nbytes, self.memory = count, nbytes, memory
@@ -225,13 +258,9 @@ class _StagingPool:
                 if create:
                     self._created += 1
             buf = _Buffer(self.memory.empty(self.nbytes)) if create else self._free.get()
-        if buf.event is not None:
-            buf.event.synchronize()
-            buf.event = None
         return buf
 
-    def release(self, buf: _Buffer, event=None) -> None:
-        buf.event = event
+    def release(self, buf: _Buffer) -> None:
         self._free.put(buf)
 
 
@@ -242,7 +271,6 @@ class _Slot:
         self.capacity = image.numel()
         self.owner: _FileState | None = None
         self.valid: list[tuple[int, int]] = []  # sorted, disjoint byte ranges the image holds
-        self.last_write = 0
         self.pins = 0  # tasks in flight that use the image
 
     def covers(self, start: int, stop: int) -> bool:
@@ -260,38 +288,36 @@ class _Slot:
 
 
 class HostCache:
-    """Whole-file images under a byte budget; images go to the most recently written files."""
+    """Whole-file images under a byte budget. A file gets an image at a write while the budget lasts
+    and keeps it (images are never taken from one file for another: every bucket is read once per step,
+    so evicting one image for another only trades a hit for a hit and adds a read; with the order
+    alternating every step, a fixed set of hot buckets is served from RAM every step). drop() frees them
+    all (the files changed behind the engine's back)."""
 
     def __init__(self, budget: int, memory: HostMemory):
         self.budget = max(0, int(budget))
         self.memory = memory
         self.slots: list[_Slot] = []
         self.used = 0
-        self._clock = 0
         self._lock = threading.Lock()
 
     def slot_for_write(self, state: "_FileState", nbytes: int) -> _Slot | None:
         if self.budget <= 0:
             return None
-        self._clock += 1
         slot = state.slot
         if slot is None:
-            if self.used + align_up(nbytes) <= self.budget:
+            with self._lock:
+                free = [s for s in self.slots if s.owner is None and s.capacity >= nbytes and s.pins == 0]
+            if free:
+                slot = min(free, key=lambda s: s.capacity)
+            elif self.used + align_up(nbytes) <= self.budget:
                 slot = _Slot(self.memory.empty(nbytes))
                 self.used += slot.capacity
                 self.slots.append(slot)
             else:
-                with self._lock:
-                    victims = [s for s in self.slots if s.capacity >= nbytes and s.pins == 0
-                               and (s.owner is None or all(t.done() for t in s.owner.writes))]
-                if not victims:
-                    return None
-                slot = min(victims, key=lambda s: s.last_write)
-                if slot.owner is not None:
-                    slot.owner.slot = None
+                return None
             slot.owner, slot.valid = state, []
             state.slot = slot
-        slot.last_write = self._clock
         return slot
 
     def pin(self, slot: _Slot) -> None:
@@ -427,6 +453,9 @@ class SyncEngine:
     def staging_bytes(self) -> int:
         return 0 if self._staging is None else self.chunk_bytes
 
+    def expect_files(self, max_nbytes: int) -> None:
+        self._expected_file_bytes = max_nbytes
+
     def read(self, file, offset: int, dsts: list[torch.Tensor]) -> Ticket:
         start = time.perf_counter()
         for dst in dsts:
@@ -494,28 +523,55 @@ class SyncEngine:
 
 # ---- the pipelined engine -------------------------------------------------------------------------
 class _Workers:
-    def __init__(self, name: str, count: int, device: torch.device):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+    """Threads over a FIFO of urgent tasks and a FIFO of background tasks; a background task starts
+    only when no urgent one is queued and `idle()` says the disk has no reads to serve."""
+
+    def __init__(self, name: str, count: int, device: torch.device, idle=lambda: True):
+        self._cv = threading.Condition()
+        self._urgent: collections.deque = collections.deque()
+        self._background: collections.deque = collections.deque()
+        self._idle = idle
+        self._closing = False
         self._device = device
         self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(count)]
         for t in self._threads:
             t.start()
 
+    def _next(self):
+        with self._cv:
+            while True:
+                if self._urgent:
+                    return self._urgent.popleft()
+                if self._background and (self._closing or self._idle()):
+                    return self._background.popleft()
+                if self._closing:
+                    return None
+                self._cv.wait(timeout=0.1 if self._background else None)
+
     def _loop(self) -> None:
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
         while True:
-            task = self._queue.get()
+            task = self._next()
             if task is None:
                 return
             task()
 
-    def submit(self, task) -> None:
-        self._queue.put(task)
+    def submit(self, task, background: bool = False) -> None:
+        with self._cv:
+            (self._background if background else self._urgent).append(task)
+            self._cv.notify()
+
+    def poke(self) -> None:
+        """The disk may be idle now: background tasks may start."""
+        with self._cv:
+            if self._background:
+                self._cv.notify_all()
 
     def close(self) -> None:
-        for _ in self._threads:
-            self._queue.put(None)
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
         for t in self._threads:
             t.join(timeout=60)
 
@@ -529,6 +585,8 @@ class PipelinedEngine:
             raise ValueError(f"io_threads must be >= 1, got {threads}")
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.chunk_bytes = chunk_bytes
         self.threads = threads
         self.counters = IOCounters()
@@ -545,14 +603,24 @@ class PipelinedEngine:
         if self.cuda:
             self._h2d = torch.cuda.Stream(self.device)
             self._d2h = torch.cuda.Stream(self.device)
+        self._disk_reads = 0  # disk read tasks submitted and not finished: write-behind yields to them
         self._readers = _Workers("miles-io-read", threads, self.device)
         self._writers = _Workers("miles-io-write", threads, self.device)
+        # Write-behind of host images to the files runs on its own threads (a fill never waits behind a
+        # long background pwrite) and only while the disk has no reads to serve.
+        self._behind = _Workers("miles-io-behind", threads, self.device, idle=lambda: self._disk_reads == 0)
         self._closed = False
 
     @property
     def staging_bytes(self) -> int:
         """Host staging this engine may allocate (pinned where CUDA is), not counting the host cache."""
-        return 2 * (self.threads + 1) * self.chunk_bytes
+        return self._read_staging.count * self._read_staging.nbytes + self._write_staging.count * self._write_staging.nbytes
+
+    def expect_files(self, max_nbytes: int) -> None:
+        """No request is larger than the largest file: staging buffers need not exceed it."""
+        self._expected_file_bytes = max_nbytes
+        nbytes = min(self.chunk_bytes, align_up(max(max_nbytes, 1)))
+        self._read_staging.nbytes = self._write_staging.nbytes = nbytes
 
     # ---- files ------------------------------------------------------------------------------------
     def _state(self, file) -> _FileState:
@@ -600,13 +668,18 @@ class PipelinedEngine:
         total = sum(c[1] for c in chunks)
         slot = state.slot if state.slot is not None and state.slot.covers(offset, offset + total) else None
         level = "consumed" if slot is not None else "finished"
-        deps = [(t, level) for t in state.writes]
+        span = (offset, align_up(offset + total))
+        deps = [(t, level) for t in state.writes if _overlap(t.span, span)]
         ready = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
         dfd = self._dfd(file) if slot is None else -1
         ticket = Ticket("read", len(chunks), list(dsts))
+        ticket.span = span
         for chunk in chunks:
             if slot is not None:
                 self.cache.pin(slot)
+            else:
+                with self._lock:
+                    self._disk_reads += 1
             self._readers.submit(lambda c=chunk: self._read_task(file, dfd, ticket, c, deps, ready, slot))
         state.reads.append(ticket)
         self.counters.bytes_read += total
@@ -621,13 +694,15 @@ class PipelinedEngine:
         state = self._state(file)
         chunks = _chunks(offset, srcs, self.chunk_bytes)
         total = sum(c[1] for c in chunks)
-        deps = [(t, "finished") for t in state.writes + state.reads]
+        span = (offset, align_up(offset + total))
+        deps = [(t, "finished") for t in state.writes + state.reads if _overlap(t.span, span)]
         slot = self.cache.slot_for_write(state, file.nbytes) if chunks else None
         if slot is not None:
             slot.mark_valid(offset, offset + total)
         ready = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
         dfd = self._dfd(file)
         ticket = Ticket("write", len(chunks), list(srcs))
+        ticket.span = span
         last = len(chunks) - 1
         for i, chunk in enumerate(chunks):
             if slot is not None:
@@ -672,6 +747,7 @@ class PipelinedEngine:
         self._closed = True
         self._readers.close()
         self._writers.close()
+        self._behind.close()
         self._memory.close()
 
     def _check_open(self) -> None:
@@ -692,24 +768,22 @@ class PipelinedEngine:
     # ---- tasks (worker threads) -------------------------------------------------------------------
     def _read_task(self, file, dfd, ticket, chunk, deps, ready, slot) -> None:
         file_off, n, pieces = chunk
-        event, error = None, None
+        error = None
         try:
             for dep, level in deps:
                 dep._wait_dependency(level)
             t0 = time.perf_counter()
             if slot is not None:
-                event = self._copy_in(slot.image[file_off:file_off + n], pieces, ready)
-                if event is not None:  # a later write may refill the image once this read is finished
-                    event.synchronize()
+                self._copy_in(slot.image[file_off:file_off + n], pieces, ready)
             elif not self.cuda and dfd < 0:
                 pread_into(file.fd, [host_buffer(v[s:s + k]) for v, s, k in pieces], file_off)
             else:
                 buf = self._read_staging.acquire()
                 try:
                     self._transfer("read", file, dfd, buf.tensor, file_off, n, pad=True)
-                    event = self._copy_in(buf.tensor[:n], pieces, ready)
+                    self._copy_in(buf.tensor[:n], pieces, ready)
                 finally:
-                    self._read_staging.release(buf, event)
+                    self._read_staging.release(buf)
             with self._lock:
                 self.counters.read_seconds += time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 - raised by whoever waits on the ticket
@@ -718,21 +792,32 @@ class PipelinedEngine:
         finally:
             if slot is not None:
                 self.cache.unpin(slot)
+            else:
+                with self._lock:
+                    self._disk_reads -= 1
+                    idle = self._disk_reads == 0
+                if idle:
+                    self._behind.poke()
             ticket._consume()
-            ticket._finish(error, event)
+            ticket._finish(error)
 
     def _write_task(self, file, dfd, ticket, chunk, deps, ready, slot, pad) -> None:
         file_off, n, pieces = chunk
-        consumed, error = False, None
+        consumed, error, deferred = False, None, False
         try:
             for dep, level in deps:
                 dep._wait_dependency(level)
             t0 = time.perf_counter()
             if slot is not None:
+                # write-behind: the bytes are in host RAM now (the source may be released); the disk
+                # write runs in the background, when the disk has no reads to serve
                 self._copy_out(pieces, slot.image[file_off:file_off + n], ready)
                 ticket._consume()
                 consumed = True
-                self._transfer("write", file, dfd, slot.image[file_off:], file_off, n, pad)
+                task = _Deferred(lambda: self._slot_write(file, dfd, ticket, slot, file_off, n, pad))
+                ticket._deferred.append(task)
+                deferred = True
+                self._behind.submit(task.run, background=True)
             elif not self.cuda and dfd < 0:
                 pwrite_all(file.fd, [host_buffer(v[s:s + k]) for v, s, k in pieces], file_off)
             else:
@@ -750,27 +835,46 @@ class PipelinedEngine:
             error = e
             self._failed(e)
         finally:
-            if slot is not None:
-                self.cache.unpin(slot)
             if not consumed:
                 ticket._consume()
+            if not deferred:
+                if slot is not None:
+                    self.cache.unpin(slot)
+                ticket._finish(error)
+
+    def _slot_write(self, file, dfd, ticket, slot, file_off, n, pad) -> None:
+        """The background half of a write-through to a host image: image -> file."""
+        error = None
+        try:
+            t0 = time.perf_counter()
+            self._transfer("write", file, dfd, slot.image[file_off:], file_off, n, pad)
+            with self._lock:
+                self.counters.write_seconds += time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001
+            error = e
+            self._failed(e)
+        finally:
+            self.cache.unpin(slot)
             ticket._finish(error)
 
-    def _copy_in(self, src: torch.Tensor, pieces, ready):
-        """Host bytes -> destination pieces; returns the CUDA event of the copies (None on CPU)."""
+    def _copy_in(self, src: torch.Tensor, pieces, ready) -> None:
+        """Host bytes -> destination pieces; returns once the destination holds them. On CUDA the copy
+        runs on the H2D stream and this worker waits for its event (GIL released), so a finished read
+        is on the device and its host buffer may be reused."""
         if not self.cuda:
             pos = 0
             for view, start, k in pieces:
                 view[start:start + k].copy_(src[pos:pos + k])
                 pos += k
-            return None
+            return
         with torch.cuda.stream(self._h2d):
             self._h2d.wait_event(ready)  # the destination's allocation is ordered on the compute stream
             pos = 0
             for view, start, k in pieces:
                 view[start:start + k].copy_(src[pos:pos + k], non_blocking=True)
                 pos += k
-            return self._h2d.record_event()
+            event = self._h2d.record_event()
+        event.synchronize()
 
     def _copy_out(self, pieces, dst: torch.Tensor, ready) -> None:
         """Source pieces -> host bytes `dst`; returns once `dst` holds them."""
@@ -867,10 +971,12 @@ def raw_floor(paths_and_ranges: list[tuple[str, int, int]], write_path: str, wri
             os.fdatasync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     errors: list[BaseException] = []
+    largest = max([n for _, _, n in read_tasks + write_tasks], default=1)
+    buffers = [memory.empty(largest) for _ in range(2 * threads)]  # allocated and touched before the clock
+    for buf in buffers:
+        buf.fill_(7)
 
-    def worker(tasks, op, lock):
-        buf = memory.empty(chunk_bytes)
-        buf[:].fill_(7)
+    def worker(tasks, op, lock, buf):
         try:
             while True:
                 with lock:
@@ -884,8 +990,11 @@ def raw_floor(paths_and_ranges: list[tuple[str, int, int]], write_path: str, wri
             errors.append(e)
 
     def run(groups):
-        threads_ = [threading.Thread(target=worker, args=(tasks, op, threading.Lock()))
-                    for tasks, op in groups for _ in range(threads)]
+        threads_ = []
+        for g, (tasks, op) in enumerate(groups):
+            lock = threading.Lock()
+            threads_ += [threading.Thread(target=worker, args=(tasks, op, lock, buffers[g * threads + i]))
+                         for i in range(threads)]
         for t in threads_:
             t.start()
         for t in threads_:

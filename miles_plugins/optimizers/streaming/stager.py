@@ -185,6 +185,13 @@ class Stager:
         for t in self.engine.pending(file, "write"):
             t.wait()
 
+    def writes_in_flight(self, file: BucketFile) -> bool:
+        return any(not t.done() for t in self.engine.pending(file, "write"))
+
+    def expect_files(self, max_nbytes: int) -> None:
+        """The largest bucket file: no staging buffer needs to be larger."""
+        self.engine.expect_files(max_nbytes)
+
     def is_cached(self, file: BucketFile, offset: int, nbytes: int) -> bool:
         """True when the host cache holds these bytes (a read of them costs no disk I/O)."""
         return self.engine.is_cached(file, offset, nbytes)
@@ -216,6 +223,20 @@ class Stager:
         for file in files:
             if file.fd >= 0:
                 drop_page_cache(file.fd)
+
+    def set_engine(self, io_engine: str, io_threads: int = 2, direct_io: bool | None = None,
+                   host_cache_bytes: int = 0) -> None:
+        """Replace the engine (nothing may be in flight: drain first). Benchmarks and A/B runs switch
+        engines on the same files this way."""
+        if io_engine not in ENGINES:
+            raise StoreConfigError(f"io_engine must be one of {ENGINES}, got {io_engine!r}")
+        old = self.engine
+        old.wait_all()
+        self.engine = make_engine(io_engine, self.device, self.chunk_bytes, threads=io_threads, direct=direct_io,
+                                  host_cache_bytes=host_cache_bytes)
+        self.engine.expect_files(getattr(old, "_expected_file_bytes", self.chunk_bytes))
+        self.counters = self.engine.counters
+        old.close()
 
     def close(self) -> None:
         self.engine.close()

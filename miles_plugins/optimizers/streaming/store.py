@@ -3,6 +3,25 @@
 Per bucket, in order: fetch (materialize, read) -> update (Adam over exactly its pieces) -> publish
 (mains into the model's storage) -> write back -> release. Residency is bounded by the buckets in
 flight, never the whole state.
+
+The step is a pipeline over those phases. While bucket i updates, the reads of the next `depth`
+buckets and the write-backs of the previous `depth` are in flight (stager/engine: worker threads, CUDA
+streams). A bucket's storage is released once its write-back no longer needs it. Around the step:
+  read-ahead   `prefetch()` (the training loop calls it before forward/backward) starts the reads of the
+               next step's first `depth` buckets that would come from disk, while the disk is idle.
+  write-behind the step returns with up to `depth` write-backs still in flight; the next read of such a
+               bucket, a save/load (stager.drain), `flush()` and `close()` wait for them. A bucket still
+               resident from its write-back is reused by the next step without a read (fp32 segments).
+  order        the bucket order alternates every step, so the buckets written last are read first (still
+               in the page cache with buffered I/O, or still resident on the device).
+  host cache   optional (host_cache_mb): images of hot buckets in host RAM; their reads cost no disk I/O
+               and their disk writes run in the background while the disk has no reads to serve.
+Residency bound (StoreStats.residency_bound_bytes): at most 2 * depth + 1 buckets are materialized at
+any time (depth reading ahead, one updating, depth held by their write-backs), each at most
+`bucket_inflight_bytes` (fp32 buffers of the streamed segments + encoded temporaries of narrow moment
+codecs). Between steps at most 2 * depth (prefetched + write-behind). Host memory on top: the engine's
+staging (`staging_bytes`) and the optional host cache (`host_cache_bytes`). The Adam kernel's own
+temporaries are not state and not counted. io_engine="sync" is depth 0: one bucket, no write-behind.
 """
 
 from __future__ import annotations
@@ -29,12 +48,18 @@ GB = 1e9
 
 @dataclass
 class StepStats:
-    bytes_read: int = 0
-    bytes_written: int = 0
+    bytes_read: int = 0  # state bytes the step consumed: from disk, the host cache, or still resident
+    bytes_written: int = 0  # state bytes the step wrote back (some may land after it returned)
     buckets: int = 0
-    io_seconds: float = 0.0
-    compute_seconds: float = 0.0
+    io_seconds: float = 0.0  # wall - compute: time the step waited for I/O (exposed I/O)
+    compute_seconds: float = 0.0  # update + publish (device-synchronized)
     wall_seconds: float = 0.0
+    disk_bytes_read: int = 0  # of bytes_read, read from the files (including read-ahead before the step)
+    cache_bytes_read: int = 0  # of bytes_read, served from the host cache
+    reused_bytes: int = 0  # of bytes_read, still resident from the previous step's write-back
+    prefetched_buckets: int = 0  # buckets whose reads started before the step (prefetch)
+    pending_writes: int = 0  # buckets whose write-back was still in flight when the step returned
+    peak_resident_bytes: int = 0  # this step's peak
 
 
 @dataclass
@@ -44,10 +69,16 @@ class StoreStats:
     steps: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
-    peak_resident_bytes: int = 0  # most state bytes materialized at once (device buffers + lazy moments)
-    resident_bytes: int = 0
-    max_bucket_bytes: int = 0  # fp32 bytes of the largest bucket: the residency bound per bucket in flight
+    peak_resident_bytes: int = 0  # most state bytes materialized at once, all buckets in flight together
+    resident_bytes: int = 0  # now (between steps: prefetched and write-behind buckets)
+    max_bucket_bytes: int = 0  # fp32 bytes of the largest bucket
     last_step: StepStats = field(default_factory=StepStats)
+    io_engine: str = "pipelined"
+    depth: int = 0  # buckets read ahead / written behind while one updates
+    bucket_inflight_bytes: int = 0  # most bytes one bucket in flight materializes (fp32 + codec temporaries)
+    residency_bound_bytes: int = 0  # (2 * depth + 1) * bucket_inflight_bytes: peak_resident_bytes never exceeds it
+    staging_bytes: int = 0  # host staging the engine may allocate (pinned on CUDA)
+    host_cache_bytes: int = 0  # host-RAM budget for images of hot buckets
 
 
 class NVMeOptimizerStateStore:
@@ -58,8 +89,19 @@ class NVMeOptimizerStateStore:
 
     def __init__(self, entries: list[StreamEntry], master: torch.optim.Optimizer, *, dir: str, rank: int = 0,
                  instance: int = 0, chunk_mb: int = 256, moment_dtype: str = "fp32",
-                 bucket_numel: int = DEFAULT_BUCKET_NUMEL):
+                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, io_engine: str = "pipelined", depth: int = 2,
+                 io_threads: int = 2, direct_io: bool | None = None, host_cache_mb: int = 0,
+                 write_behind: bool = True):
         _check_entries(entries)
+        if not isinstance(depth, int) or depth < 0:
+            raise StoreConfigError(f"depth must be an integer >= 0, got {depth!r}")
+        sync = io_engine == "sync"
+        self._depth_setting, self._write_behind_setting = depth, write_behind
+        self.depth = 0 if sync else depth
+        self.write_behind = write_behind and not sync
+        self._fetching: dict[int, Bucket] = {}  # reads started, not yet consumed by a step
+        self._held: dict[int, tuple[Bucket, int]] = {}  # written back, storage kept: (bucket, extra bytes)
+        self._current: Bucket | None = None
         self.master = master
         self.entries = entries
         self.streams_main = bool(entries) and entries[0].model_view is not None
@@ -73,8 +115,11 @@ class NVMeOptimizerStateStore:
         names = (MAIN, EXP_AVG, EXP_AVG_SQ) if self.streams_main else (EXP_AVG, EXP_AVG_SQ)
         file_bytes = [bucket_layout([(n, self.codecs[n].encoded_nbytes(p.numel)) for n in names]).file_bytes
                       for p in plans]
-        self.stager = Stager(self.device, chunk_mb * 2**20)
+        self.stager = Stager(self.device, chunk_mb * 2**20, io_engine=io_engine, io_threads=io_threads,
+                             direct_io=direct_io, host_cache_bytes=host_cache_mb * 2**20)
+        self.stager.on_drain(self._release_pipeline)
         self.path = self.stager.prepare_directory(dir, self.relative_dir, sum(file_bytes))
+        self.stager.expect_files(max(file_bytes, default=0))
         self.buckets: list[Bucket] = []
         try:
             for i, (plan, nbytes) in enumerate(zip(plans, file_bytes)):
@@ -85,13 +130,23 @@ class NVMeOptimizerStateStore:
         except BaseException:
             self.close()
             raise
+        inflight = max((len(names) * 4 * p.numel + sum(self.codecs[n].encoded_nbytes(p.numel) for n in names
+                                                       if not self.codecs[n].reads_in_place()) for p in plans),
+                       default=0)
         self.stats = StoreStats(num_buckets=len(self.buckets), state_bytes=sum(file_bytes),
-                                max_bucket_bytes=max((len(names) * 4 * p.numel for p in plans), default=0))
+                                max_bucket_bytes=max((len(names) * 4 * p.numel for p in plans), default=0),
+                                io_engine=self.stager.io_engine, depth=self.depth, bucket_inflight_bytes=inflight,
+                                residency_bound_bytes=(2 * self.depth + 1) * inflight,
+                                staging_bytes=self.stager.staging_bytes, host_cache_bytes=host_cache_mb * 2**20)
+        self._marks = self._read_marks()
         self._closed = False
         _LIVE_STORES.add(self)
-        logger.info("streaming optimizer state: %d buckets, %.3f GB in %s (moments %s, mains %s)",
+        logger.info("streaming optimizer state: %d buckets, %.3f GB in %s (moments %s, mains %s); %s I/O, "
+                    "depth %d, residency bound %.3f GB + staging %.3f GB + host cache %.3f GB",
                     len(self.buckets), self.stats.state_bytes / GB, self.path, moment_dtype,
-                    "streamed" if self.streams_main else "resident (they are the model params)")
+                    "streamed" if self.streams_main else "resident (they are the model params)",
+                    self.stats.io_engine, self.depth, self.stats.residency_bound_bytes / GB,
+                    self.stats.staging_bytes / GB, self.stats.host_cache_bytes / GB)
 
     # ---- construction -------------------------------------------------------------------------
     def _evict_mains(self) -> None:
@@ -102,61 +157,246 @@ class NVMeOptimizerStateStore:
         for bucket in self.buckets:
             views = [self.entries[p.entry].main.detach().view(-1)[p.start:p.stop] for p in bucket.pieces]
             bucket._write_segment(self.stager, MAIN, views)
+        self.stager.wait_all()  # the writes read from the mains' storage
         for entry in self.entries:
             entry.main.untyped_storage().resize_(0)
 
-    # ---- the step -----------------------------------------------------------------------------
+    # ---- the step: a pipeline over the bucket phases -------------------------------------------
     def _order(self) -> list[Bucket]:
         """Alternate direction every step: the buckets written last are read first, still in page cache."""
         return self.buckets if self.stats.steps % 2 == 0 else self.buckets[::-1]
 
-    def _track_residency(self, in_flight: list[Bucket]) -> None:
-        self.stats.resident_bytes = sum(b.resident_bytes() for b in in_flight)
-        self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, self.stats.resident_bytes)
+    def _read_marks(self) -> tuple[int, int]:
+        c = self.stager.counters
+        return c.bytes_read - c.cache_bytes_read, c.cache_bytes_read
+
+    def _track_residency(self) -> None:
+        live = {b.index: b for b in self._fetching.values()}
+        live.update((i, b) for i, (b, _) in self._held.items())
+        if self._current is not None:
+            live[self._current.index] = self._current
+        total = sum(b.resident_bytes() + b.pending_decode_bytes() for b in live.values())
+        total += sum(extra for _, extra in self._held.values())
+        self.stats.resident_bytes = total
+        self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, total)
+        self._step_peak = max(getattr(self, "_step_peak", 0), total)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _reusable(self, bucket: Bucket, names: tuple[str, ...]) -> bool:
+        """Held by its write-back with every segment to fetch resident: its buffers hold exactly what
+        the file will, so the next step needs no read. Only segments stored as is (a narrow codec's file
+        bytes are a rounding of the buffer, and the update must see what a read would give)."""
+        return (bucket.index in self._held and bool(names)
+                and all(self.codecs[n].reads_in_place() for n in names)
+                and all(bucket.flat[n].untyped_storage().nbytes() == bucket.numel * 4 for n in names))
+
+    def _host_cached(self, bucket: Bucket, names: tuple[str, ...]) -> bool:
+        """The host cache holds these segments: a read costs a host->device copy, no disk."""
+        return bool(names) and all(self.stager.is_cached(bucket.file, bucket.layout.segments[n].offset,
+                                                         bucket.layout.segments[n].nbytes) for n in names)
+
+    def _start_fetch(self, bucket: Bucket) -> None:
+        self._held.pop(bucket.index, None)  # its storage is refilled once its write-back has landed
+        bucket.start_fetch(self.stager, bucket.segments_to_fetch())
+        self._fetching[bucket.index] = bucket
+        self._track_residency()
+
+    def _read_ahead(self, order: list[Bucket], start: int) -> int:
+        """Start reads of the buckets from order[start] on until `depth` are in flight."""
+        started = 0
+        for bucket in order[start:]:
+            if len(self._fetching) >= self.depth:
+                break
+            names = bucket.segments_to_fetch()
+            if bucket.index in self._fetching or not names or self._reusable(bucket, names):
+                continue
+            self._start_fetch(bucket)
+            started += 1
+        return started
+
+    def _acquire(self, bucket: Bucket) -> None:
+        """fetch: make `bucket` resident with its current state (prefetched, still resident, or read now)."""
+        names = bucket.segments_to_fetch()
+        nbytes = sum(bucket.layout.segments[n].nbytes for n in names)
+        self._step_read += nbytes
+        if bucket.index in self._fetching and not all(
+                bucket.flat[n].untyped_storage().nbytes() == bucket.numel * 4 for n in names):
+            bucket.finish_fetch(self.stager)  # released behind the pipeline's back (a direct bucket.fetch/
+            del self._fetching[bucket.index]  # release by a test or a tool): read it again
+        if bucket.index not in self._fetching and self._reusable(bucket, names):
+            self.stager.wait_sources(bucket.file)  # the update must not change what is still being copied out
+            del self._held[bucket.index]
+            self._step_reused += nbytes
+        else:
+            if bucket.index not in self._fetching:
+                self._start_fetch(bucket)
+            bucket.finish_fetch(self.stager)
+            del self._fetching[bucket.index]
+        self._current = bucket
+        self._track_residency()
+
+    def _write_back(self, bucket: Bucket) -> None:
+        """write back: submit the bucket's writes; its storage stays held until they no longer need it."""
+        lazy = bucket.resident_bytes() - sum(f.untyped_storage().nbytes() for f in bucket.flat.values())
+        bucket.write_back(self.stager)
+        written = ((MAIN,) if self.streams_main else ()) + ((EXP_AVG, EXP_AVG_SQ) if bucket.moments_on_disk else ())
+        encoded = sum(self.codecs[n].encoded_nbytes(bucket.numel) for n in written
+                      if not self.codecs[n].reads_in_place())
+        self._held[bucket.index] = (bucket, lazy + encoded)
+        self._current = None
+        self._track_residency()
+
+    def _release_written(self, limit: int) -> None:
+        """release: free buckets whose write-backs no longer need their storage (keeping the ones the
+        next step can reuse), and block on the oldest while more than `limit` are held."""
+        for index, (bucket, _) in list(self._held.items()):
+            names = bucket.segments_to_fetch()
+            keep = self._reusable(bucket, names) and not self._host_cached(bucket, names)
+            if self.stager.sources_released(bucket.file) and not keep:
+                bucket.release()
+                del self._held[index]
+        while len(self._held) > limit:
+            index, (bucket, _) = next(iter(self._held.items()))
+            self.stager.wait_sources(bucket.file)
+            bucket.release()
+            del self._held[index]
+        self._track_residency()
+
+    def _release_pipeline(self) -> None:
+        """Release every bucket the pipeline holds (the I/O in flight has ended): prefetched buckets are
+        discarded (the next step reads them again), written-back ones freed."""
+        for bucket in list(self._fetching.values()):
+            bucket._decode_pending = []
+            bucket.release()
+        for bucket, _ in self._held.values():
+            bucket.release()
+        if self._current is not None:
+            self._current.release()
+        self._fetching, self._held, self._current = {}, {}, None
+        if hasattr(self, "stats"):
+            self.stats.resident_bytes = 0
+
+    def _abort(self) -> None:
+        self.stager.wait_all(raise_errors=False)
+        self._release_pipeline()
+
+    @torch.no_grad()
+    def prefetch(self) -> int:
+        """Read-ahead: start reading the next step's first buckets now, while the disk would otherwise
+        be idle (call it before forward/backward). Starts up to `depth` reads, skipping buckets that
+        need no disk read (still resident from their write-back, or in the host cache); they stay
+        resident until the step consumes them (or flush()). Returns the number of reads started."""
+        self._check_open()
+        self.stager.check()
+        if self.depth == 0:
+            return 0
+        self._release_written(self.depth)
+        started = 0
+        for bucket in self._order():
+            if len(self._fetching) >= self.depth:
+                break
+            names = bucket.segments_to_fetch()
+            if bucket.index in self._fetching or not names or self._reusable(bucket, names):
+                continue
+            if self._host_cached(bucket, names):
+                continue
+            self._start_fetch(bucket)
+            started += 1
+        return started
+
+    def flush(self) -> None:
+        """Wait until every write-back is in the files and release everything the pipeline holds
+        (write-behind and prefetched buckets). Saves and loads drain on their own; call this before
+        handing the device memory to someone else (sleep, offload) or to measure a step end to end."""
+        self._check_open()
+        try:
+            self.stager.wait_all()
+        finally:
+            self._release_pipeline()
+
+    def set_io(self, io_engine: str | None = None, depth: int | None = None, write_behind: bool | None = None,
+               io_threads: int = 2, direct_io: bool | None = None, host_cache_mb: int | None = None) -> None:
+        """Switch the I/O configuration between steps, on the same files (benchmarks, A/B runs).
+        Flushes first; arguments left None keep their value."""
+        self.flush()
+        io_engine = io_engine or self.stats.io_engine
+        if depth is not None and (not isinstance(depth, int) or depth < 0):
+            raise StoreConfigError(f"depth must be an integer >= 0, got {depth!r}")
+        cache = self.stats.host_cache_bytes if host_cache_mb is None else host_cache_mb * 2**20
+        self.stager.set_engine(io_engine, io_threads=io_threads, direct_io=direct_io, host_cache_bytes=cache)
+        sync = io_engine == "sync"
+        if depth is not None:
+            self._depth_setting = depth
+        if write_behind is not None:
+            self._write_behind_setting = write_behind
+        self.depth = 0 if sync else self._depth_setting
+        self.write_behind = self._write_behind_setting and not sync
+        self.stats.io_engine, self.stats.depth = io_engine, self.depth
+        self.stats.residency_bound_bytes = (2 * self.depth + 1) * self.stats.bucket_inflight_bytes
+        self.stats.staging_bytes, self.stats.host_cache_bytes = self.stager.staging_bytes, cache
+        self._marks = self._read_marks()
 
     @torch.no_grad()
     def step(self) -> StepStats:
         self._check_open()
+        self.stager.check()
         start = time.perf_counter()
-        read0, written0 = self.stager.counters.bytes_read, self.stager.counters.bytes_written
+        written0 = self.stager.counters.bytes_written
+        prefetched = len(self._fetching)
+        self._step_read = self._step_reused = self._step_peak = 0
         compute = 0.0
-        for bucket in self._order():
-            bucket.fetch(self.stager, bucket.segments_to_fetch())
-            self._track_residency([bucket])
-            t = time.perf_counter()
-            bucket.update()
-            bucket.publish()
-            self._sync()
-            compute += time.perf_counter() - t
-            self._track_residency([bucket])
-            bucket.write_back(self.stager)
-            bucket.release()
-        self.stats.resident_bytes = 0
+        order = self._order()
+        try:
+            for i, bucket in enumerate(order):
+                self._acquire(bucket)
+                self._read_ahead(order, i + 1)
+                t = time.perf_counter()
+                bucket.update()
+                bucket.publish()
+                self._sync()
+                compute += time.perf_counter() - t
+                self._track_residency()
+                self._write_back(bucket)
+                self._release_written(self.depth)
+            if not self.write_behind:
+                self._release_written(0)
+                for bucket in self.buckets:
+                    self.stager.wait_writes(bucket.file)
+            self.stager.check()
+        except BaseException:
+            self._abort()
+            raise
         wall = time.perf_counter() - start
-        last = StepStats(bytes_read=self.stager.counters.bytes_read - read0,
-                         bytes_written=self.stager.counters.bytes_written - written0,
+        disk0, cache0 = self._marks
+        self._marks = disk1, cache1 = self._read_marks()
+        pending = sum(1 for b in self.buckets if self.stager.writes_in_flight(b.file))
+        last = StepStats(bytes_read=self._step_read, bytes_written=self.stager.counters.bytes_written - written0,
                          buckets=len(self.buckets), io_seconds=wall - compute, compute_seconds=compute,
-                         wall_seconds=wall)
+                         wall_seconds=wall, disk_bytes_read=disk1 - disk0, cache_bytes_read=cache1 - cache0,
+                         reused_bytes=self._step_reused, prefetched_buckets=prefetched, pending_writes=pending,
+                         peak_resident_bytes=self._step_peak)
         self.stats.steps += 1
         self.stats.bytes_read += last.bytes_read
         self.stats.bytes_written += last.bytes_written
         self.stats.last_step = last
         moved = (last.bytes_read + last.bytes_written) / GB
-        logger.info("optimizer step %d streamed %d buckets: read %.3f GB, wrote %.3f GB in %.2f s "
-                    "(%.2f GB/s; io %.2f s, compute %.2f s), peak resident %.3f GB",
-                    self.stats.steps, last.buckets, last.bytes_read / GB, last.bytes_written / GB, wall,
-                    moved / wall if wall else 0.0, last.io_seconds, last.compute_seconds,
-                    self.stats.peak_resident_bytes / GB)
+        logger.info("optimizer step %d streamed %d buckets: read %.3f GB (disk %.3f, host cache %.3f, still "
+                    "resident %.3f), wrote %.3f GB in %.2f s (%.2f GB/s; io %.2f s, compute %.2f s); %d buckets "
+                    "prefetched, %d writes behind; peak resident %.3f GB (bound %.3f GB)",
+                    self.stats.steps, last.buckets, last.bytes_read / GB, last.disk_bytes_read / GB,
+                    last.cache_bytes_read / GB, last.reused_bytes / GB, last.bytes_written / GB, wall,
+                    moved / wall if wall else 0.0, last.io_seconds, last.compute_seconds, prefetched, pending,
+                    last.peak_resident_bytes / GB, self.stats.residency_bound_bytes / GB)
         return last
 
     @torch.no_grad()
     def refresh_main_from_model_params(self) -> None:
         """After the model weights were replaced (checkpoint load): mains <- model params."""
         self._check_open()
+        self.flush()  # no write-back in flight may land over the refreshed mains; prefetched mains are stale
         for bucket in self.buckets if self.streams_main else ():
             bucket.refresh_main(self.stager)
 
@@ -206,6 +446,9 @@ class NVMeOptimizerStateStore:
         except Exception:
             logger.exception("a background save of optimizer state failed")
         self._closed = True
+        if hasattr(self, "stager"):  # write-behind in flight ends before its files close
+            self.stager.wait_all(raise_errors=False)
+            self._release_pipeline()
         for bucket in getattr(self, "buckets", []):
             self.stager.close_file(bucket.file)
         if hasattr(self, "path"):

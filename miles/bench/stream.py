@@ -1,0 +1,383 @@
+"""`miles bench stream`: what a streamed optimizer step costs, against the disk it streams through.
+
+One run, one directory, one store (mixed precision: bf16 model params, fp32 masters + Adam moments,
+12 bytes of streamed state per param):
+
+  resident   an in-memory AdamW step over the same params (what the step would cost with no disk)
+  floor      the raw disk alone: read the bytes a step reads (the store's own bucket segments) and write
+             as many (to a scratch file beside them), chunked, O_DIRECT when available, no compute, no
+             device; once with reads and writes at once, once reads then writes: the faster is the floor
+  sync       the seed's synchronous engine (buffered I/O, one staging buffer)
+  pipelined  the pipelined engine (worker threads, CUDA streams, O_DIRECT when available)
+  exposed    with a synthetic forward/backward before every step: step wall time minus the resident
+             step time, for (a) no read-ahead and writes waited inside the step, (b) read-ahead +
+             write-behind, (c) (b) + a host-RAM cache for the buckets written last
+
+Engine steps are measured cold and end to end: page cache dropped before (the sync engine's buffered
+reads would otherwise come from RAM), and the time runs until every write is in the files (flush +
+fdatasync: buffered writes that sit in the page cache have not cost the disk yet). On CUDA the device
+memory peak of the pipelined step is printed beside the store's documented residency bound.
+
+    miles bench stream --params 100M --device cpu --dir /var/tmp/bench --json out.json
+    python -m miles.bench.stream --params 1.5B --device cuda --dir /mnt/nvme/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+
+GB = 1e9
+
+
+def parse_count(text: str) -> int:
+    text = text.strip().upper().replace("_", "")
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+# ---- arguments ----------------------------------------------------------------------------------------
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", default="100M", help="trained params (e.g. 100M, 1.5B); 12 B/param of state")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--dir", default="miles-bench-stream", help="directory on the disk under test (created; "
+                   "the bench's files are removed at the end)")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--buckets", type=int, default=8, help="buckets the state is cut into (sets bucket_numel)")
+    p.add_argument("--bucket-numel", type=int, default=None, help="element budget per bucket (overrides --buckets)")
+    p.add_argument("--chunk-mb", type=int, default=256)
+    p.add_argument("--depth", type=int, default=2)
+    p.add_argument("--io-threads", type=int, default=2)
+    p.add_argument("--direct", choices=["auto", "on", "off"], default="auto", help="O_DIRECT for the floor and "
+                   "the pipelined engine")
+    p.add_argument("--repeat", type=int, default=1, help="timed steps per engine (the median is reported)")
+    p.add_argument("--fwd-bwd-seconds", type=float, default=None, help="synthetic forward/backward before each "
+                   "step of the exposed-I/O runs (default: the floor's time to read a step's bytes)")
+    p.add_argument("--fwd-bwd", choices=["auto", "matmul", "sleep"], default="auto", help="what the synthetic "
+                   "forward/backward does (auto: bf16 matmuls on CUDA, sleep on CPU, where it stands for device "
+                   "compute that leaves the cores to the I/O threads)")
+    p.add_argument("--host-cache-fractions", default="0.5", help="host cache of run (c), as a fraction of the "
+                   "state; a comma-separated list runs (c) once per value (e.g. 0.5,0.75)")
+    p.add_argument("--only-exposed", action="store_true", help="skip the floor, sync and pipelined tables "
+                   "(give --fwd-bwd-seconds)")
+    p.add_argument("--skip-exposed", action="store_true", help="skip the exposed-I/O runs")
+    p.add_argument("--skip-sync", action="store_true", help="skip the sync engine")
+    p.add_argument("--quiet", action="store_true", help="no per-step log lines")
+
+
+def build_parser(prog: str = "miles bench stream") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_arguments(p)
+    return p
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `stream` on a `miles bench` subparsers object."""
+    p = subparsers.add_parser("stream", help="streamed optimizer step vs the raw disk floor, sync vs pipelined",
+                              description=__doc__.split("\n\n")[0])
+    _add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    return run(args)
+
+
+# ---- helpers ------------------------------------------------------------------------------------------
+class Progress:
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        print(f"[bench {time.perf_counter() - self.t0:7.1f}s] {msg}", flush=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_state(total: int, device: torch.device, tensors: int = 16):
+    """bf16 model params, fp32 masters (copies), fp32 grads on the masters; irregular sizes so that
+    buckets split params."""
+    base = max(1, total // tensors)
+    sizes = [base * 3 // 4 if i % 2 == 0 else base * 5 // 4 for i in range(tensors - 1)]
+    sizes.append(total - sum(sizes))
+    gen = torch.Generator(device=device).manual_seed(0)
+    model, masters = [], []
+    for n in sizes:
+        m = torch.randn(n, generator=gen, device=device, dtype=torch.float32)
+        model.append(m.to(torch.bfloat16))
+        m.grad = torch.randn(n, generator=gen, device=device, dtype=torch.float32).mul_(1e-3)
+        masters.append(m)
+    return model, masters
+
+
+def adamw(params, device):
+    kwargs = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)
+    try:
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.AdamW(params, **kwargs)
+
+
+class FwdBwd:
+    """A synthetic forward/backward of a given length: bf16 matmuls on CUDA, or sleep."""
+
+    def __init__(self, device: torch.device, kind: str):
+        self.device = device
+        self.kind = ("matmul" if device.type == "cuda" else "sleep") if kind == "auto" else kind
+        if self.kind == "matmul":
+            dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+            n = 8192 if device.type == "cuda" else 1024
+            self.a = torch.randn(n, n, device=device, dtype=dt)
+            self.b = torch.randn(n, n, device=device, dtype=dt)
+
+    def __call__(self, seconds: float) -> float:
+        t0 = time.perf_counter()
+        if self.kind == "sleep":
+            time.sleep(seconds)
+        else:
+            while time.perf_counter() - t0 < seconds:
+                for _ in range(8):
+                    self.a @ self.b
+                _sync(self.device)
+        return time.perf_counter() - t0
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
+
+
+# ---- the run ------------------------------------------------------------------------------------------
+def run(args) -> int:
+    from miles_plugins.optimizers.streaming.bucket import StreamEntry
+    from miles_plugins.optimizers.streaming.engine import raw_floor
+    from miles_plugins.optimizers.streaming.stager import Stager
+    from miles_plugins.optimizers.streaming.store import NVMeOptimizerStateStore
+
+    if not args.quiet:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    say = Progress()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    if cuda and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    total = parse_count(args.params)
+    bucket_numel = args.bucket_numel or math.ceil(total / args.buckets)
+    direct = {"auto": None, "on": True, "off": False}[args.direct]
+    root = os.path.abspath(args.dir)
+    os.makedirs(root, exist_ok=True)
+    results: dict = {"args": vars(args) | {"func": None}, "params": total, "bucket_numel": bucket_numel,
+                     "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+                     "torch": torch.__version__, "cpus": os.cpu_count(), "dir": root}
+    say(f"{total / 1e9:.3f}B params on {device} ({results['device']}), state {12 * total / GB:.2f} GB in "
+        f"{root}; buckets of {bucket_numel / 1e6:.1f}M, depth {args.depth}, chunk {args.chunk_mb} MiB")
+
+    # 1. resident step ------------------------------------------------------------------------------
+    model, masters = make_state(total, device)
+    opt = adamw(masters, device)
+    opt.step()  # creates the moments
+    _sync(device)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        opt.step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    resident = median(times)
+    del opt
+    results["resident_step_seconds"] = resident
+    say(f"resident optimizer step: {resident:.3f} s")
+
+    # 2. the store (pipelined), step 1 (reads mains only) --------------------------------------------
+    entries = [StreamEntry(main=m, group=0, model_view=p.view(-1)) for m, p in zip(masters, model)]
+    t0 = time.perf_counter()
+    store = NVMeOptimizerStateStore(entries, adamw(masters, device), dir=root, chunk_mb=args.chunk_mb,
+                                    bucket_numel=bucket_numel, io_engine="pipelined", depth=args.depth,
+                                    io_threads=args.io_threads, direct_io=direct)
+    say(f"store built in {time.perf_counter() - t0:.1f} s (mains written): {store.stats.num_buckets} buckets, "
+        f"{store.stats.state_bytes / GB:.2f} GB")
+    files = [b.file for b in store.buckets]
+    scratch_path = os.path.join(root, "floor.scratch")
+    try:
+        t0 = time.perf_counter()
+        store.step()
+        store.flush()
+        say(f"step 1 (mains only, moments created): {time.perf_counter() - t0:.1f} s")
+        direct_used = bool(store.stager.engine.direct)
+        results["direct_io"] = direct_used
+
+        # 3. the raw disk floor -----------------------------------------------------------------------
+        ranges = [(b.file.path, b.layout.segments[n].offset, b.layout.segments[n].nbytes)
+                  for b in store.buckets for n in b.segment_names]
+        step_read = sum(n for _, _, n in ranges)
+        scratch = Stager.create_file(scratch_path, -(-step_read // 4096) * 4096)
+        Stager.close_file(scratch)
+        floors = {}
+        for concurrent in (() if args.only_exposed else (True, False)):
+            label = "concurrent" if concurrent else "sequential"
+            say(f"raw disk floor ({label}): reading {step_read / GB:.2f} GB and writing as many ...")
+            f = raw_floor(ranges, scratch_path, step_read, args.chunk_mb * 2**20, threads=args.io_threads,
+                          direct=direct is not False, concurrent=concurrent)
+            floors[label] = f
+            extra = (f" (reads {f['read_seconds']:.2f} s, writes {f['write_seconds']:.2f} s)"
+                     if f["read_seconds"] is not None else "")
+            say(f"  {f['seconds']:.2f} s, {2 * step_read / GB / f['seconds']:.2f} GB/s{extra}, "
+                f"{'O_DIRECT' if f['direct'] else 'buffered'}")
+        os.remove(scratch_path)
+        floor = min((f["seconds"] for f in floors.values()), default=float("nan"))
+        results["floor"] = floors | {"best_seconds": floor, "bytes": 2 * step_read}
+
+        def timed_steps(label):
+            walls, returned, peaks = [], [], []
+            for _ in range(args.repeat):
+                store.flush()
+                store.stager.drop_page_cache(files)
+                if cuda:
+                    torch.cuda.synchronize(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                    base = torch.cuda.memory_allocated(device)
+                t0 = time.perf_counter()
+                s = store.step()
+                returned.append(time.perf_counter() - t0)
+                if cuda:
+                    peaks.append(torch.cuda.max_memory_allocated(device) - base)
+                store.flush()
+                store.stager.drop_page_cache(files)  # fdatasync: buffered writes must reach the disk too
+                walls.append(time.perf_counter() - t0)
+                say(f"  {label} step {store.stats.steps}: {walls[-1]:.2f} s end to end (returned after "
+                    f"{returned[-1]:.2f} s; read {s.bytes_read / GB:.2f} GB, wrote {s.bytes_written / GB:.2f} GB)")
+            out = {"seconds": median(walls), "returned_seconds": median(returned), "all_seconds": walls,
+                   "bytes": s.bytes_read + s.bytes_written, "peak_resident_bytes": store.stats.peak_resident_bytes,
+                   "residency_bound_bytes": store.stats.residency_bound_bytes}
+            if cuda:
+                out["device_peak_bytes"] = max(peaks)
+            return out
+
+        # 4. sync engine, 5. pipelined engine ---------------------------------------------------------
+        if not args.skip_sync and not args.only_exposed:
+            say("sync engine (the seed's path: synchronous, buffered, one staging buffer) ...")
+            store.set_io(io_engine="sync")
+            results["sync"] = timed_steps("sync")
+        if not args.only_exposed:
+            say(f"pipelined engine (depth {args.depth}, {args.io_threads}+{args.io_threads} I/O threads, "
+                f"{'O_DIRECT' if direct_used else 'buffered'}) ...")
+            store.set_io(io_engine="pipelined", depth=args.depth, write_behind=True, io_threads=args.io_threads,
+                         direct_io=direct, host_cache_mb=0)
+            store.stats.peak_resident_bytes = 0
+            results["pipelined"] = timed_steps("pipelined")
+
+        # 6. exposed I/O with a synthetic forward/backward --------------------------------------------
+        if not args.skip_exposed:
+            fwd_bwd = FwdBwd(device, args.fwd_bwd)
+            seconds = args.fwd_bwd_seconds
+            if seconds is None:
+                if "sequential" not in floors:
+                    raise SystemExit("--only-exposed needs --fwd-bwd-seconds")
+                seconds = floors["sequential"]["read_seconds"]
+            modes = [("plain", "no read-ahead, write-back waited in the step", dict(write_behind=False, host_cache_mb=0), False),
+                     ("ahead+behind", "read-ahead (prefetch) + write-behind", dict(write_behind=True, host_cache_mb=0), True)]
+            for fraction in (float(x) for x in args.host_cache_fractions.split(",") if x.strip()):
+                cache_mb = int(fraction * store.stats.state_bytes / 2**20)
+                modes.append((f"ahead+behind+cache{fraction:g}", f"+ host cache {cache_mb / 1024:.2f} GiB = {fraction:g} "
+                              "of the state", dict(write_behind=True, host_cache_mb=cache_mb), True))
+            results["exposed"] = {"fwd_bwd_seconds": seconds, "fwd_bwd_kind": fwd_bwd.kind, "modes": {}}
+            for name, what, io, prefetch in modes:
+                say(f"exposed I/O, {name} ({what}); forward/backward {seconds:.2f} s ({fwd_bwd.kind}) ...")
+                store.set_io(io_engine="pipelined", depth=args.depth, io_threads=args.io_threads, direct_io=direct, **io)
+                store.stager.drop_page_cache(files)
+                rows = []
+                for it in range(1 + args.repeat):  # the first iteration fills the pipeline
+                    t_it = time.perf_counter()
+                    started = store.prefetch() if prefetch else 0
+                    fb = fwd_bwd(seconds)
+                    t0 = time.perf_counter()
+                    s = store.step()
+                    wall = time.perf_counter() - t0
+                    rows.append({"fwd_bwd": fb, "step": wall, "exposed": wall - resident, "prefetch_started": started,
+                                 "iteration": time.perf_counter() - t_it, "disk_read": s.disk_bytes_read,
+                                 "cache_read": s.cache_bytes_read, "reused": s.reused_bytes,
+                                 "pending_writes": s.pending_writes})
+                    say(f"  iteration {it + 1}: forward/backward {fb:.2f} s, step {wall:.2f} s (exposed "
+                        f"{wall - resident:.2f} s); disk read {s.disk_bytes_read / GB:.2f} GB, host cache "
+                        f"{s.cache_bytes_read / GB:.2f} GB, still resident {s.reused_bytes / GB:.2f} GB, "
+                        f"{s.pending_writes} writes behind")
+                measured = rows[1:]
+                results["exposed"]["modes"][name] = {
+                    "what": what, "rows": rows, "step_seconds": median([r["step"] for r in measured]),
+                    "exposed_seconds": median([r["exposed"] for r in measured]),
+                    "iteration_seconds": median([r["iteration"] for r in measured])}
+            store.flush()
+    finally:
+        store.close()
+        if os.path.exists(scratch_path):
+            os.remove(scratch_path)
+        try:
+            os.rmdir(root)
+        except OSError:
+            pass
+    report(results, say)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        say(f"wrote {args.json}")
+    return 0
+
+
+def report(r: dict, say) -> None:
+    floor = r["floor"]["best_seconds"]
+    lines = [f"\n== miles bench stream: {r['params'] / 1e9:.3f}B params, {12 * r['params'] / GB:.2f} GB of fp32 state, "
+             f"{r['device']}, torch {r['torch']}, {'O_DIRECT' if r.get('direct_io') else 'buffered'} ==",
+             f"{'what':44s} {'seconds':>9s} {'GB':>8s} {'GB/s':>7s} {'x floor':>8s}"]
+
+    def row(label, seconds, nbytes=0, ratio=True):
+        gb = f"{nbytes / GB:8.2f} {nbytes / GB / seconds:7.2f}" if nbytes else f"{'-':>8s} {'-':>7s}"
+        lines.append(f"{label:44s} {seconds:9.3f} {gb} " + (f"{seconds / floor:8.2f}" if ratio else f"{'-':>8s}"))
+
+    for label, f in r["floor"].items():
+        if isinstance(f, dict):
+            row(f"raw disk floor, {label}", f["seconds"], r["floor"]["bytes"])
+    row("resident optimizer step (in memory)", r["resident_step_seconds"], ratio=False)
+    if "sync" in r:
+        row("sync engine step (end to end)", r["sync"]["seconds"], r["sync"]["bytes"])
+    if "pipelined" in r:
+        p = r["pipelined"]
+        row("pipelined engine step (end to end)", p["seconds"], p["bytes"])
+        row("  of which the step returned after", p["returned_seconds"])
+        lines.append(f"pipelined / floor = {p['seconds'] / floor:.3f}" + (
+            f"; pipelined vs sync: {r['sync']['seconds'] / p['seconds']:.2f}x faster" if "sync" in r else ""))
+        lines.append(f"residency: store peak {p['peak_resident_bytes'] / GB:.3f} GB, documented bound "
+                     f"{p['residency_bound_bytes'] / GB:.3f} GB ((2 x depth + 1) buckets)"
+                     + (f"; device memory peak during the step {p['device_peak_bytes'] / GB:.3f} GB "
+                        f"({'within' if p['device_peak_bytes'] <= p['residency_bound_bytes'] else 'ABOVE'} the bound)"
+                        if "device_peak_bytes" in p else ""))
+    if "exposed" in r:
+        e = r["exposed"]
+        lines.append(f"\nexposed I/O (step wall time - resident step {r['resident_step_seconds']:.3f} s), synthetic "
+                     f"forward/backward of {e['fwd_bwd_seconds']:.2f} s ({e['fwd_bwd_kind']}) before each step:")
+        lines.append(f"{'mode':22s} {'what':46s} {'step s':>8s} {'exposed s':>10s} {'iter s':>8s} {'vs plain':>9s}")
+        plain = e["modes"]["plain"]["exposed_seconds"]
+        for name, m in e["modes"].items():
+            cut = f"{100 * (1 - m['exposed_seconds'] / plain):8.1f}%" if plain > 0 else f"{'-':>9s}"
+            lines.append(f"{name:22s} {m['what']:46s} {m['step_seconds']:8.2f} {m['exposed_seconds']:10.2f} "
+                         f"{m['iteration_seconds']:8.2f} {cut:>9s}")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    r["report"] = text
+
+
+if __name__ == "__main__":
+    sys.exit(main())
