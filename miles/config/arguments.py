@@ -91,7 +91,7 @@ class RolloutConfig:
     """Generation of samples."""
 
     rollout_engine: str = knob(
-        "embedded", "Rollout engine: embedded torch generation in a Ray actor, or sglang.",
+        "embedded", "Rollout engine: embedded torch generation in a Ray actor (sglang: not wired yet, rejected).",
         choices=("embedded", "sglang"),
     )
     prompt_data: Optional[str] = knob(
@@ -114,7 +114,8 @@ class TrainingConfig:
     """The training backend and its batch shape."""
 
     train_backend: str = knob(
-        "torch", "Training backend: torch (transformers model, CPU or GPU) or megatron (GPU, Python >= 3.12).",
+        "torch", "Training backend: torch (transformers model, CPU or GPU). megatron is rejected by miles train for "
+        "now: the store's Megatron binding is a library API (see docs/advanced/disk-offload.md).",
         choices=("torch", "megatron"),
     )
     micro_batch_size: int = knob(4, "Samples per forward/backward on one rank (gradient accumulation over the rest).")
@@ -150,9 +151,9 @@ class OptimizerConfig:
     )
     use_precision_aware_optimizer: bool = knob(False, "Megatron's precision-aware optimizer (megatron backend).")
     optimizer_cpu_offload: bool = knob(False, "Megatron's optimizer CPU offload (megatron backend).")
-    reset_optimizer_states: bool = knob(False, "Reset the optimizer state after every rollout.")
-    save_local_weight_checksum: bool = knob(False, "Save per-rank checksums of the local weights with checkpoints.")
-    enable_witness: bool = knob(False, "Enable the optimizer-state witness (shadow copy checks).")
+    reset_optimizer_states: bool = knob(False, "Reset the optimizer state after every rollout (Megatron flag; not implemented here, rejected).")
+    save_local_weight_checksum: bool = knob(False, "Save per-rank weight checksums with checkpoints (Megatron flag; not implemented here, rejected).")
+    enable_witness: bool = knob(False, "Optimizer-state witness (miles flag; not implemented here, rejected).")
 
 
 @dataclass

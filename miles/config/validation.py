@@ -172,6 +172,12 @@ _STREAM_REJECTS = (
 )
 
 
+# Flags that exist so streaming can reject them by name (DESIGN section 4); no backend here implements them.
+_NOT_IMPLEMENTED = (("reset_optimizer_states", "--reset-optimizer-states"),
+                    ("save_local_weight_checksum", "--save-local-weight-checksum"),
+                    ("enable_witness", "--enable-witness"))
+
+
 def _check_streaming(a: argparse.Namespace) -> None:
     if not a.stream_optimizer_state_to_disk:
         return
@@ -237,20 +243,29 @@ def _check_backend(a: argparse.Namespace, env: Environment) -> None:
         if not env.has_module("megatron.core"):
             raise _err("--train-backend megatron: megatron-core is not installed.", ("--train-backend",),
                        "pip install the megatron extra (pip install 'miles[megatron]').")
-    else:
-        for attr, flag in (("fp8_param", "--fp8-param"),
-                           ("use_precision_aware_optimizer", "--use-precision-aware-optimizer"),
-                           ("optimizer_cpu_offload", "--optimizer-cpu-offload")):
-            if getattr(a, attr):
-                raise _err(f"{flag} is a megatron-core feature; --train-backend {a.train_backend} does not "
-                           "support it.", (flag, "--train-backend"),
-                           f"drop {flag} or use --train-backend megatron.")
+        raise _err("--train-backend megatron: `miles train` does not drive megatron-core models yet; the "
+                   "store's Megatron binding is a library API (stream_optimizer_state on a megatron-core "
+                   "DistributedOptimizer or ChainedOptimizer).", ("--train-backend",),
+                   "use --train-backend torch with miles train.")
+    for attr, flag in _NOT_IMPLEMENTED:
+        if getattr(a, attr):
+            raise _err(f"{flag} is accepted for compatibility with miles/Megatron command lines but is not "
+                       "implemented by the torch backend.", (flag,), f"drop {flag}.")
+    for attr, flag in (("fp8_param", "--fp8-param"),
+                       ("use_precision_aware_optimizer", "--use-precision-aware-optimizer"),
+                       ("optimizer_cpu_offload", "--optimizer-cpu-offload")):
+        if getattr(a, attr):
+            raise _err(f"{flag} is a megatron-core feature; --train-backend {a.train_backend} does not "
+                       "support it.", (flag, "--train-backend"), f"drop {flag}.")
 
 
 def _check_rollout(a: argparse.Namespace, env: Environment) -> None:
     if a.rollout_engine == "sglang" and not env.has_module("sglang"):
         raise _err("--rollout-engine sglang: sglang is not importable here (it needs a CUDA machine with "
                    "sglang installed).", ("--rollout-engine",), "use --rollout-engine embedded.")
+    if a.rollout_engine == "sglang":
+        raise _err("--rollout-engine sglang is not wired into miles train yet.", ("--rollout-engine",),
+                   "use --rollout-engine embedded.")
     if a.prompt_data is not None:
         if not env.is_file(a.prompt_data):
             raise _err(f"--prompt-data {a.prompt_data}: no such file.", ("--prompt-data",),

@@ -16,7 +16,7 @@ streams). A bucket's storage is released once its write-back no longer needs it.
                in the page cache with buffered I/O, or still resident on the device).
   host cache   optional (host_cache_mb): images of hot buckets in host RAM; their reads cost no disk I/O
                and their disk writes run in the background while the disk has no reads to serve.
-Residency bound (StoreStats.residency_bound_bytes): at most 2 * depth + 1 buckets are materialized at
+Residency bound (StoreStats.residency_bound_bytes): at most min(2 * depth + 1, buckets) are materialized at
 any time (depth reading ahead, one updating, depth held by their write-backs), each at most
 `bucket_inflight_bytes` (fp32 buffers of the streamed segments + encoded temporaries of narrow moment
 codecs). Between steps at most 2 * depth (prefetched + write-behind). Host memory on top: the engine's
@@ -136,7 +136,7 @@ class NVMeOptimizerStateStore:
         self.stats = StoreStats(num_buckets=len(self.buckets), state_bytes=sum(file_bytes),
                                 max_bucket_bytes=max((len(names) * 4 * p.numel for p in plans), default=0),
                                 io_engine=self.stager.io_engine, depth=self.depth, bucket_inflight_bytes=inflight,
-                                residency_bound_bytes=(2 * self.depth + 1) * inflight,
+                                residency_bound_bytes=min(2 * self.depth + 1, len(self.buckets)) * inflight,
                                 staging_bytes=self.stager.staging_bytes, host_cache_bytes=host_cache_mb * 2**20)
         self._marks = self._read_marks()
         self._closed = False
@@ -335,7 +335,7 @@ class NVMeOptimizerStateStore:
         self.depth = 0 if sync else self._depth_setting
         self.write_behind = self._write_behind_setting and not sync
         self.stats.io_engine, self.stats.depth = io_engine, self.depth
-        self.stats.residency_bound_bytes = (2 * self.depth + 1) * self.stats.bucket_inflight_bytes
+        self.stats.residency_bound_bytes = min(2 * self.depth + 1, len(self.buckets)) * self.stats.bucket_inflight_bytes
         self.stats.staging_bytes, self.stats.host_cache_bytes = self.stager.staging_bytes, cache
         self._marks = self._read_marks()
 
