@@ -198,6 +198,8 @@ class TorchTrainer:
         num_tokens = max(1.0, global_tokens) / self.world_size
 
         opt.zero_grad(set_to_none=True)
+        if self.store is not None:  # read-ahead: the disk is idle during forward/backward
+            self.store.prefetch()
         sums = [0.0, 0.0, 0.0]  # loss, clipped tokens, |train logp - rollout logp| over tokens
         fwd_bwd = time.perf_counter()
         for sl in self._micro_batches(len(samples)):
@@ -238,7 +240,7 @@ class TorchTrainer:
             metrics.update({
                 "stream_bytes_read": int(last.bytes_read), "stream_bytes_written": int(last.bytes_written),
                 "stream_seconds": float(last.wall_seconds), "stream_io_seconds": float(last.io_seconds),
-                "stream_buckets": int(last.buckets),
+                "stream_buckets": int(last.buckets), "stream_prefetched_buckets": int(last.prefetched_buckets),
                 "stream_peak_resident_bytes": int(self.store.stats.peak_resident_bytes),
             })
         return metrics
