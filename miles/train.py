@@ -404,6 +404,8 @@ def _record(rollout_id, rewards, samples, ranks, wake, sleep, timings, saved) ->
             "stream_seconds": wall,
             "stream_gbps": (sum(read) + sum(written)) / GB / wall if wall > 0 else 0.0,
             "stream_peak_resident_bytes": max(int(r["stream_peak_resident_bytes"]) for r in ranks),
+            "stream_exposed_io_seconds": max(float(r["stream_io_seconds"]) for r in ranks),
+            "stream_prefetched_buckets": min(int(r["stream_prefetched_buckets"]) for r in ranks),
         })
     return rec
 

@@ -46,3 +46,27 @@ def wait_all(refs: Sequence[Any], what: str, labels: Optional[Sequence[str]] = N
             except RayError as e:
                 raise ActorFailure(what, label_of[ref], e) from e
     return [results[r] for r in refs]
+
+
+def close_then_kill(actors: Sequence[Any], method: str, timeout_s: float) -> None:
+    """Ask every live actor to run `method` (close its files, remove its directories), wait up to
+    `timeout_s`, then kill them all. A dead or failing actor is skipped: the driver's own cleanup of
+    the run directories is the backstop."""
+    refs = []
+    for actor in actors:
+        try:
+            refs.append(getattr(actor, method).remote())
+        except Exception:
+            pass
+    if refs:
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception:
+                pass
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:
+            pass

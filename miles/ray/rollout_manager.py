@@ -12,7 +12,7 @@ import os
 from typing import Any, Optional, Sequence
 
 from . import actor_factory, layout
-from .errors import wait_all
+from .errors import close_then_kill, wait_all
 
 logger = logging.getLogger(__name__)
 
@@ -102,23 +102,4 @@ class RolloutManager:
                         self.labels)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        import ray
-
-        refs = []
-        for e in self.engines:
-            try:
-                refs.append(e.close.remote())
-            except Exception:
-                pass
-        if refs:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-            for r in ready:
-                try:
-                    ray.get(r)
-                except Exception:
-                    pass
-        for e in self.engines:
-            try:
-                ray.kill(e, no_restart=True)
-            except Exception:
-                pass
+        close_then_kill(self.engines, "close", timeout_s)

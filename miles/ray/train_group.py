@@ -14,7 +14,7 @@ from typing import Any
 import ray
 
 from . import actor_factory
-from .errors import wait_all
+from .errors import close_then_kill, wait_all
 
 logger = logging.getLogger(__name__)
 
@@ -81,24 +81,4 @@ class RayTrainGroup:
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Ask every live actor to close its store and remove its directory, then kill them all."""
-        refs = []
-        for a in self.actors:
-            try:
-                refs.append(a.shutdown.remote())
-            except Exception:
-                pass
-        if refs:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-            for r in ready:
-                try:
-                    ray.get(r)
-                except Exception:  # a dead or failed actor: the driver's backstop cleans up
-                    pass
-        self.kill()
-
-    def kill(self) -> None:
-        for a in self.actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:
-                pass
+        close_then_kill(self.actors, "shutdown", timeout_s)
