@@ -19,7 +19,9 @@ from typing import Callable
 
 import torch
 
-from .engine import ENGINES, IOCounters, Ticket, as_bytes, drop_page_cache, host_buffer, make_engine  # noqa: F401
+from .engine import ENGINES, make_engine
+from .hostio import as_bytes, drop_page_cache, host_buffer  # noqa: F401
+from .tickets import IOCounters, Ticket  # noqa: F401
 
 logger = logging.getLogger(__name__)
 

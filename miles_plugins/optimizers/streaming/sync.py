@@ -1,0 +1,103 @@
+"""The synchronous engine: the seed's path, kept as the in-run baseline.
+
+The calling thread does every pread/pwrite, buffered, through one staging buffer (device tensors) or
+straight from the tensor's memory (CPU tensors). Tickets come back finished. It takes the same requests
+as the pipelined engine (engine.py, where `make_engine` picks between them).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .hostio import as_bytes, host_buffer, pread_into, pwrite_all
+from .tickets import IOCounters, Ticket, finished_ticket
+
+
+class SyncEngine:
+    """Synchronous chunked I/O through one staging buffer (pinned only where CUDA exists), buffered.
+
+    CPU tensors are read into and written from their own memory directly: staging would only add a
+    copy. Device tensors move in chunk_bytes pieces: disk <-> staging <-> device, always as same-dtype
+    bytes (a copy into a differently typed host view takes no DMA path).
+    """
+
+    name = "sync"
+    direct = False
+
+    def __init__(self, device: torch.device, chunk_bytes: int):
+        self.device = torch.device(device)
+        self.chunk_bytes = chunk_bytes
+        self.counters = IOCounters()
+        self._staging = None
+        if self.device.type != "cpu":
+            self._staging = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+    @property
+    def staging_bytes(self) -> int:
+        return 0 if self._staging is None else self.chunk_bytes
+
+    def expect_files(self, max_nbytes: int) -> None:
+        self._expected_file_bytes = max_nbytes
+
+    def read(self, file, offset: int, dsts: list[torch.Tensor]) -> Ticket:
+        start = time.perf_counter()
+        for dst in dsts:
+            dst_bytes = as_bytes(dst)
+            total = dst_bytes.numel()
+            if self._staging is None:
+                pread_into(file.fd, [host_buffer(dst_bytes)], offset)
+            else:
+                for pos in range(0, total, self.chunk_bytes):
+                    n = min(self.chunk_bytes, total - pos)
+                    pread_into(file.fd, [host_buffer(self._staging[:n])], offset + pos)
+                    dst_bytes[pos:pos + n].copy_(self._staging[:n])
+            offset += total
+            self.counters.bytes_read += total
+        self.counters.read_seconds += time.perf_counter() - start
+        return finished_ticket()
+
+    def write(self, file, offset: int, srcs: list[torch.Tensor], pad_tail: bool = False) -> Ticket:
+        if file.before_write is not None:
+            file.before_write()
+        start = time.perf_counter()
+        views = [as_bytes(t) for t in srcs]
+        total = sum(v.numel() for v in views)
+        if self._staging is None:
+            pwrite_all(file.fd, [host_buffer(v) for v in views], offset)
+        else:
+            filled, written = 0, 0
+            for view in views:
+                pos = 0
+                while pos < view.numel():
+                    n = min(self.chunk_bytes - filled, view.numel() - pos)
+                    self._staging[filled:filled + n].copy_(view[pos:pos + n])
+                    filled, pos = filled + n, pos + n
+                    if filled == self.chunk_bytes:
+                        pwrite_all(file.fd, [host_buffer(self._staging)], offset + written)
+                        written, filled = written + filled, 0
+            if filled:
+                pwrite_all(file.fd, [host_buffer(self._staging[:filled])], offset + written)
+        self.counters.bytes_written += total
+        self.counters.write_seconds += time.perf_counter() - start
+        return finished_ticket()
+
+    # Nothing is ever in flight; errors raise in the caller.
+    def check(self) -> None:
+        pass
+
+    def pending(self, file, kind: str) -> list[Ticket]:
+        return []
+
+    def is_cached(self, file, offset: int, nbytes: int) -> bool:
+        return False
+
+    def wait_all(self, raise_errors: bool = True) -> None:
+        pass
+
+    def drop_cache(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._staging = None
