@@ -1,10 +1,11 @@
 """The stager: the only code that touches the filesystem and host staging memory.
 
 Everything above it (bucket, store, bindings) speaks in device tensors and byte offsets. The bytes are
-moved by the I/O engine the stager owns (engine.py, its sibling and only helper): `sync` (the seed's
-synchronous path) or `pipelined` (worker threads, several pinned staging buffers, CUDA streams, O_DIRECT,
-an optional host-RAM cache). A GPUDirect Storage backend or a different I/O engine is a change to these
-two modules alone.
+moved by the I/O engine the stager owns: `sync.py` (the seed's synchronous path) or `engine.py`
+(`pipelined`: worker threads, several pinned staging buffers, CUDA streams, O_DIRECT), built from
+`hostio.py` (file and host-memory primitives, staging), `tickets.py` (in-flight requests, workers)
+and `hostcache.py` (the optional host-RAM cache of hot buckets). Only the stager imports them: a
+GPUDirect Storage backend or a different I/O engine is a change below this module alone.
 """
 
 from __future__ import annotations
