@@ -117,7 +117,21 @@ def test_train_save_resume_streamed_state(ray_cluster, tmp_path):
     assert recs2[0]["reward_mean"] == pytest.approx(recs[2]["reward_mean"])
     assert recs2[0]["loss"] == pytest.approx(recs[2]["loss"], rel=1e-4, abs=1e-7)
     assert not any(os.path.exists(d) for d in rank_dirs)
-    print(f"\ne2e timing: run1 {run1_seconds:.1f}s, run2 {run2_seconds:.1f}s")
+
+    # ---- resume the 2-rank checkpoint onto 1 rank: the store reshards from the manifests
+    t2 = time.perf_counter()
+    args3 = _args(tmp_path, "--load", ck2, "--num-train-ranks", "1", "--metrics-file", str(tmp_path / "run3.jsonl"))
+    summary3 = run(args3)
+    run3_seconds = time.perf_counter() - t2
+    assert summary3["start_rollout"] == 2
+    assert [info["optimizer"] for info in summary3["load_info"]] == ["streamed"], summary3["load_info"]
+    recs3 = _records(tmp_path / "run3.jsonl")
+    assert [r["rollout_id"] for r in recs3] == [2]
+    # one rank now holds the whole state, moments included: it reads what both ranks read before
+    assert recs3[0]["stream_bytes_read_per_rank"] == [sum(steady_read)], (recs3[0], steady_read)
+    assert recs3[0]["reward_mean"] == pytest.approx(recs[2]["reward_mean"])
+    assert recs3[0]["loss"] == pytest.approx(recs[2]["loss"], rel=1e-4, abs=1e-6)
+    print(f"\ne2e timing: run1 {run1_seconds:.1f}s, run2 {run2_seconds:.1f}s, run3 (DP 2->1) {run3_seconds:.1f}s")
 
 
 def test_actor_failure_stops_run_with_traceback(ray_cluster, tmp_path, monkeypatch, caplog):
