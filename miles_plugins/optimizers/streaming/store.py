@@ -34,6 +34,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
 from . import checkpoint
 from .bucket import Bucket, StreamEntry
@@ -154,12 +155,17 @@ class NVMeOptimizerStateStore:
         forward/backward run before any step, and tight configurations OOM before a lazy store flushes."""
         if not self.streams_main:
             return
-        for bucket in self.buckets:
+        start = time.perf_counter()
+        progress = tqdm(self.buckets, desc="writing fp32 mains to disk", unit="bucket", leave=False,
+                        disable=len(self.buckets) < 8 or not logger.isEnabledFor(logging.INFO))
+        for bucket in progress:
             views = [self.entries[p.entry].main.detach().view(-1)[p.start:p.stop] for p in bucket.pieces]
             bucket._write_segment(self.stager, MAIN, views)
         self.stager.wait_all()  # the writes read from the mains' storage
         for entry in self.entries:
             entry.main.untyped_storage().resize_(0)
+        nbytes = 4 * sum(b.numel for b in self.buckets)
+        logger.info("evicted %.3f GB of fp32 mains to disk in %.2f s", nbytes / GB, time.perf_counter() - start)
 
     # ---- the step: a pipeline over the bucket phases -------------------------------------------
     def _order(self) -> list[Bucket]:
