@@ -164,7 +164,7 @@ def median(xs):
 # ---- the run ------------------------------------------------------------------------------------------
 def run(args) -> int:
     from miles_plugins.optimizers.streaming.bucket import StreamEntry
-    from miles_plugins.optimizers.streaming.engine import raw_floor
+    from miles_plugins.optimizers.streaming.stager import raw_floor
     from miles_plugins.optimizers.streaming.stager import Stager
     from miles_plugins.optimizers.streaming.store import NVMeOptimizerStateStore
 
@@ -360,7 +360,7 @@ def report(r: dict, say) -> None:
         lines.append(f"pipelined / floor = {p['seconds'] / floor:.3f}" + (
             f"; pipelined vs sync: {r['sync']['seconds'] / p['seconds']:.2f}x faster" if "sync" in r else ""))
         lines.append(f"residency: store peak {p['peak_resident_bytes'] / GB:.3f} GB, documented bound "
-                     f"{p['residency_bound_bytes'] / GB:.3f} GB ((2 x depth + 1) buckets)"
+                     f"{p['residency_bound_bytes'] / GB:.3f} GB (min(2 x depth + 1, buckets) buckets)"
                      + (f"; device memory peak during the step {p['device_peak_bytes'] / GB:.3f} GB "
                         f"({'within' if p['device_peak_bytes'] <= p['residency_bound_bytes'] else 'ABOVE'} the bound)"
                         if "device_peak_bytes" in p else ""))

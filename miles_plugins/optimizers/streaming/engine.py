@@ -52,7 +52,6 @@ import torch
 from .hostcache import FileState, HostCache
 from .hostio import (ALIGN, NO_DIRECT, HostMemory, StagingPool, align_up, cut_into_chunks, host_buffer,
                      open_direct, pread_into, pwrite_all)
-from .hostio import raw_floor  # noqa: F401 - miles/bench/stream.py imports it from here
 from .sync import SyncEngine
 from .tickets import Deferred, IOCounters, Ticket, Workers, overlap
 
