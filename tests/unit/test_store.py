@@ -237,3 +237,33 @@ def test_bind_after_state_exists_is_rejected(tmp_path):
     opt.step()
     with pytest.raises(StoreConfigError, match="before the first optimizer step"):
         stream_optimizer_state(opt, dir=str(tmp_path))
+
+
+def test_ranks_sharing_a_new_root_start_concurrently(tmp_path):
+    """The ranks of a node share one root that none of them has created yet: no rank may mistake the
+    root another rank is creating for a bad path."""
+    import threading
+
+    root = tmp_path / "shared-root"
+    errors, stores = [], []
+
+    def start(rank):
+        try:
+            params = [torch.nn.Parameter(torch.randn(100))]
+            stores.append(stream_optimizer_state(torch.optim.AdamW(params), dir=str(root), rank=rank))
+        except Exception as e:  # noqa: BLE001 - collected and asserted below
+            errors.append(e)
+
+    for _ in range(20):
+        threads = [threading.Thread(target=start, args=(r,)) for r in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for s in stores:
+            s.close()
+        stores.clear()
+        assert not errors, errors
+        assert not root.exists() or os.listdir(root) == []
+        if root.exists():
+            root.rmdir()

@@ -100,7 +100,8 @@ class Stager:
         root = os.path.abspath(root)
         if not os.path.isdir(root):
             parent = os.path.dirname(root)
-            if os.path.exists(root):
+            # Re-check isdir: the ranks of a node share the root, and another one may just have created it.
+            if os.path.lexists(root) and not os.path.isdir(root):
                 raise StoreConfigError(f"optimizer-state root {root!r} exists but is not a directory; pass a directory")
             if not os.path.isdir(parent):
                 raise StoreConfigError(
