@@ -9,6 +9,7 @@ never built an optimizer or a process group.
 """
 
 import os
+import socket
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -39,10 +40,10 @@ def _dp1_load_train(root, base):
     return loaded, state(store, params)
 
 
-def _dp2_rank(phase, rank, rendezvous, tmp):
+def _dp2_rank(phase, rank, port, tmp):
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     root, out = os.path.join(tmp, "live2"), {}
 
     def run(base, name, save_to=None):
@@ -72,9 +73,10 @@ def _dp2_rank(phase, rank, rendezvous, tmp):
 
 
 def _dp2(phase, tmp):
-    # A file rendezvous: a pre-picked TCP port can be taken by another process before rank 0 binds it.
-    rendezvous = os.path.join(str(tmp), f"rendezvous-{phase}")
-    results = in_children(_dp2_rank, [(phase, r, rendezvous, str(tmp)) for r in range(2)])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = in_children(_dp2_rank, [(phase, r, port, str(tmp)) for r in range(2)])
     return {k: gather([results[0][k][0], results[1][k][0]], results[0][k][1]) for k in results[0]}
 
 

@@ -3,6 +3,7 @@
 The DP=2 workers are this file run as a script (robust to pytest's import mode and rootdir)."""
 import copy
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -151,12 +152,12 @@ def test_clear_errors(make, match):
 
 
 # ----------------------------------------------------------------------------- DP=2 over gloo
-def _worker(rank, rendezvous, out):
+def _worker(rank, port, out):
     import datetime
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     params = make_params()
     opt = ShardedMixedPrecisionAdam(groups_of(params))
@@ -170,9 +171,11 @@ def _worker(rank, rendezvous, out):
 
 
 def test_dp2_gloo_matches_dp1_on_averaged_grads(tmp_path):
-    rendezvous = str(tmp_path / "rendezvous")  # a file: a pre-picked TCP port can be taken by someone else
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), rendezvous, str(tmp_path / f"r{r}.pt")],
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(tmp_path / f"r{r}.pt")],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
     for p in procs:
         try:
@@ -200,4 +203,4 @@ def test_dp2_gloo_matches_dp1_on_averaged_grads(tmp_path):
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), sys.argv[2], sys.argv[3])
+    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

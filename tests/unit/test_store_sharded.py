@@ -1,6 +1,7 @@
 """The store bound to the torch backend's ZeRO-1 ShardedMixedPrecisionAdam: bit-exact at DP=1 and DP=2."""
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -90,9 +91,9 @@ def test_first_step_reads_mains_only(tmp_path):
     store.close()
 
 
-def _worker(rank, rendezvous, root):
+def _worker(rank, port, root):
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         run(rank, 2, root, bucket_numel=2000)
     finally:
@@ -100,16 +101,16 @@ def _worker(rank, rendezvous, root):
 
 
 def test_dp2_gloo_bit_exact(tmp_path):
-    rendezvous = str(tmp_path / "rendezvous")  # a file: a pre-picked TCP port can be taken by someone else
-    root = tmp_path / "store"
-    root.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), rendezvous, str(root)], env=env,
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(tmp_path)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(outs)
-    assert os.listdir(root) == []
+    assert os.listdir(tmp_path) == []
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), sys.argv[2], sys.argv[3])
+    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
