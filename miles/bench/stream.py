@@ -58,7 +58,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--io-threads", type=int, default=2)
     p.add_argument("--direct", choices=["auto", "on", "off"], default="auto", help="O_DIRECT for the floor and "
                    "the pipelined engine")
-    p.add_argument("--repeat", type=int, default=1, help="timed steps per engine (the median is reported)")
+    p.add_argument("--repeat", type=int, default=1, help="rounds of (floors, sync step, pipelined step) and "
+                   "measured iterations per exposed-I/O mode; medians are reported")
     p.add_argument("--fwd-bwd-seconds", type=float, default=None, help="synthetic forward/backward before each "
                    "step of the exposed-I/O runs (default: the floor's time to read a step's bytes)")
     p.add_argument("--fwd-bwd", choices=["auto", "matmul", "sleep"], default="auto", help="what the synthetic "
@@ -226,59 +227,83 @@ def run(args) -> int:
         step_read = sum(n for _, _, n in ranges)
         scratch = Stager.create_file(scratch_path, -(-step_read // 4096) * 4096)
         Stager.close_file(scratch)
-        floors = {}
-        for concurrent in (() if args.only_exposed else (True, False)):
+        floor_runs: dict[str, list[dict]] = {}
+        step_runs: dict[str, list[dict]] = {}
+        engines = []
+        if not args.only_exposed:
+            if not args.skip_sync:
+                engines.append(("sync", "the seed's path: synchronous, buffered, one staging buffer",
+                                dict(io_engine="sync")))
+            engines.append(("pipelined", f"depth {args.depth}, {args.io_threads}+{args.io_threads} I/O threads, "
+                            f"{'O_DIRECT' if direct_used else 'buffered'}",
+                            dict(io_engine="pipelined", depth=args.depth, write_behind=True, io_threads=args.io_threads,
+                                 direct_io=direct, host_cache_mb=0)))
+
+        def floor_once(concurrent):
             label = "concurrent" if concurrent else "sequential"
             say(f"raw disk floor ({label}): reading {step_read / GB:.2f} GB and writing as many ...")
             f = raw_floor(ranges, scratch_path, step_read, args.chunk_mb * 2**20, threads=args.io_threads,
                           direct=direct is not False, concurrent=concurrent)
-            floors[label] = f
+            floor_runs.setdefault(label, []).append(f)
             extra = (f" (reads {f['read_seconds']:.2f} s, writes {f['write_seconds']:.2f} s)"
                      if f["read_seconds"] is not None else "")
             say(f"  {f['seconds']:.2f} s, {2 * step_read / GB / f['seconds']:.2f} GB/s{extra}, "
                 f"{'O_DIRECT' if f['direct'] else 'buffered'}")
-        os.remove(scratch_path)
-        floor = min((f["seconds"] for f in floors.values()), default=float("nan"))
-        results["floor"] = floors | {"best_seconds": floor, "bytes": 2 * step_read}
 
-        def timed_steps(label):
-            walls, returned, peaks = [], [], []
-            for _ in range(args.repeat):
-                store.flush()
-                store.stager.drop_page_cache(files)
-                if cuda:
-                    torch.cuda.synchronize(device)
-                    torch.cuda.reset_peak_memory_stats(device)
-                    base = torch.cuda.memory_allocated(device)
-                t0 = time.perf_counter()
-                s = store.step()
-                returned.append(time.perf_counter() - t0)
-                if cuda:
-                    peaks.append(torch.cuda.max_memory_allocated(device) - base)
-                store.flush()
-                store.stager.drop_page_cache(files)  # fdatasync: buffered writes must reach the disk too
-                walls.append(time.perf_counter() - t0)
-                say(f"  {label} step {store.stats.steps}: {walls[-1]:.2f} s end to end (returned after "
-                    f"{returned[-1]:.2f} s; read {s.bytes_read / GB:.2f} GB, wrote {s.bytes_written / GB:.2f} GB)")
-            out = {"seconds": median(walls), "returned_seconds": median(returned), "all_seconds": walls,
-                   "bytes": s.bytes_read + s.bytes_written, "peak_resident_bytes": store.stats.peak_resident_bytes,
+        def step_once(label, what, io):
+            say(f"{label} engine ({what}) ...")
+            store.set_io(**io)
+            store.flush()
+            store.stager.drop_page_cache(files)
+            store.stats.peak_resident_bytes = 0
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            t0 = time.perf_counter()
+            s = store.step()
+            returned = time.perf_counter() - t0
+            run = {"returned": returned, "bytes": s.bytes_read + s.bytes_written,
+                   "peak_resident_bytes": store.stats.peak_resident_bytes,
                    "residency_bound_bytes": store.stats.residency_bound_bytes}
             if cuda:
-                out["device_peak_bytes"] = max(peaks)
-            return out
+                run["device_peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
+            store.flush()
+            store.stager.drop_page_cache(files)  # fdatasync: buffered writes must reach the disk too
+            run["wall"] = time.perf_counter() - t0
+            step_runs.setdefault(label, []).append(run)
+            say(f"  {label} step {store.stats.steps}: {run['wall']:.2f} s end to end (returned after "
+                f"{returned:.2f} s; read {s.bytes_read / GB:.2f} GB, wrote {s.bytes_written / GB:.2f} GB)")
 
-        # 4. sync engine, 5. pipelined engine ---------------------------------------------------------
-        if not args.skip_sync and not args.only_exposed:
-            say("sync engine (the seed's path: synchronous, buffered, one staging buffer) ...")
-            store.set_io(io_engine="sync")
-            results["sync"] = timed_steps("sync")
-        if not args.only_exposed:
-            say(f"pipelined engine (depth {args.depth}, {args.io_threads}+{args.io_threads} I/O threads, "
-                f"{'O_DIRECT' if direct_used else 'buffered'}) ...")
-            store.set_io(io_engine="pipelined", depth=args.depth, write_behind=True, io_threads=args.io_threads,
-                         direct_io=direct, host_cache_mb=0)
-            store.stats.peak_resident_bytes = 0
-            results["pipelined"] = timed_steps("pipelined")
+        # The disk's speed drifts over minutes on shared hosts: every round measures the floors and each
+        # engine back to back, and ratios are also taken within each round.
+        rounds = 0 if args.only_exposed else args.repeat
+        for r in range(rounds):
+            if rounds > 1:
+                say(f"round {r + 1} of {rounds}")
+            for concurrent in (True, False):
+                floor_once(concurrent)
+            for label, what, io in engines:
+                step_once(label, what, io)
+        os.remove(scratch_path)
+        floors = {label: runs[-1] | {"seconds": median([f["seconds"] for f in runs]),
+                                     "all_seconds": [f["seconds"] for f in runs]}
+                  for label, runs in floor_runs.items()}
+        floor = min((f["seconds"] for f in floors.values()), default=float("nan"))
+        results["floor"] = floors | {"best_seconds": floor, "bytes": 2 * step_read}
+        round_floors = [min(runs[r]["seconds"] for runs in floor_runs.values()) for r in range(rounds)]
+        for label, runs in step_runs.items():
+            results[label] = {"seconds": median([x["wall"] for x in runs]),
+                              "returned_seconds": median([x["returned"] for x in runs]),
+                              "all_seconds": [x["wall"] for x in runs], "bytes": runs[-1]["bytes"],
+                              "x_floor_by_round": [x["wall"] / f for x, f in zip(runs, round_floors)],
+                              "peak_resident_bytes": max(x["peak_resident_bytes"] for x in runs),
+                              "residency_bound_bytes": runs[-1]["residency_bound_bytes"]}
+            if cuda:
+                results[label]["device_peak_bytes"] = max(x["device_peak_bytes"] for x in runs)
+        if "sync" in step_runs and "pipelined" in step_runs:
+            results["pipelined"]["speedup_vs_sync_by_round"] = [
+                s["wall"] / p["wall"] for s, p in zip(step_runs["sync"], step_runs["pipelined"])]
 
         # 6. exposed I/O with a synthetic forward/backward --------------------------------------------
         if not args.skip_exposed:
@@ -291,7 +316,8 @@ def run(args) -> int:
             modes = [("plain", "no read-ahead, write-back waited in the step", dict(write_behind=False, host_cache_mb=0), False),
                      ("ahead+behind", "read-ahead (prefetch) + write-behind", dict(write_behind=True, host_cache_mb=0), True)]
             for fraction in (float(x) for x in args.host_cache_fractions.split(",") if x.strip()):
-                cache_mb = int(fraction * store.stats.state_bytes / 2**20)
+                # of the files' bytes (segments are 4 KiB aligned), so that 1 caches every bucket
+                cache_mb = math.ceil(fraction * sum(f.nbytes for f in files) / 2**20)
                 modes.append((f"ahead+behind+cache{fraction:g}", f"+ host cache {cache_mb / 1024:.2f} GiB = {fraction:g} "
                               "of the state", dict(write_behind=True, host_cache_mb=cache_mb), True))
             results["exposed"] = {"fwd_bwd_seconds": seconds, "fwd_bwd_kind": fwd_bwd.kind, "modes": {}}
@@ -359,6 +385,11 @@ def report(r: dict, say) -> None:
         row("  of which the step returned after", p["returned_seconds"])
         lines.append(f"pipelined / floor = {p['seconds'] / floor:.3f}" + (
             f"; pipelined vs sync: {r['sync']['seconds'] / p['seconds']:.2f}x faster" if "sync" in r else ""))
+        if len(p["all_seconds"]) > 1:
+            def rounds(xs):
+                return f"median {median(xs):.3f} ({', '.join(f'{x:.3f}' for x in xs)})"
+            lines.append(f"within each round: pipelined / that round's floor {rounds(p['x_floor_by_round'])}" + (
+                f"; pipelined vs sync {rounds(p['speedup_vs_sync_by_round'])}" if "speedup_vs_sync_by_round" in p else ""))
         lines.append(f"residency: store peak {p['peak_resident_bytes'] / GB:.3f} GB, documented bound "
                      f"{p['residency_bound_bytes'] / GB:.3f} GB (min(2 x depth + 1, buckets) buckets)"
                      + (f"; device memory peak during the step {p['device_peak_bytes'] / GB:.3f} GB "

@@ -179,7 +179,14 @@ _NOT_IMPLEMENTED = (("reset_optimizer_states", "--reset-optimizer-states"),
 
 
 def _check_streaming(a: argparse.Namespace) -> None:
+    if a.stream_optimizer_state_host_cache_mb < 0:
+        raise _err(f"--stream-optimizer-state-host-cache-mb must be >= 0 (got {a.stream_optimizer_state_host_cache_mb}).",
+                   ("--stream-optimizer-state-host-cache-mb",), "pass 0 (no host cache) or a budget in MiB.")
     if not a.stream_optimizer_state_to_disk:
+        if a.stream_optimizer_state_host_cache_mb:
+            raise _err("--stream-optimizer-state-host-cache-mb caches streamed optimizer state, but "
+                       f"{_STREAM} is off.", ("--stream-optimizer-state-host-cache-mb", _STREAM),
+                       f"add {_STREAM} (with --offload-train-target=disk) or drop the host cache.")
         return
     if a.colocate and a.offload_train is False:
         raise _err(

@@ -56,6 +56,14 @@ CASES = [
     ([STREAM, DISK, "--colocate"], None),
     ([STREAM, DISK, "--offload-train"], None),
     ([STREAM, DISK, "--stream-optimizer-state-moment-dtype", "fp8e4m3"], None),
+    ([STREAM, DISK, "--stream-optimizer-state-host-cache-mb", "4096"], None),
+    (["--stream-optimizer-state-host-cache-mb", "4096"],
+     "--stream-optimizer-state-host-cache-mb caches streamed optimizer state, but "
+     "--stream-optimizer-state-to-disk is off. Fix: add --stream-optimizer-state-to-disk (with "
+     "--offload-train-target=disk) or drop the host cache."),
+    ([STREAM, DISK, "--stream-optimizer-state-host-cache-mb", "-1"],
+     "--stream-optimizer-state-host-cache-mb must be >= 0 (got -1). Fix: pass 0 (no host cache) or a budget "
+     "in MiB."),
     (["--colocate"], None),
     (["--colocate", "--no-offload-train"], None),
     (["--offload-train", "--offload-train-target", "cpu"], None),

@@ -156,6 +156,7 @@ class TorchTrainer:
             self.optimizer, dir=layout.optimizer_state_root(args), chunk_mb=layout.chunk_mb(args),
             moment_dtype=getattr(args, "stream_optimizer_state_moment_dtype", "fp32") or "fp32",
             bucket_numel=int(getattr(args, "stream_optimizer_state_bucket_numel", 200_000_000) or 200_000_000),
+            host_cache_mb=int(getattr(args, "stream_optimizer_state_host_cache_mb", 0) or 0),
             rank=self.rank)
 
     def _store_info(self) -> Optional[dict[str, Any]]:
