@@ -103,6 +103,7 @@ class TorchTrainer:
             self.offloader = make_offloader(target, directory, layout.chunk_mb(args), self.device.type)
         num_params = sum(p.numel() for p in model.parameters())
         info = {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "backend": backend,
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # set per actor by Ray
                 "num_params": num_params, "dtype": str(dtype).replace("torch.", ""),
                 "description": description, "rank_dir": self.rank_dir,
                 "offload": type(self.offloader).__name__ if self.offloader else None,

@@ -46,6 +46,11 @@ def check_megatron_config(opt) -> None:
     if getattr(ddp, "use_megatron_fsdp", False):
         raise StoreConfigError("streaming optimizer state does not support Megatron-FSDP; use the DDP "
                                "DistributedOptimizer")
+    for chunk in getattr(opt, "model_chunks", None) or []:
+        if getattr(getattr(chunk, "config", None), "qk_clip", False):
+            raise StoreConfigError("streaming optimizer state does not support QK-clip (TransformerConfig.qk_clip): "
+                                   "it rescales the fp32 mains in place after the step, and streamed mains live "
+                                   "on disk; disable --qk-clip")
     for group in opt.model_float16_groups:
         for p in group:
             if opt._is_distopt_quantized_param(p) or type(p).__name__ in ("NVFP4Tensor", "Float8Tensor"):
@@ -104,6 +109,13 @@ def _bind_distributed(opt, *, instance: int, **store_kwargs) -> NVMeOptimizerSta
             entries.append(StreamEntry(main=main, group=g, model_view=_param_buffer_view(opt, model_param)))
     resident = ResidentAdam(opt.optimizer, [list(group) for group in opt.shard_fp32_groups])
     store = NVMeOptimizerStateStore(entries, opt.optimizer, instance=instance, **store_kwargs)
+    # Megatron hangs each bf16 model param's fp32 shard on it as `main_param`; the store has released
+    # that storage. Readers (megatron.training's calc_params_l2_norm) fall back to the model weights
+    # when the handle is absent, instead of reading a tensor with no storage.
+    for model_group in opt.model_float16_groups:
+        for model_param in model_group:
+            if hasattr(model_param, "main_param"):
+                del model_param.main_param
     store.resident_adam = resident
     n_resident = sum(p.numel() for group in opt.shard_fp32_groups for p in group)
     if n_resident:
