@@ -226,7 +226,7 @@ def run(args) -> int:
                   for b in store.buckets for n in b.segment_names]
         step_read = sum(n for _, _, n in ranges)
         scratch = Stager.create_file(scratch_path, -(-step_read // 4096) * 4096)
-        Stager.close_file(scratch)
+        Stager.close_descriptors(scratch)
         floor_runs: dict[str, list[dict]] = {}
         step_runs: dict[str, list[dict]] = {}
         engines = []

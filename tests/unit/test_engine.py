@@ -334,6 +334,32 @@ def test_chunking_packs_small_shards_and_pads_for_o_direct(tmp_path):
     assert results[1][end:pad_end] in (b"\x00" * (pad_end - end), b"\xff" * (pad_end - end))
 
 
+def test_closing_a_file_forgets_it_and_frees_its_host_image(tmp_path):
+    """The engine keeps per-file state by id(file); closing the file drops that state (after its
+    requests end) and gives its host-cache image to the next file, which the budget could not fit
+    otherwise."""
+    size = 4 * 4096
+    stager = Stager(torch.device("cpu"), chunk_bytes=8192, host_cache_bytes=size)
+    path = stager.prepare_directory(str(tmp_path), "d", 2 * size)
+    data = torch.arange(size // 4, dtype=torch.float32)
+    first = stager.create_file(os.path.join(path, "a.bin"), size)
+    stager.write(first, 0, [data])
+    assert stager.is_cached(first, 0, size)
+    stager.write_async(first, 0, [data + 1])  # still in flight (written behind) when the file closes
+    stager.close_file(first)
+    assert stager.engine._files == {}
+    with open(os.path.join(path, "a.bin"), "rb") as fh:  # its last write landed before the close
+        assert torch.equal(torch.frombuffer(bytearray(fh.read()), dtype=torch.float32), data + 1)
+    second = stager.create_file(os.path.join(path, "b.bin"), size)
+    stager.write(second, 0, [data * 2])
+    assert stager.is_cached(second, 0, size)  # the freed image; the budget holds only one
+    back = torch.empty_like(data)
+    stager.read(second, 0, back)
+    assert torch.equal(back, data * 2)
+    stager.close_file(second)
+    stager.close()
+
+
 def test_bad_engine_arguments_are_rejected(tmp_path):
     params = make_model()
     for kwargs, match in ((dict(io_engine="aio"), "io_engine"), (dict(depth=-1), "depth"),

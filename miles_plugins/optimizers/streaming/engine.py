@@ -109,9 +109,21 @@ class PipelinedEngine:
     def _state(self, file) -> FileState:
         state = self._files.get(id(file))
         if state is None:
-            state = self._files[id(file)] = FileState()
+            state = self._files[id(file)] = FileState(file)
         state.prune()
         return state
+
+    def forget(self, file) -> None:
+        """The file is being closed: wait for its requests, then drop its state and free its image."""
+        state = self._files.pop(id(file), None)
+        if state is None:
+            return
+        for t in state.reads + state.writes:
+            try:
+                t.wait()
+            except BaseException:  # noqa: BLE001 - kept in self.error; the caller is closing the file
+                pass
+        self.cache.release(state)
 
     def _dfd(self, file) -> int:
         """The file's O_DIRECT descriptor (opened on first use), or -1 where direct I/O is off."""

@@ -82,6 +82,14 @@ class HostCache:
         with self._lock:
             slot.pins -= 1
 
+    def release(self, state: "FileState") -> None:
+        """The file is going away: its image (no task may still use it) becomes free for another file."""
+        slot = state.slot
+        if slot is not None:
+            with self._lock:
+                slot.owner, slot.valid = None, []
+            state.slot = None
+
     def drop(self) -> None:
         """Forget every image's contents (the files changed behind the engine's back); keep the memory."""
         for slot in self.slots:
@@ -91,11 +99,13 @@ class HostCache:
 
 
 class FileState:
-    """Requests in flight on one file, and its host-cache image."""
+    """Requests in flight on one file, and its host-cache image. It holds the file object itself: the
+    engine finds states by id(file), and an id cannot be reused while its object is alive."""
 
-    __slots__ = ("reads", "writes", "slot")
+    __slots__ = ("file", "reads", "writes", "slot")
 
-    def __init__(self):
+    def __init__(self, file):
+        self.file = file
         self.reads: list[Ticket] = []
         self.writes: list[Ticket] = []
         self.slot: _Slot | None = None

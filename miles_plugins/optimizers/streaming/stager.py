@@ -146,8 +146,14 @@ class Stager:
             raise
         return BucketFile(path, fd, nbytes)
 
+    def close_file(self, file: BucketFile) -> None:
+        """Close a bucket file (its requests in flight end first and the engine forgets it)."""
+        self.engine.forget(file)
+        Stager.close_descriptors(file)
+
     @staticmethod
-    def close_file(file: BucketFile) -> None:
+    def close_descriptors(file: BucketFile) -> None:
+        """Close a file the engine never saw (a scratch file)."""
         if file.fd >= 0:
             os.close(file.fd)
             file.fd = -1
