@@ -1,0 +1,128 @@
+"""What the RL loop reports: the per-rollout record (JSONL + TensorBoard), its one-line log form, and
+the end-of-run summary. Pure formatting over the ranks' step reports; ``miles.train`` calls it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+from typing import Any, Optional
+
+logger = logging.getLogger("miles.train")
+GB = 1e9
+
+
+def mean_of(values) -> float:
+    values = [v for v in values if v is not None]
+    return float(statistics.fmean(values)) if values else 0.0
+
+
+class MetricsSink:
+    """Metrics as JSONL (one record per rollout) and TensorBoard scalars when TensorBoard is installed."""
+
+    def __init__(self, path: str, tensorboard_dir: Optional[str]):
+        self.path = path
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self._fh = open(path, "a", buffering=1)
+        self.tb = None
+        self.tb_dir = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb_dir = tensorboard_dir or os.path.join(os.path.dirname(path), "tensorboard")
+            self.tb = SummaryWriter(self.tb_dir)
+        except Exception:  # TensorBoard not installed: JSONL only
+            if tensorboard_dir:
+                logger.warning("--tensorboard-dir %s: TensorBoard is not installed (pip install tensorboard); "
+                               "metrics go to %s only", tensorboard_dir, path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(record, sort_keys=True) + "\n")
+        if self.tb is not None:
+            step = record["rollout_id"]
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "rollout_id":
+                    self.tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self._fh.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, saved) -> dict[str, Any]:
+    r0 = ranks[0]
+    rec: dict[str, Any] = {
+        "rollout_id": rollout_id,
+        "reward_mean": mean_of(rewards),
+        "reward_std": float(statistics.pstdev(rewards)) if len(rewards) > 1 else 0.0,
+        "response_len_mean": mean_of([len(s.response_ids) for s in samples]),
+        "samples": len(samples),
+        "loss": r0["loss"],
+        "grad_norm": r0["grad_norm"],
+        "clipfrac": r0["clipfrac"],
+        "train_rollout_logprob_abs_diff": r0["train_rollout_logprob_abs_diff"],
+        "optimizer_step_seconds": max(r["optimizer_step_seconds"] for r in ranks),
+        **timings,
+        # what the ranks themselves spent moving memory (the *_seconds above are seen from the driver)
+        "sleep_rank_seconds": max((s.get("seconds", 0.0) for s in sleep), default=0.0),
+        "wake_rank_seconds": max((w.get("seconds", 0.0) for w in wake), default=0.0),
+        "offload_bytes": int(sum(s.get("bytes", 0) for s in sleep if not s.get("skipped"))),
+        "checkpoint": saved,
+    }
+    if "stream_bytes_read" in r0:
+        read = [int(r["stream_bytes_read"]) for r in ranks]
+        written = [int(r["stream_bytes_written"]) for r in ranks]
+        wall = max(float(r["stream_seconds"]) for r in ranks)
+        rec.update({
+            "stream_bytes_read_per_rank": read,
+            "stream_bytes_written_per_rank": written,
+            "stream_read_gb": sum(read) / GB,
+            "stream_written_gb": sum(written) / GB,
+            "stream_seconds": wall,
+            "stream_gbps": (sum(read) + sum(written)) / GB / wall if wall > 0 else 0.0,
+            "stream_peak_resident_bytes": max(int(r["stream_peak_resident_bytes"]) for r in ranks),
+            "stream_exposed_io_seconds": max(float(r["stream_io_seconds"]) for r in ranks),
+            "stream_prefetched_buckets": min(int(r["stream_prefetched_buckets"]) for r in ranks),
+        })
+    return rec
+
+
+def format_rollout_line(rec: dict[str, Any], num_rollout: int) -> str:
+    parts = [f"rollout {rec['rollout_id'] + 1}/{num_rollout}",
+             f"reward {rec['reward_mean']:.3f}",
+             f"loss {rec['loss']:+.4g}",
+             f"step {rec['step_seconds']:.2f}s (gen {rec['generate_seconds']:.2f}s, train {rec['train_seconds']:.2f}s)"]
+    if "stream_read_gb" in rec:
+        parts.append(f"streamed {rec['stream_read_gb']:.3f} GB read + {rec['stream_written_gb']:.3f} GB written "
+                     f"in {rec['stream_seconds']:.2f}s ({rec['stream_gbps']:.2f} GB/s)")
+    parts.append(f"sleep {rec['sleep_seconds']:.2f}s wake {rec['wake_seconds']:.2f}s "
+                 f"({rec['offload_bytes'] / GB:.3f} GB offloaded)")
+    if rec.get("checkpoint"):
+        parts.append(f"saving {rec['checkpoint']}")
+    return " | ".join(parts)
+
+
+def log_summary(args, summary: dict[str, Any]) -> None:
+    recs = summary["records"]
+    lines = ["run finished in %.1f s: %d rollout(s) (%s)" % (
+        summary["seconds"], len(recs),
+        f"rollouts {recs[0]['rollout_id']}..{recs[-1]['rollout_id']}" if recs else "nothing left to do")]
+    if recs:
+        lines.append("  reward: first %.3f, last %.3f; mean step %.2f s" % (
+            recs[0]["reward_mean"], recs[-1]["reward_mean"], mean_of(r["step_seconds"] for r in recs)))
+        if "stream_read_gb" in recs[-1]:
+            lines.append("  streamed optimizer state: %.3f GB read, %.3f GB written in total, last step %.2f GB/s" % (
+                sum(r["stream_read_gb"] for r in recs), sum(r["stream_written_gb"] for r in recs),
+                recs[-1]["stream_gbps"]))
+    if summary["checkpoints"]:
+        lines.append(f"  checkpoints: {', '.join(summary['checkpoints'])}")
+        lines.append(f"  latest checkpoint: {summary['latest_checkpoint']} (resume with --load {args.save})")
+    elif getattr(args, "save", None):
+        lines.append(f"  no checkpoint written (--save {args.save}, --save-interval {getattr(args, 'save_interval', None)})")
+    else:
+        lines.append("  no checkpoints (--save not given)")
+    lines.append(f"  metrics: {summary['metrics_file']}" +
+                 (f", TensorBoard: {summary['tensorboard_dir']}" if summary.get("tensorboard_dir") else ""))
+    logger.info("\n".join(lines))
