@@ -15,7 +15,7 @@ import torch
 from miles.backends.torch_backend.sharded_optimizer import ShardedMixedPrecisionAdam
 from miles_plugins.optimizers.nvme_stream import stream_optimizer_state
 from miles_plugins.optimizers.streaming import engine as engine_mod
-from miles_plugins.optimizers.streaming.stager import Stager, StoreConfigError
+from miles_plugins.optimizers.streaming.stager import Stager, StoreConfigError, check_host_cache_budget
 
 SIZES = ((37, 29), (1000,), (3,), (4099,), (257, 31), (5000,), (12345,), (7,))
 BUCKET = 4096 + 50  # many buckets, split params
@@ -360,10 +360,21 @@ def test_closing_a_file_forgets_it_and_frees_its_host_image(tmp_path):
     stager.close()
 
 
+def test_host_cache_budget_check():
+    check_host_cache_budget(0, None)
+    check_host_cache_budget(2**30, None)  # no /proc/meminfo: nothing to compare with
+    check_host_cache_budget(2**30, 2**30)
+    with pytest.raises(StoreConfigError, match=r"host cache of 2.00 GiB asked for, but this host has 1.00 GiB"):
+        check_host_cache_budget(2**31, 2**30)
+    with pytest.raises(StoreConfigError, match="must be >= 0"):
+        check_host_cache_budget(-1, 2**30)
+
+
 def test_bad_engine_arguments_are_rejected(tmp_path):
     params = make_model()
     for kwargs, match in ((dict(io_engine="aio"), "io_engine"), (dict(depth=-1), "depth"),
-                          (dict(io_threads=0), "io_threads"), (dict(host_cache_mb=-1), "host cache")):
+                          (dict(io_threads=0), "io_threads"), (dict(host_cache_mb=-1), "host cache"),
+                          (dict(host_cache_mb=2**40), "memory available")):
         with pytest.raises(StoreConfigError, match=match):
             stream_optimizer_state(make_opt(params), dir=str(tmp_path), **kwargs)
     assert os.listdir(tmp_path) == []

@@ -33,6 +33,29 @@ class StoreConfigError(ValueError):
     """Bad input to the store, found at construction, before anything on disk was touched."""
 
 
+def available_host_memory() -> int | None:
+    """MemAvailable of this host in bytes (Linux), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_host_cache_budget(budget_bytes: int, available_bytes: int | None) -> None:
+    """The host cache must fit the memory this host has free now (each rank of a node asks for its own)."""
+    if budget_bytes < 0:
+        raise StoreConfigError(f"the host cache budget must be >= 0, got {budget_bytes} bytes")
+    if available_bytes is not None and budget_bytes > available_bytes:
+        raise StoreConfigError(
+            f"host cache of {budget_bytes / 2**30:.2f} GiB asked for, but this host has {available_bytes / 2**30:.2f} GiB "
+            "of memory available; lower host_cache_mb (--stream-optimizer-state-host-cache-mb), remembering "
+            "that every rank on the node takes its own")
+
+
 
 
 @dataclass
@@ -71,8 +94,8 @@ class Stager:
             raise StoreConfigError(f"io_engine must be one of {ENGINES}, got {io_engine!r}")
         if io_threads < 1:
             raise StoreConfigError(f"io_threads must be >= 1, got {io_threads}")
-        if host_cache_bytes < 0:
-            raise StoreConfigError(f"the host cache budget must be >= 0, got {host_cache_bytes} bytes")
+        if host_cache_bytes:
+            check_host_cache_budget(host_cache_bytes, available_host_memory())
         self.device = torch.device(device)
         self.chunk_bytes = chunk_bytes
         self.engine = make_engine(io_engine, self.device, chunk_bytes, threads=io_threads, direct=direct_io,
@@ -240,6 +263,8 @@ class Stager:
         engines on the same files this way."""
         if io_engine not in ENGINES:
             raise StoreConfigError(f"io_engine must be one of {ENGINES}, got {io_engine!r}")
+        if host_cache_bytes:
+            check_host_cache_budget(host_cache_bytes, available_host_memory())
         old = self.engine
         old.wait_all()
         self.engine = make_engine(io_engine, self.device, self.chunk_bytes, threads=io_threads, direct=direct_io,
