@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import stream
+from . import checkpoint, stream
 
-BENCHMARKS = (stream,)
+BENCHMARKS = (stream, checkpoint)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="miles bench", description="miles benchmarks")
-    sub = parser.add_subparsers(title="benchmarks", dest="benchmark", metavar="{stream}")
+    sub = parser.add_subparsers(title="benchmarks", dest="benchmark", metavar="{stream,checkpoint}")
     for module in BENCHMARKS:
         module.add_parser(sub)
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))

@@ -2,18 +2,14 @@
 
 "New process" resumes run in forked children of a parent that never built a store (so each child
 starts from the same store identity, as a restarted job does). The harness here is shared by
-test_checkpoint_crash.py and test_checkpoint_reshard.py.
-
-Benchmark (save vs a plain copy of the same bytes):
-    python tests/unit/test_checkpoint.py --bench --gb 2 [--dir DIR] [--device cuda]
+test_checkpoint_crash.py and test_checkpoint_reshard.py. The save benchmark is `miles bench checkpoint`
+(miles/bench/checkpoint.py).
 """
 
 import itertools
 import json
 import os
-import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -412,72 +408,3 @@ def test_save_failure_is_reported_and_training_goes_on(tmp_path, monkeypatch):
     assert not (tmp_path / "ok/nvme_opt_state/rank00000/opt0_0").exists()
     assert not list((tmp_path / "ok/nvme_opt_state/rank00000").iterdir()), "temporary files removed"
     store.close()
-
-
-# ---- benchmark ----------------------------------------------------------------------------------------
-def bench(gb: float, root: str, bucket_numel: int = 25_000_000, device: str = "cpu") -> None:
-    """Save seconds (blocked / step stall / until published) vs a plain copy of the same files.
-    Every measurement starts from cold files (flushed and dropped from the page cache)."""
-    n = int(gb * 1e9 / 12)  # sharded mixed precision: fp32 masters + 2 moments, 12 B/param
-    params = [torch.nn.Parameter(torch.randn(n // 4, device=device)) for _ in range(4)]
-    opt = ShardedMixedPrecisionAdam([{"params": params, "lr": 1e-3}])
-    store = stream_optimizer_state(opt, dir=os.path.join(root, "live"), bucket_numel=bucket_numel)
-    files = [b.file for b in store.buckets]
-
-    def step():
-        for p in params:
-            p.grad = torch.ones_like(p)
-        t = time.perf_counter()
-        opt.step()
-        store.stager.drain()  # count the step's write-behind too
-        return time.perf_counter() - t
-
-    def cold():
-        store.stager.drain()
-        store.stager.drop_page_cache(files)
-
-    step(), step()
-    cold()
-    alone = step()
-    print(f"state {store.stats.state_bytes / 1e9:.2f} GB in {store.stats.num_buckets} buckets "
-          f"({store.stats.io_engine} I/O, {device}); one step alone {alone:.2f} s")
-    cold()
-    t = time.perf_counter()
-    os.makedirs(os.path.join(root, "plain"))
-    for f in files:  # shutil.copyfile: sendfile/copy_file_range, in the kernel
-        dst = os.path.join(root, "plain", os.path.basename(f.path))
-        shutil.copyfile(f.path, dst)
-        with open(dst, "rb+") as h:
-            os.fsync(h.fileno())
-    print(f"plain copy of the same files (shutil.copyfile + fsync each): {time.perf_counter() - t:.2f} s")
-    shutil.rmtree(os.path.join(root, "plain"))
-    cold()
-    stats = store.save_to(os.path.join(root, "ck1"))
-    print(f"save_to(wait=True): {stats['seconds']:.2f} s")
-    for gap, what in ((0.0, "right away (worst case)"), (1.2 * stats["seconds"], "after forward/backward")):
-        cold()
-        t = time.perf_counter()
-        store.save_to(os.path.join(root, f"ck_gap{gap:.0f}"), wait=False)
-        blocked = time.perf_counter() - t
-        time.sleep(gap)  # stands in for rollout / forward / backward: the disk is idle
-        during = step()
-        stats = store.wait_for_save()
-        print(f"save_to(wait=False): blocked {blocked:.3f} s; published {stats['seconds']:.2f} s after the call; "
-              f"next step {what}, {gap:.1f} s later: {during:.2f} s (alone {alone:.2f} s), "
-              f"{stats['stalled_seconds']:.2f} s of it waiting for copy-before-overwrite "
-              f"({stats['copied_by_writer']}/{len(files)} buckets copied by the step)")
-    store.close()
-
-
-if __name__ == "__main__" and "--bench" in sys.argv:
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--bench", action="store_true")
-    ap.add_argument("--gb", type=float, default=1.0)
-    ap.add_argument("--dir", default=None)
-    ap.add_argument("--bucket-numel", type=int, default=25_000_000)
-    ap.add_argument("--device", default="cpu")
-    a = ap.parse_args()
-    with tempfile.TemporaryDirectory(dir=a.dir) as d:
-        bench(a.gb, d, a.bucket_numel, a.device)

@@ -1,0 +1,334 @@
+"""`miles bench checkpoint`: what saving streamed optimizer state costs, against a plain copy of its files.
+
+One run, one scratch directory, one store (ZeRO-1 sharded mixed-precision Adam over fp32 params: fp32
+masters + 2 moments stream, 12 bytes of state per param). Each round measures, from cold files (write-
+behind drained, the live files flushed and dropped from the page cache):
+
+  step alone      one optimizer step with no save in flight
+  plain copy      the same bucket files copied with shutil.copyfile (copy_file_range/sendfile, in the
+                  kernel) and fsynced one by one: what any copy of these bytes costs on this disk
+  save (waited)   store.save_to(dir, wait=True): copies with checksums, fsyncs, manifest, atomic rename
+  save (background) store.save_to(dir, wait=False), then the next step (a) right away, the worst case,
+                  and (b) after a simulated forward/backward; the caller's blocked time, when the save
+                  was published, the next step's time and how much of it waited for copy-before-
+                  overwrite (a step waits only for buckets it would overwrite before they are copied)
+
+The disk's speed drifts over minutes on shared hosts: with --repeat N every round measures everything
+back to back, plain copy and waited save swap order every other round, the report gives medians and
+the waited save / plain copy ratio within each round. The scratch directory (live files, copies,
+checkpoints) is removed at the end, also on error; --dir itself too when the run created it.
+
+    miles bench checkpoint --gb 2 --dir /var/tmp/ckbench --repeat 3 --json out.json
+    python -m miles.bench.checkpoint --gb 0.5 --device cuda --dir /mnt/nvme/ckbench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+
+from .stream import FwdBwd, Progress, median, parse_count
+
+GB = 1e9
+STATE_BYTES_PER_PARAM = 12  # fp32 master + 2 fp32 moments
+PROG = "miles bench checkpoint"
+
+
+# ---- arguments ----------------------------------------------------------------------------------------
+def _number(kind, what: str, low: float = 0.0, inclusive: bool = False):
+    """An argparse type: a finite number > low (>= low when inclusive); the error says what to give."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; give {what}") from None
+        ok = math.isfinite(value) and (value >= low if inclusive else value > low)
+        if not ok:
+            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low:g}, got {text}; give {what}")
+        return value
+
+    return parse
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gb", type=_number(float, "the streamed state in GB, e.g. 2"), default=1.0,
+                   help="streamed state in GB (12 B/param: fp32 masters + 2 moments)")
+    p.add_argument("--device", default="cpu", help="where the params live: cpu (default) or cuda")
+    p.add_argument("--dir", default="miles-bench-checkpoint", help="directory on the disk under test (created); "
+                   "the run works in a fresh scratch directory inside it and removes it at the end")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--bucket-numel", type=_number(parse_count, "an element count per bucket, e.g. 25M"),
+                   default=25_000_000, help="element budget per bucket (e.g. 25M; default 25M)")
+    p.add_argument("--repeat", type=_number(int, "a round count, e.g. 3"), default=1,
+                   help="rounds of (step alone, plain copy, waited save, background saves); medians are reported")
+    p.add_argument("--fwd-bwd-seconds", type=_number(float, "seconds, e.g. 2.5", inclusive=True), default=None,
+                   help="simulated forward/backward between a background save and the next step (default: "
+                   "1.2 x the first round's waited save)")
+    p.add_argument("--fwd-bwd", choices=["auto", "matmul", "sleep"], default="auto", help="what the simulated "
+                   "forward/backward does (auto: bf16 matmuls on CUDA, sleep on CPU, where it stands for device "
+                   "compute that leaves the disk idle)")
+    p.add_argument("--quiet", action="store_true", help="no store log lines (the bench's own lines stay)")
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_arguments(p)
+    return p
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `checkpoint` on a `miles bench` subparsers object."""
+    p = subparsers.add_parser("checkpoint", help="checkpoint save of streamed state vs a plain copy of its files",
+                              description=__doc__.split("\n\n")[0])
+    _add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    return run(args)
+
+
+# ---- helpers ------------------------------------------------------------------------------------------
+def _device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise SystemExit(f"{PROG}: --device {text!r} is not a torch device; use cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"{PROG}: --device {text} but torch sees no CUDA device; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"{PROG}: --device {text} is not supported; use cpu or cuda")
+    return device
+
+
+def _check_room(root: str, state_bytes: int) -> None:
+    """The live files plus one copy of them (plain copy or checkpoint) sit on the disk at once."""
+    need = 2 * state_bytes + 64 * 2**20
+    free = shutil.disk_usage(root).free
+    if free < need:
+        raise SystemExit(f"{PROG}: {root} has {free / GB:.2f} GB free, the run needs about {need / GB:.2f} GB (the "
+                         f"live state and one copy of it, {state_bytes / GB:.2f} GB each); give a --dir on a disk "
+                         "with more room or a smaller --gb")
+
+
+def _plain_copy(files, dst_dir: str) -> float:
+    t0 = time.perf_counter()
+    os.makedirs(dst_dir)
+    for f in files:  # shutil.copyfile: copy_file_range/sendfile, in the kernel
+        dst = os.path.join(dst_dir, os.path.basename(f.path))
+        shutil.copyfile(f.path, dst)
+        with open(dst, "rb+") as h:
+            os.fsync(h.fileno())
+    return time.perf_counter() - t0
+
+
+# ---- the run ------------------------------------------------------------------------------------------
+def run(args) -> int:
+    from miles.backends.torch_backend.sharded_optimizer import ShardedMixedPrecisionAdam
+    from miles_plugins.optimizers.nvme_stream import stream_optimizer_state
+
+    if not args.quiet:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    say = Progress()
+    device = _device(args.device)
+    cuda = device.type == "cuda"
+    if cuda and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    n = int(args.gb * GB / STATE_BYTES_PER_PARAM)
+    if n < 4:
+        raise SystemExit(f"{PROG}: --gb {args.gb:g} is {n} params, too few to split over 4 tensors; give at least "
+                         f"--gb {4 * STATE_BYTES_PER_PARAM / GB:.1e}")
+    root = os.path.abspath(args.dir)
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise SystemExit(f"{PROG}: --dir {root} exists and is not a directory; give a directory (it is created "
+                         "when missing)")
+    created_root = not os.path.exists(root)
+    os.makedirs(root, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix="miles-bench-checkpoint-", dir=root)
+    results: dict = {"args": vars(args) | {"func": None}, "params": n, "bucket_numel": args.bucket_numel,
+                     "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+                     "torch": torch.__version__, "cpus": os.cpu_count(), "dir": scratch}
+    store = None
+    try:
+        _check_room(root, STATE_BYTES_PER_PARAM * n)
+        say(f"{n / 1e6:.1f}M fp32 params on {device} ({results['device']}), {STATE_BYTES_PER_PARAM * n / GB:.2f} GB "
+            f"of streamed state in {scratch}; buckets of <= {args.bucket_numel / 1e6:.1f}M elements; "
+            f"{args.repeat} round(s)")
+        gen = torch.Generator(device=device).manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n // 4, generator=gen, device=device)) for _ in range(4)]
+        opt = ShardedMixedPrecisionAdam([{"params": params, "lr": 1e-3}])
+        t0 = time.perf_counter()
+        store = stream_optimizer_state(opt, dir=os.path.join(scratch, "live"), bucket_numel=args.bucket_numel)
+        files = [b.file for b in store.buckets]
+        state_bytes = sum(f.nbytes for f in files)
+        results |= {"state_bytes": state_bytes, "num_buckets": len(files), "io_engine": store.stats.io_engine}
+        say(f"store built in {time.perf_counter() - t0:.1f} s (masters written): {len(files)} buckets, "
+            f"{state_bytes / GB:.2f} GB in files, {store.stats.io_engine} I/O")
+
+        def step() -> float:
+            for p in params:
+                p.grad = torch.ones_like(p)
+            if cuda:
+                torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            opt.step()
+            store.stager.drain()  # count the step's write-behind too
+            if cuda:
+                torch.cuda.synchronize(device)
+            return time.perf_counter() - t
+
+        def cold() -> None:
+            store.stager.drain()
+            store.stager.drop_page_cache(files)
+
+        t0 = time.perf_counter()
+        step()
+        step()
+        say(f"2 warm-up steps (the first creates the moments): {time.perf_counter() - t0:.1f} s")
+
+        fwd_bwd = FwdBwd(device, args.fwd_bwd)
+        gap = args.fwd_bwd_seconds
+        modes = (("right_away", "next step right away (worst case)"),
+                 ("after_fwd_bwd", "next step after forward/backward"))
+        rounds = []
+        for r in range(args.repeat):
+            say(f"round {r + 1} of {args.repeat}")
+            row: dict = {}
+            cold()
+            row["step_alone"] = step()
+            say(f"  one step alone (cold files): {row['step_alone']:.2f} s")
+
+            def copy_once():
+                cold()
+                row["plain_copy"] = _plain_copy(files, os.path.join(scratch, "plain"))
+                shutil.rmtree(os.path.join(scratch, "plain"))
+                say(f"  plain copy of the same files (shutil.copyfile + fsync each): {row['plain_copy']:.2f} s, "
+                    f"{state_bytes / GB / row['plain_copy']:.2f} GB/s")
+
+            def save_once():
+                cold()
+                ck = os.path.join(scratch, "ck")
+                t = time.perf_counter()
+                stats = store.save_to(ck)
+                row["save_wait"] = time.perf_counter() - t
+                row["save_wait_stats"] = stats
+                shutil.rmtree(ck)
+                say(f"  save_to(wait=True): {row['save_wait']:.2f} s, {state_bytes / GB / row['save_wait']:.2f} GB/s"
+                    + (f" ({stats['reflinked_buckets']} buckets reflinked)" if stats["reflinked_buckets"] else ""))
+
+            # the disk drifts: alternate which goes first, so a slow trend weighs on both alike
+            for measure in ((copy_once, save_once) if r % 2 == 0 else (save_once, copy_once)):
+                measure()
+            row["save_vs_copy"] = row["save_wait"] / row["plain_copy"]
+            say(f"  save_to(wait=True) / plain copy in this round: {row['save_vs_copy']:.3f}")
+            if gap is None:
+                gap = 1.2 * row["save_wait"]
+            row["background"] = {}
+            for key, what in modes:
+                fwd_bwd_s = 0.0 if key == "right_away" else gap
+                cold()
+                ck = os.path.join(scratch, "ck")
+                t = time.perf_counter()
+                store.save_to(ck, wait=False)
+                blocked = time.perf_counter() - t
+                slept = fwd_bwd(fwd_bwd_s) if fwd_bwd_s > 0 else 0.0  # the disk is left to the save meanwhile
+                during = step()
+                stats = store.wait_for_save()
+                shutil.rmtree(ck)
+                b = {"blocked": blocked, "fwd_bwd": slept, "published": stats["seconds"], "next_step": during,
+                     "stalled": stats["stalled_seconds"], "copied_by_writer": stats["copied_by_writer"],
+                     "next_step_vs_alone": during / row["step_alone"]}
+                row["background"][key] = b
+                say(f"  save_to(wait=False): blocked {blocked:.3f} s; published {b['published']:.2f} s after the call; "
+                    f"{what}, {slept:.2f} s later: {during:.2f} s (alone {row['step_alone']:.2f} s), "
+                    f"{b['stalled']:.2f} s of it waiting for copy-before-overwrite ({b['copied_by_writer']}/"
+                    f"{len(files)} buckets copied by the step)")
+            rounds.append(row)
+
+        results["rounds"] = rounds
+        results["fwd_bwd_seconds"] = gap
+        results["fwd_bwd_kind"] = fwd_bwd.kind
+        for key in ("step_alone", "plain_copy", "save_wait", "save_vs_copy"):
+            results[key] = {"seconds" if key != "save_vs_copy" else "ratio": median([x[key] for x in rounds]),
+                            "all": [x[key] for x in rounds]}
+        results["save_vs_copy"]["of_medians"] = results["save_wait"]["seconds"] / results["plain_copy"]["seconds"]
+        results["background"] = {
+            key: {"what": what, "gap_seconds": 0.0 if key == "right_away" else gap}
+            | {f: median([x["background"][key][f] for x in rounds])
+               for f in ("blocked", "fwd_bwd", "published", "next_step", "stalled")}
+            | {f: [x["background"][key][f] for x in rounds] for f in ("next_step_vs_alone", "copied_by_writer")}
+            for key, what in modes}
+    finally:
+        if store is not None:
+            store.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+        if created_root:
+            try:
+                os.rmdir(root)
+            except OSError:
+                pass
+    say(f"removed {scratch}" + (f" and {root}" if created_root and not os.path.exists(root) else ""))
+    report(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        say(f"wrote {args.json}")
+    return 0
+
+
+def report(r: dict) -> None:
+    state = r["state_bytes"]
+    copy = r["plain_copy"]["seconds"]
+    alone = r["step_alone"]["seconds"]
+    n_rounds = len(r["rounds"])
+    lines = [f"\n== miles bench checkpoint: {state / GB:.2f} GB of fp32 state in {r['num_buckets']} buckets, "
+             f"{r['device']}, torch {r['torch']}, {r['io_engine']} I/O, {n_rounds} round(s), medians ==",
+             f"{'what':52s} {'seconds':>9s} {'GB/s':>7s} {'x copy':>7s} {'x alone':>8s}"]
+
+    def row(label, seconds, rate=False, vs_copy=False, vs_alone=False):
+        lines.append(f"{label:52s} {seconds:9.3f} "
+                     + (f"{state / GB / seconds:7.2f} " if rate else f"{'-':>7s} ")
+                     + (f"{seconds / copy:7.2f} " if vs_copy else f"{'-':>7s} ")
+                     + (f"{seconds / alone:8.2f}" if vs_alone else f"{'-':>8s}"))
+
+    row("one optimizer step alone (cold files)", alone, vs_alone=True)
+    row("plain copy (shutil.copyfile + fsync each file)", copy, rate=True, vs_copy=True)
+    row("save_to(wait=True)", r["save_wait"]["seconds"], rate=True, vs_copy=True)
+    for key, b in r["background"].items():
+        gap = f"{b['gap_seconds']:.2f} s {r['fwd_bwd_kind']}" if b["gap_seconds"] else "none"
+        lines.append(f"save_to(wait=False), {b['what']}; forward/backward: {gap}")
+        row("  caller blocked", b["blocked"])
+        row("  published, after the call", b["published"])
+        row("  next step", b["next_step"], vs_alone=True)
+        row("  of which waiting for copy-before-overwrite", b["stalled"])
+    s = r["save_vs_copy"]
+    lines.append(f"save_to(wait=True) / plain copy = {s['of_medians']:.3f}")
+    if n_rounds > 1:
+        lines.append(f"within each round: save_to(wait=True) / plain copy median {s['ratio']:.3f} "
+                     f"({', '.join(f'{x:.3f}' for x in s['all'])}); plain copy "
+                     f"{', '.join(f'{x:.2f}' for x in r['plain_copy']['all'])} s, waited save "
+                     f"{', '.join(f'{x:.2f}' for x in r['save_wait']['all'])} s")
+        lines.append("within each round: next step / that round's step alone: " + "; ".join(
+            f"{key.replace('_', ' ')} median {median(b['next_step_vs_alone']):.2f} "
+            f"({', '.join(f'{x:.2f}' for x in b['next_step_vs_alone'])})" for key, b in r["background"].items()))
+    text = "\n".join(lines)
+    print(text, flush=True)
+    r["report"] = text
+
+
+if __name__ == "__main__":
+    sys.exit(main())
