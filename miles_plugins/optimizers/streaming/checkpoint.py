@@ -13,6 +13,9 @@ Format, version 1. `store.save_to(base)` writes one directory per store, named b
                     pieces [[entry, start, stop, step or null (no Adam state yet)]]}]
       resident     {file, file_bytes, crc32} of resident_adam.pt, when the binding keeps a small resident
                    Adam (store.resident_adam: Megatron's native-fp32 params): its torch state_dict
+      next_bucket_order, codec_rng   the next step's bucket order and {file, file_bytes, crc32, devices}
+                   of codec_rng.pt, the stochastic-rounding generators' states (codec_rng.py; absent in
+                   checkpoints written before them, and codec_rng when no codec rounds stochastically)
       manifest_crc32  crc32 of the rest (json, sorted keys)
 
 Atomic publish: files go to `<dir>.tmp-<pid>/`, each fsynced, the manifest last; the directory is then
@@ -26,11 +29,14 @@ guard: the first write to it (the next step) copies it first. Training waits onl
 about to overwrite. wait=False returns after the snapshot; wait_for_save() returns once published.
 
 Load checks format, mains and codecs, then restores the same layout (copying each file back, its
-crc32 checked on the way) or reshards: it reads the manifests of this store identity on every rank
-(`rank*/opt{instance}_{uid}`), checks each named param range is covered exactly once, verifies the
-files it uses and copies element ranges into place. Then it restores the per-piece Adam steps and
-points the moments at the bucket buffers, so the first step streams them. A load that fails after
-touching the live files resets the store to fresh state (mains <- model params, no moments).
+crc32 checked on the way, and the generators' states: bit-identical resume for every moment_dtype) or
+reshards: it reads the manifests of this store identity on every rank (`rank*/opt{instance}_{uid}`),
+checks each named param range is covered exactly once, verifies the files it uses and copies element
+ranges into place (fp32, bf16: bytes, bit-exact; fp16, fp8: decoded and re-quantized in the new
+blocks, requantize.py; the noise restarts from the seeds). Then it restores the per-piece Adam steps
+and points the moments at the bucket buffers, so the first step streams them. A load that fails after
+touching the live files resets the store to fresh state (mains <- model params, no moments, noise
+from the seeds).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from io import BytesIO
 
 import torch
 
+from . import codec_rng, requantize
 from . import stager as io
 from .layout import MOMENTS, bucket_filename
 from .reshard import ReshardError, entry_meta, plan_reshard, segment_names
@@ -106,6 +113,8 @@ class SaveJob:
             self.resident = buf.getvalue()
             self.manifest["resident"] = {"file": RESIDENT, "file_bytes": len(self.resident),
                                          "crc32": zlib.crc32(self.resident)}
+        rng_fields, self.rng = codec_rng.snapshot(store)  # the noise as of now: the next step draws more
+        self.manifest.update(rng_fields)
         for stale in io.glob_paths(f"{self.final}.tmp-*"):
             io.remove_tree(stale)
         io.make_dirs(self.tmp)
@@ -162,9 +171,10 @@ class SaveJob:
                     self.stats["reflinked_buckets"] += 1
                 io.close_fd(self.fds.pop(i), sync=True)
                 _fault()
-            if self.resident is not None:
-                io.write_file_durable(os.path.join(self.tmp, RESIDENT), self.resident)
-                _fault()
+            for name, data in ((RESIDENT, self.resident), (codec_rng.FILE, self.rng)):
+                if data is not None:
+                    io.write_file_durable(os.path.join(self.tmp, name), data)
+                    _fault()
             body = json.dumps(self.manifest, sort_keys=True)
             text = json.dumps({**self.manifest, "manifest_crc32": zlib.crc32(body.encode())}, indent=1)
             io.write_file_durable(os.path.join(self.tmp, MANIFEST), text.encode())
@@ -253,6 +263,29 @@ def _checked_size(path: str, expected: int) -> None:
         raise CheckpointError(f"{path}: {size} bytes, the manifest says {expected} (truncated or corrupt)")
 
 
+def _read_verified(directory: str, meta: dict) -> bytes:
+    """A small file the manifest lists ({file, file_bytes, crc32}), its size and checksum checked."""
+    path = os.path.join(directory, meta["file"])
+    _checked_size(path, meta["file_bytes"])
+    data = io.read_file(path)
+    if zlib.crc32(data) != meta["crc32"]:
+        raise CheckpointError(f"{path}: checksum mismatch; the file is corrupt")
+    return data
+
+
+def _rng_record(directory: str, m: dict, store):
+    """The saved stochastic-rounding generators, verified; None where the checkpoint has no record."""
+    if m.get("codec_rng") is None:
+        return None
+    data = _read_verified(directory, m["codec_rng"])
+    try:
+        return codec_rng.parse(data, m.get("next_bucket_order"), store)
+    except codec_rng.RngRecordError as e:
+        raise CheckpointError(f"{os.path.join(directory, m['codec_rng']['file'])}: the record of the "
+                              f"stochastic-rounding generators is corrupt or does not fit this store ({e}); "
+                              "resume from another checkpoint, or without this optimizer state") from None
+
+
 def _copy_checked(path: str, expected_crc: int, nbytes: int, dst_fd: int | None) -> None:
     fd = io.open_read(path)
     try:
@@ -274,7 +307,7 @@ def load(store, base: str) -> bool:
     diff = _layout_diff(m, store) if m is not None else f"no {STREAMED_DIR}/{store.relative_dir} in the checkpoint"
     if m is not None:
         _check_format(m, own, store)
-    resident, resident_state = _resident(store), None
+    resident, resident_state, rng = _resident(store), None, None
     if diff is None and (resident is None) != (m.get("resident") is None):
         has = m.get("resident") is not None
         raise CheckpointError(f"{own}: the checkpoint {'holds' if has else 'lacks'} the state of a resident Adam "
@@ -284,18 +317,15 @@ def load(store, base: str) -> bool:
         for sb in m["buckets"]:
             _checked_size(os.path.join(own, sb["file"]), sb["file_bytes"])
         if resident is not None:
-            path, meta = os.path.join(own, m["resident"]["file"]), m["resident"]
-            _checked_size(path, meta["file_bytes"])
-            data = io.read_file(path)
-            if zlib.crc32(data) != meta["crc32"]:
-                raise CheckpointError(f"{path}: checksum mismatch; the file is corrupt")
-            resident_state = torch.load(BytesIO(data), map_location="cpu", weights_only=True)
+            resident_state = torch.load(BytesIO(_read_verified(own, m["resident"])), map_location="cpu",
+                                        weights_only=True)
+        rng = _rng_record(own, m, store)
         copies = [(os.path.join(own, sb["file"]), sb["crc32"], 0, b.file.fd, 0, sb["file_bytes"])
                   for b, sb in zip(store.buckets, m["buckets"])]
         steps = [[p[3] for p in sb["pieces"]] for sb in m["buckets"]]
-        moments = [sb["moments"] for sb in m["buckets"]]
+        moments, requants = [sb["moments"] for sb in m["buckets"]], []
     else:
-        copies, steps, moments = _reshard(store, root, own, diff)
+        copies, requants, steps, moments = _reshard(store, root, own, diff)
     sources = {}
     try:
         for path, crc, src_off, dst_fd, dst_off, nbytes in copies:
@@ -305,10 +335,13 @@ def load(store, base: str) -> bool:
             if path not in sources:
                 sources[path] = io.open_read(path)
             io.copy_with_crc(sources[path], dst_fd, nbytes, src_off, dst_off)
+        requantize.apply(store, requants, sources)
         for b, s, mo in zip(store.buckets, steps, moments):
             _install(b, s, mo)
         if resident_state is not None:
             resident.load_state_dict(resident_state)
+        codec_rng.restore(store, rng, "resharded: the buckets differ" if diff is not None
+                          else "the checkpoint predates the record of the generators")
     except BaseException:
         logger.error("loading optimizer state from %s failed: resetting the store to fresh state", own)
         for b in store.buckets:
@@ -316,6 +349,7 @@ def load(store, base: str) -> bool:
             b.moments_on_disk = False
         if resident is not None:
             resident.state.clear()
+        codec_rng.reset(store)
         store.refresh_main_from_model_params()
         raise
     finally:
@@ -341,15 +375,16 @@ def _reshard(store, root: str, own: str, diff: str):
         for path in paths:
             manifests.append((os.path.dirname(path), _read_manifest(os.path.dirname(path))))
             _check_format(manifests[-1][1], manifests[-1][0], store)
-        copies, steps, moments, used = plan_reshard(store, manifests)
+        copies, requants, steps, moments, used = plan_reshard(store, manifests)
     except ReshardError as e:
         raise CheckpointError(f"{own}: the checkpoint's layout differs from this store's ({diff}) and it "
                               f"cannot be resharded: {e}") from None
     for path, meta in sorted(used.items()):  # every file we read from, before touching the live files
         _checked_size(path, meta["file_bytes"])
         _copy_checked(path, meta["crc32"], meta["file_bytes"], None)
-    logger.info("resharding streamed optimizer state from %s (%s)", root, diff)
-    return copies, steps, moments
+    logger.info("resharding streamed optimizer state from %s (%s)%s", root, diff,
+                f"; re-quantizing {len(requants)} block-scaled moment ranges" if requants else "")
+    return copies, requants, steps, moments
 
 
 def _install(bucket, steps: list, moments: bool) -> None:

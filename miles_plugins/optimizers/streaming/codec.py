@@ -11,6 +11,8 @@ Interface, per segment of a bucket (`numel` elements, `values` logically concate
     decode(encoded, out)           fill the fp32 buffer `out` from them (on the device)
     encode(values)                 device tensors to write back to back (never modifies `values`)
     name, describe()               what a checkpoint manifest records
+    rng_state(), set_rng_state(s)  where the stochastic-rounding noise stands, per device ({} for
+                                   deterministic codecs); checkpoints record it (codec_rng.py)
 
 Formats (`moment_dtype`). Bytes per param per step, each direction, with streamed fp32 masters
 (B = BLOCK_SIZE = 256; subtract 4 when the params are themselves the fp32 masters):
@@ -52,7 +54,8 @@ weight matrix, 'elem' = 8 decades of scale inside every block; full table in doc
     while stochastic stays 0.017 -> 0.020 -> 0.021. fp16's 10-bit mantissa does not freeze (nearest
     0.0033 -> 0.0042, stochastic 0.0046 -> 0.0061), so fp16 rounds to nearest. The noise comes from
     one seeded generator per segment codec and device: runs are reproducible given the same order of
-    encodes (a resumed run draws different noise than an uninterrupted one).
+    encodes. A checkpoint records the generators' states and the next step's bucket order
+    (codec_rng.py), so a resumed run draws the same noise as an uninterrupted one.
   * Block size 256: err 0.207 / 0.213 / 0.217 / 0.217 for 32 / 128 / 256 / 512 ('rows'; 0.602 at
     2048, where a block spans rows of different scale), for 0.25 / 0.06 / 0.03 / 0.016 B/param of scales.
 Training a small LM 200 steps through the store (docs/benchmarks.md): final loss within 0.05% of fp32
@@ -99,6 +102,13 @@ class Fp32Codec:
 
     def describe(self) -> dict:
         return {"name": self.name, "storage_dtype": "float32", "block_size": None, "layout": "[fp32 values]"}
+
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        return {}  # deterministic: no noise
+
+    def set_rng_state(self, states: dict) -> None:
+        if states:
+            raise ValueError(f"fp32 draws no noise; got generator states for {sorted(map(str, states))}")
 
 
 # ---- number formats ---------------------------------------------------------------------------------
@@ -191,6 +201,25 @@ class _CodecBase:
             gen = self._generators[device] = torch.Generator(device=device)
             gen.manual_seed(self.seed)
         return gen
+
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        """{str(device): state} of the generators that drew noise so far (a snapshot: later draws do not
+        change it). Empty for nearest rounding, or before the first stochastic encode."""
+        return {str(device): gen.get_state() for device, gen in self._generators.items()}
+
+    def set_rng_state(self, states: dict) -> None:
+        """Continue the noise from `states` ({device or its str: state}, as rng_state() gives it);
+        devices left out restart from the seed. Raises (RuntimeError, ValueError) on an invalid state
+        and then changes nothing."""
+        if states and not self.stochastic:
+            raise ValueError(f"{self.name} rounds to nearest and draws no noise; got generator states for "
+                             f"{sorted(map(str, states))}")
+        generators = {}
+        for key, state in states.items():
+            device = torch.device(key)
+            generators[device] = torch.Generator(device=device)
+            generators[device].set_state(state)
+        self._generators = generators
 
 
 class CastCodec(_CodecBase):
@@ -339,6 +368,17 @@ def _moment_codecs(moment_dtype: str):
 
 
 MOMENT_DTYPES = ("fp32", "bf16", "fp16", "fp8e4m3", "fp8e5m2")
+
+
+def codec_from_description(description: dict):
+    """The codec whose describe() is `description` (what a checkpoint manifest recorded): it decodes the
+    bytes of that checkpoint's segments. A clear error when this build has no such codec."""
+    for moment_dtype in (*MOMENT_DTYPES, "_fp8e4m3_unscaled"):
+        for codec in _moment_codecs(moment_dtype)():
+            if codec.describe() == description:
+                return codec
+    raise StoreConfigError(f"no codec of this build stores a segment as {description}; it was saved by "
+                           "another version: resume with that version, or without the optimizer state")
 
 
 def make_moment_codecs(moment_dtype: str) -> dict:

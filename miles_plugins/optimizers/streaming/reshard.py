@@ -1,16 +1,20 @@
-"""Resharding: which byte ranges of saved bucket files fill this store's buckets when the layout
-differs (another data-parallel size, another bucket size). Pure: manifests in, a copy plan out.
+"""Resharding: which ranges of saved bucket files fill this store's buckets when the layout differs
+(another data-parallel size, another bucket size). Pure: manifests in, a plan out.
 
 Every entry with a name is elements [start, stop) of a flattened param (bucket.StreamEntry). A saved
 piece covers [entry start + piece start, entry start + piece stop) of its param; each live piece is
-filled from the saved pieces that overlap it, segment by segment. That is a byte copy only where a
-segment stores a fixed number of bytes per element (fp32, bf16), not with per-block scales.
+filled from the saved pieces that overlap it, segment by segment:
+  byte copy    where a segment stores a fixed number of bytes per element (fp32, bf16): bit-exact.
+  re-quantize  where it stores per-block scales (fp16, fp8): blocks run across piece boundaries and a
+               new layout moves them, so the saved range is decoded to fp32 and the live segment
+               encoded again (requantize.py: not bit-identical, within one quantization step).
 """
 
 from __future__ import annotations
 
 import bisect
 import os
+from dataclasses import dataclass
 
 from .layout import MAIN, MOMENTS
 
@@ -29,14 +33,31 @@ def entry_meta(e) -> dict:
             "full_numel": numel if e.full_numel is None else e.full_numel, "group": e.group}
 
 
-def _element_sizes(store) -> dict[str, int]:
+@dataclass(frozen=True)
+class Requantize:
+    """Elements [src, src + count) of the saved segment `segment` of file `path` (a block-scaled segment
+    of `src_numel` elements at byte `src_offset`, stored as `description` says) fill elements
+    [dst, dst + count) of the same segment of live bucket `bucket`."""
+
+    bucket: int
+    segment: str
+    dst: int
+    path: str
+    src_offset: int
+    src_numel: int
+    src: int
+    count: int
+    description: dict
+
+
+def _element_sizes(store) -> dict[str, int | None]:
+    """{segment: bytes per element}, None where the segment is block-scaled (re-quantized)."""
     sizes = {}
     for n in segment_names(store):
         codec = store.codecs[n]
         size = codec.encoded_nbytes(1)
-        if codec.describe().get("block_size") or codec.encoded_nbytes(4099) != 4099 * size:
-            raise ReshardError(f"{n} is stored block-scaled ({codec.name}); resume at the saved data-parallel size")
-        sizes[n] = size
+        linear = not codec.describe().get("block_size") and codec.encoded_nbytes(4099) == 4099 * size
+        sizes[n] = size if linear else None
     return sizes
 
 
@@ -63,14 +84,16 @@ def _saved_pieces(manifests) -> tuple[dict, dict]:
 
 
 def plan_reshard(store, manifests: list[tuple[str, dict]]):
-    """-> (copies, steps, moments, used files). copies: (path, None, src offset, dst fd, dst offset,
-    nbytes); steps: per live bucket, per piece, the Adam step or None; moments: per live bucket, whether
-    its moment segments hold state; used: {path: bucket meta} of the files read."""
+    """-> (copies, requants, steps, moments, used files). copies: (path, None, src offset, dst fd, dst
+    offset, nbytes); requants: [Requantize] for block-scaled segments; steps: per live bucket, per
+    piece, the Adam step or None; moments: per live bucket, whether its moment segments hold state;
+    used: {path: bucket meta} of the files read."""
     if any(e.name is None for e in store.entries):
         raise ReshardError("this optimizer's binding gives its entries no param identities")
     sizes = _element_sizes(store)
     sources, files = _saved_pieces(manifests)
-    copies, steps, moments, used = [], [], [], {}
+    descriptions = {os.path.join(d, sb["file"]): m["segments"] for d, m in manifests for sb in m["buckets"]}
+    copies, requants, steps, moments, used = [], [], [], [], {}
     for b in store.buckets:
         bucket_steps = []
         for j, piece in enumerate(b.pieces):
@@ -94,6 +117,11 @@ def plan_reshard(store, manifests: list[tuple[str, dict]]):
                 for n, size in sizes.items():
                     if n in MOMENTS and step is None:
                         continue  # no Adam state: nothing on disk to keep
+                    if size is None:
+                        requants.append(Requantize(b.index, n, b.offsets[j] + a - lo, path, sb["segments"][n][0],
+                                                   sb["numel"], offset + a - s_lo, z - a,
+                                                   descriptions[path][n]))
+                        continue
                     copies.append((path, None, sb["segments"][n][0] + (offset + a - s_lo) * size, b.file.fd,
                                    b.layout.segments[n].offset + (b.offsets[j] + a - lo) * size, (z - a) * size))
             if covered != hi - lo:
@@ -104,4 +132,4 @@ def plan_reshard(store, manifests: list[tuple[str, dict]]):
             bucket_steps.append(found.pop())
         steps.append(bucket_steps)
         moments.append(any(s is not None for s in bucket_steps))
-    return copies, steps, moments, used
+    return copies, requants, steps, moments, used

@@ -429,6 +429,18 @@ def read_file(path: str) -> bytes:
         return f.read()
 
 
+def read_at(fd: int, offset: int, nbytes: int) -> bytearray:
+    """`nbytes` bytes at `offset` (short files raise IOError)."""
+    buf = bytearray(nbytes)
+    _pread_into(fd, memoryview(buf), offset)
+    return buf
+
+
+def write_at(fd: int, offset: int, data) -> None:
+    """Write all of `data` (a bytes-like object) at `offset`."""
+    _pwrite_all(fd, [memoryview(data).cast("B")], offset)
+
+
 def write_file_durable(path: str, data: bytes) -> None:
     fd = open_new(path)
     try:

@@ -103,6 +103,7 @@ class NVMeOptimizerStateStore:
         self._fetching: dict[int, Bucket] = {}  # reads started, not yet consumed by a step
         self._held: dict[int, tuple[Bucket, int]] = {}  # written back, storage kept: (bucket, extra bytes)
         self._current: Bucket | None = None
+        self._order_flipped = False  # a load restored a saved run's bucket order (_set_next_order)
         self.master = master
         self.entries = entries
         self.streams_main = bool(entries) and entries[0].model_view is not None
@@ -169,8 +170,16 @@ class NVMeOptimizerStateStore:
 
     # ---- the step: a pipeline over the bucket phases -------------------------------------------
     def _order(self) -> list[Bucket]:
-        """Alternate direction every step: the buckets written last are read first, still in page cache."""
-        return self.buckets if self.stats.steps % 2 == 0 else self.buckets[::-1]
+        """Alternate direction every step: the buckets written last are read first, still in page cache.
+        A checkpoint records the next step's direction (the encode order decides which bucket draws
+        which stochastic-rounding noise) and a load restores it (`_set_next_order`)."""
+        return self.buckets[::-1] if self._next_descending() else self.buckets
+
+    def _next_descending(self) -> bool:
+        return (self.stats.steps % 2 == 1) != self._order_flipped
+
+    def _set_next_order(self, descending: bool) -> None:
+        self._order_flipped = descending != (self.stats.steps % 2 == 1)
 
     def _read_marks(self) -> tuple[int, int]:
         c = self.stager.counters
@@ -433,7 +442,9 @@ class NVMeOptimizerStateStore:
     def load_from(self, checkpoint_base: str) -> bool:
         """Restore the state saved by `save_to` (resharding onto this layout when it differs). False:
         the checkpoint has no streamed state (logged; the optimizer starts fresh). Call it after the
-        model weights and any `refresh_main_from_model_params()`: it overwrites the mains."""
+        model weights and any `refresh_main_from_model_params()`: it overwrites the mains. The same
+        layout resumes bit-identically for every moment_dtype (the rounding noise's generators are
+        restored); resharded fp16/fp8 moments are re-quantized once (checkpoint.py)."""
         self._check_open()
         self.wait_for_save()
         return checkpoint.load(self, checkpoint_base)
