@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_checkpoint import (  # noqa: E402,F401  (_restarted_process_uids: autouse fixture)
     CheckpointError, _restarted_process_uids, assert_same, build, checkpoint, in_child, load, save, state, train)
 
-from miles_plugins.optimizers.streaming import stager  # noqa: E402
+from miles_plugins.optimizers.streaming import fileops  # noqa: E402
 
 KILL_POINTS = 24
 
@@ -32,7 +32,7 @@ def _reference_and_iter1(root, iter1):
 
 
 def _save_iter2(root, iter1, iter2, kill_at):
-    stager.COPY_CHUNK_BYTES = 4096  # many fault points inside the file copies
+    fileops.COPY_CHUNK_BYTES = 4096  # many fault points inside the file copies
     params, opt, store = build("sharded", root)
     assert load(params, opt, store, iter1)
     train(params, opt, range(3, 4))

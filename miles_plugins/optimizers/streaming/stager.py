@@ -4,8 +4,10 @@ Everything above it (bucket, store, bindings) speaks in device tensors and byte 
 moved by the I/O engine the stager owns: `sync.py` (the seed's synchronous path) or `engine.py`
 (`pipelined`: worker threads, several pinned staging buffers, CUDA streams, O_DIRECT), built from
 `hostio.py` (file and host-memory primitives, staging), `tickets.py` (in-flight requests, workers)
-and `hostcache.py` (the optional host-RAM cache of hot buckets). Only the stager imports them: a
-GPUDirect Storage backend or a different I/O engine is a change below this module alone.
+and `hostcache.py` (the optional host-RAM cache of hot buckets). Checkpoint file primitives (copies
+with checksums, durable files, atomic directory publish) live in `fileops.py` and are re-exported here.
+Only the stager imports these modules: a GPUDirect Storage backend or a different I/O engine is a
+change below this module alone.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ import errno
 import logging
 import os
 import shutil
-import zlib
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from .engine import ENGINES, make_engine
+from .fileops import (  # noqa: F401 - checkpoint.py, reshard.py, requantize.py use them through the stager
+    open_read, open_new, close_fd, reflink, copy_with_crc, file_size, read_file,
+    read_at, write_at, write_file_durable, fsync_dir, make_dirs, publish_dir, remove_tree, glob_paths)
 from .hostio import as_bytes, drop_page_cache, host_buffer, raw_floor  # noqa: F401 (raw_floor: miles bench stream)
 from .tickets import IOCounters, Ticket  # noqa: F401
 
@@ -303,197 +307,3 @@ def _preallocate(fd: int, nbytes: int, path: str) -> None:
             raise
     logger.debug("fallocate unsupported for %s; using ftruncate (space is not reserved)", path)
     os.ftruncate(fd, nbytes)
-
-
-def _pread_into(fd: int, buffer, offset: int) -> None:
-    view = buffer
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:done + (1 << 30)]], offset + done)
-        if n == 0:
-            raise IOError(f"unexpected end of file reading fd {fd} at byte {offset + done}")
-        done += n
-
-
-def _pwrite_all(fd: int, buffers: list, offset: int) -> None:
-    for view in buffers:
-        done = 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:done + (1 << 30)], offset + done)
-        offset += len(view)
-
-
-# ---- checkpoint files (checkpoint.py decides what to copy; these move the bytes) --------------------
-COPY_CHUNK_BYTES = 16 << 20
-_FICLONE = 0x40049409  # ioctl: share a file's extents (btrfs, XFS with reflink, bcachefs)
-
-
-def open_read(path: str) -> int:
-    return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-
-
-def open_new(path: str) -> int:
-    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-
-
-def close_fd(fd: int, sync: bool = False) -> None:
-    try:
-        if sync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def reflink(src_fd: int, dst_fd: int) -> bool:
-    """Make dst share src's extents: an instant copy-on-write snapshot. False where unsupported."""
-    try:
-        import fcntl
-        fcntl.ioctl(dst_fd, _FICLONE, src_fd)
-        return True
-    except OSError:
-        return False
-
-
-_NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF}
-_kernel_copy = hasattr(os, "copy_file_range")  # False once refused (other filesystems, old kernels, gVisor)
-
-
-def _copy_range(src_fd: int, dst_fd: int, n: int, src_off: int, dst_off: int, buf: memoryview) -> None:
-    global _kernel_copy
-    done = 0
-    while _kernel_copy and done < n:  # in the kernel: no copy through user memory (reflink on XFS)
-        try:
-            k = os.copy_file_range(src_fd, dst_fd, n - done, src_off + done, dst_off + done)
-        except OSError as e:
-            if e.errno not in _NO_COPY_FILE_RANGE:
-                raise
-            _kernel_copy = False
-            break
-        if k == 0:
-            raise IOError(f"unexpected end of file copying fd {src_fd} at byte {src_off + done}")
-        done += k
-    for pos in range(done, n, len(buf)):
-        chunk = buf[:min(len(buf), n - pos)]
-        _pread_into(src_fd, chunk, src_off + pos)
-        _pwrite_all(dst_fd, [chunk], dst_off + pos)
-
-
-def copy_with_crc(src_fd: int, dst_fd: int | None, nbytes: int, src_offset: int = 0, dst_offset: int = 0,
-                  crc: int = 0, on_chunk: Callable[[], None] | None = None) -> int:
-    """Copy `nbytes` (dst_fd None: only read them) and return their zlib.crc32, chained from `crc`.
-
-    Chunk by chunk: the copy runs in the kernel (copy_file_range; pread/pwrite where refused) while a
-    helper thread checksums the previous chunk, re-read from the page cache. Every syscall and crc32
-    releases the GIL, so a copy in a background thread does not stall the training thread. Short
-    files raise IOError.
-    """
-    chunk_bytes = max(1, min(COPY_CHUNK_BYTES, nbytes))
-    if dst_fd is None or nbytes <= chunk_bytes:
-        buf = memoryview(bytearray(chunk_bytes))
-        for pos in range(0, nbytes, chunk_bytes):
-            n = min(chunk_bytes, nbytes - pos)
-            if dst_fd is not None:
-                _copy_range(src_fd, dst_fd, n, src_offset + pos, dst_offset + pos, buf)
-            _pread_into(src_fd, buf[:n], src_offset + pos)
-            crc = zlib.crc32(buf[:n], crc)
-            if on_chunk is not None:
-                on_chunk()
-        return crc
-    from concurrent.futures import ThreadPoolExecutor
-
-    copy_buf, crc_buf, state = memoryview(bytearray(chunk_bytes)), memoryview(bytearray(chunk_bytes)), [crc]
-
-    def checksum(pos: int, n: int) -> None:  # one worker: runs in submission order
-        _pread_into(src_fd, crc_buf[:n], src_offset + pos)
-        state[0] = zlib.crc32(crc_buf[:n], state[0])
-
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-crc") as pool:
-        futures = []
-        for pos in range(0, nbytes, chunk_bytes):
-            n = min(chunk_bytes, nbytes - pos)
-            _copy_range(src_fd, dst_fd, n, src_offset + pos, dst_offset + pos, copy_buf)
-            futures.append(pool.submit(checksum, pos, n))
-            if on_chunk is not None:
-                on_chunk()
-        for f in futures:
-            f.result()
-    return state[0]
-
-
-def file_size(path: str) -> int:
-    return os.stat(path).st_size
-
-
-def read_file(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def read_at(fd: int, offset: int, nbytes: int) -> bytearray:
-    """`nbytes` bytes at `offset` (short files raise IOError)."""
-    buf = bytearray(nbytes)
-    _pread_into(fd, memoryview(buf), offset)
-    return buf
-
-
-def write_at(fd: int, offset: int, data) -> None:
-    """Write all of `data` (a bytes-like object) at `offset`."""
-    _pwrite_all(fd, [memoryview(data).cast("B")], offset)
-
-
-def write_file_durable(path: str, data: bytes) -> None:
-    fd = open_new(path)
-    try:
-        _pwrite_all(fd, [memoryview(data)], 0)
-    finally:
-        close_fd(fd, sync=True)
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def make_dirs(path: str) -> None:
-    """Create `path` and its missing parents, each made durable in its parent."""
-    path = os.path.abspath(path)
-    missing = []
-    while not os.path.isdir(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    for p in reversed(missing):
-        try:
-            os.mkdir(p)
-        except FileExistsError:
-            pass
-        fsync_dir(os.path.dirname(p))
-
-
-def publish_dir(tmp: str, final: str, on_step: Callable[[], None] | None = None) -> None:
-    """Rename the complete directory `tmp` to `final`, durably. An existing `final` (a re-save to the
-    same place) is renamed aside first and removed after: no moment exposes a mix of the two."""
-    step = on_step or (lambda: None)
-    parent = os.path.dirname(final)
-    old = None
-    if os.path.lexists(final):
-        old = f"{final}.old-{os.getpid()}"
-        os.rename(final, old)
-        step()
-    os.rename(tmp, final)
-    step()
-    fsync_dir(parent)
-    step()
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def remove_tree(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def glob_paths(pattern: str) -> list[str]:
-    import glob
-    return sorted(glob.glob(pattern))
