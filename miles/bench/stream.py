@@ -1,7 +1,8 @@
 """`miles bench stream`: what a streamed optimizer step costs, against the disk it streams through.
 
-One run, one directory, one store (mixed precision: bf16 model params, fp32 masters + Adam moments,
-12 bytes of streamed state per param):
+One run, one directory, one store (mixed precision: bf16 model params, fp32 masters + Adam moments
+stored as `--moment-dtype`: 12 bytes of streamed state per param with fp32 moments, 8 with bf16, ~6
+with fp8):
 
   resident   an in-memory AdamW step over the same params (what the step would cost with no disk)
   floor      the raw disk alone: read the bytes a step reads (the store's own bucket segments) and write
@@ -35,6 +36,8 @@ import time
 
 import torch
 
+from miles_plugins.optimizers.streaming.codec import MOMENT_DTYPES
+
 GB = 1e9
 
 
@@ -46,7 +49,10 @@ def parse_count(text: str) -> int:
 
 # ---- arguments ----------------------------------------------------------------------------------------
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", default="100M", help="trained params (e.g. 100M, 1.5B); 12 B/param of state")
+    p.add_argument("--params", default="100M", help="trained params (e.g. 100M, 1.5B); 12 B/param of state "
+                   "with fp32 moments")
+    p.add_argument("--moment-dtype", default="fp32", choices=MOMENT_DTYPES,
+                   help="storage of the Adam moments in the bucket files (the update math stays fp32)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dir", default="miles-bench-stream", help="directory on the disk under test (created; "
                    "the bench's files are removed at the end)")
@@ -184,8 +190,8 @@ def run(args) -> int:
     results: dict = {"args": vars(args) | {"func": None}, "params": total, "bucket_numel": bucket_numel,
                      "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
                      "torch": torch.__version__, "cpus": os.cpu_count(), "dir": root}
-    say(f"{total / 1e9:.3f}B params on {device} ({results['device']}), state {12 * total / GB:.2f} GB in "
-        f"{root}; buckets of {bucket_numel / 1e6:.1f}M, depth {args.depth}, chunk {args.chunk_mb} MiB")
+    say(f"{total / 1e9:.3f}B params on {device} ({results['device']}), moments {args.moment_dtype}, in {root}; "
+        f"buckets of {bucket_numel / 1e6:.1f}M, depth {args.depth}, chunk {args.chunk_mb} MiB")
 
     # 1. resident step ------------------------------------------------------------------------------
     model, masters = make_state(total, device)
@@ -208,7 +214,8 @@ def run(args) -> int:
     t0 = time.perf_counter()
     store = NVMeOptimizerStateStore(entries, adamw(masters, device), dir=root, chunk_mb=args.chunk_mb,
                                     bucket_numel=bucket_numel, io_engine="pipelined", depth=args.depth,
-                                    io_threads=args.io_threads, direct_io=direct)
+                                    io_threads=args.io_threads, direct_io=direct, moment_dtype=args.moment_dtype)
+    results["state_bytes"] = store.stats.state_bytes
     say(f"store built in {time.perf_counter() - t0:.1f} s (mains written): {store.stats.num_buckets} buckets, "
         f"{store.stats.state_bytes / GB:.2f} GB")
     files = [b.file for b in store.buckets]
@@ -365,7 +372,9 @@ def run(args) -> int:
 
 def report(r: dict, say) -> None:
     floor = r["floor"]["best_seconds"]
-    lines = [f"\n== miles bench stream: {r['params'] / 1e9:.3f}B params, {12 * r['params'] / GB:.2f} GB of fp32 state, "
+    moments = r["args"].get("moment_dtype", "fp32")
+    lines = [f"\n== miles bench stream: {r['params'] / 1e9:.3f}B params, {r['state_bytes'] / GB:.2f} GB of state "
+             f"(fp32 masters, {moments} moments), "
              f"{r['device']}, torch {r['torch']}, {'O_DIRECT' if r.get('direct_io') else 'buffered'} ==",
              f"{'what':44s} {'seconds':>9s} {'GB':>8s} {'GB/s':>7s} {'x floor':>8s}"]
 

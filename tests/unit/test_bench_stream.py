@@ -21,7 +21,8 @@ def test_bench_runs_rounds_and_reports_ratios_from_them(tmp_path, capsys):
                "--json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
-    state_bytes = 12 * r["params"]
+    state_bytes = 12 * r["params"]  # fp32 masters + moments, the bytes a step moves each way
+    assert r["state_bytes"] >= state_bytes  # the files: segments padded to 4 KiB
 
     # every round measured both floors and both engines
     for label in ("concurrent", "sequential"):
@@ -51,3 +52,16 @@ def test_bench_runs_rounds_and_reports_ratios_from_them(tmp_path, capsys):
     assert f"pipelined / floor = {p['seconds'] / r['floor']['best_seconds']:.3f}" in printed
     assert "within each round: pipelined / that round's floor median" in printed
     assert not os.path.exists(bench_dir)  # store files and the floor's scratch file are gone
+
+
+def test_bench_with_fp8_moments_streams_half_the_bytes(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["--params", "2M", "--device", "cpu", "--dir", str(tmp_path / "d"), "--buckets", "2",
+               "--chunk-mb", "4", "--moment-dtype", "fp8e4m3", "--skip-sync", "--skip-exposed", "--quiet",
+               "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    # 4 B master + 2 x (1 B code + 4 B scale per 256 elements) per param, each way
+    moved = r["pipelined"]["bytes"] / 2
+    assert 6 * r["params"] <= moved < 6.1 * r["params"] and r["state_bytes"] >= moved
+    assert "fp8e4m3 moments" in capsys.readouterr().out
