@@ -1,5 +1,6 @@
 """kill -9 inside a save, at random points: the newest complete checkpoint always loads and the resumed
-run is bit-identical to an uninterrupted one; a half-written checkpoint never loads.
+run is bit-identical to an uninterrupted one; a half-written checkpoint never loads. With fp32 moments,
+and with fp8e4m3 ones, whose checkpoint adds the stochastic-rounding record (codec_rng.pt).
 
 Each trial: a forked child resumes from iter_1 (saved after 3 steps), takes step 4, saves iter_2 in the
 background while step 5 runs, and SIGKILLs itself at the k-th fault point of that save (file chunks,
@@ -13,6 +14,8 @@ import random
 import signal
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from test_checkpoint import (  # noqa: E402,F401  (_restarted_process_uids: autouse fixture)
@@ -23,17 +26,17 @@ from miles_plugins.optimizers.streaming import fileops  # noqa: E402
 KILL_POINTS = 24
 
 
-def _reference_and_iter1(root, iter1):
-    params, opt, store = build("sharded", root)
+def _reference_and_iter1(root, iter1, moment_dtype):
+    params, opt, store = build("sharded", root, moment_dtype=moment_dtype)
     train(params, opt, range(3))
     save(params, store, iter1)
     train(params, opt, range(3, 6))
     return state(store, params)
 
 
-def _save_iter2(root, iter1, iter2, kill_at):
+def _save_iter2(root, iter1, iter2, kill_at, moment_dtype):
     fileops.COPY_CHUNK_BYTES = 4096  # many fault points inside the file copies
-    params, opt, store = build("sharded", root)
+    params, opt, store = build("sharded", root, moment_dtype=moment_dtype)
     assert load(params, opt, store, iter1)
     train(params, opt, range(3, 4))
     calls = itertools.count(1)
@@ -49,8 +52,8 @@ def _save_iter2(root, iter1, iter2, kill_at):
     return next(calls) - 1  # fault points of a whole save
 
 
-def _resume_newest(root, iter1, iter2):
-    params, opt, store = build("sharded", root)
+def _resume_newest(root, iter1, iter2, moment_dtype):
+    params, opt, store = build("sharded", root, moment_dtype=moment_dtype)
     try:
         found, newest, error = load(params, opt, store, iter2), 2, None
     except CheckpointError as e:  # the failed load left a fresh, usable store
@@ -71,21 +74,22 @@ def _killed_child(fn, *args) -> None:
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"child not killed: {status}"
 
 
-def test_kill_during_save_never_leaves_a_loadable_half_checkpoint(tmp_path):
+@pytest.mark.parametrize("moment_dtype", ["fp32", "fp8e4m3"])  # fp8: + the stochastic-rounding record file
+def test_kill_during_save_never_leaves_a_loadable_half_checkpoint(tmp_path, moment_dtype):
     root, iter1 = tmp_path / "live", str(tmp_path / "iter_1")
-    ref = in_child(_reference_and_iter1, root, iter1)
-    points = in_child(_save_iter2, root, iter1, str(tmp_path / "complete"), 0)
+    ref = in_child(_reference_and_iter1, root, iter1, moment_dtype)
+    points = in_child(_save_iter2, root, iter1, str(tmp_path / "complete"), 0, moment_dtype)
     assert points >= 40, points
-    newest, _, resumed = in_child(_resume_newest, root, iter1, str(tmp_path / "complete"))
+    newest, _, resumed = in_child(_resume_newest, root, iter1, str(tmp_path / "complete"), moment_dtype)
     assert newest == 2
     assert_same(resumed, ref, "resumed from a complete iter_2")
-    # random points, plus the last ones (around the rename that publishes)
-    kills = sorted(set(random.Random(0).sample(range(1, points + 1), KILL_POINTS - 3)) | {points - 2, points - 1, points})
+    # random points, plus the last six (the small files, the manifest, the rename that publishes)
+    kills = sorted(set(random.Random(0).sample(range(1, points + 1), KILL_POINTS - 6)) | set(range(points - 5, points + 1)))
     outcomes = {}
     for k in kills:
         iter2 = str(tmp_path / f"iter_2_kill{k:03d}")
-        _killed_child(_save_iter2, root, iter1, iter2, k)
-        newest, error, resumed = in_child(_resume_newest, root, iter1, iter2)
+        _killed_child(_save_iter2, root, iter1, iter2, k, moment_dtype)
+        newest, error, resumed = in_child(_resume_newest, root, iter1, iter2, moment_dtype)
         assert_same(resumed, ref, f"killed at fault point {k}/{points}, resumed from iter_{newest}")
         if newest == 1:
             assert "interrupted save" in error, error
