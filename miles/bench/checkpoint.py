@@ -61,7 +61,7 @@ def _number(kind, what: str, low: float = 0.0, inclusive: bool = False):
     return parse
 
 
-def _add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gb", type=_number(float, "the streamed state in GB, e.g. 2"), default=1.0,
                    help="streamed state in GB (12 B/param: fp32 masters + 2 moments)")
     p.add_argument("--device", default="cpu", help="where the params live: cpu (default) or cuda")
@@ -81,25 +81,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no store log lines (the bench's own lines stay)")
 
 
-def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_arguments(p)
-    return p
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `checkpoint` on a `miles bench` subparsers object."""
-    p = subparsers.add_parser("checkpoint", help="checkpoint save of streamed state vs a plain copy of its files",
-                              description=__doc__.split("\n\n")[0])
-    _add_arguments(p)
-    p.set_defaults(func=run)
-    return p
+NAME, HELP = "checkpoint", "checkpoint save of streamed state vs a plain copy of its files"
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
-    return run(args)
+    from .cli import run_standalone
+
+    return run_standalone(sys.modules[__name__], argv)
 
 
 # ---- helpers ------------------------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""`miles bench ...`: one subcommand per benchmark module (each has add_parser(subparsers) and run(args))."""
+"""`miles bench ...`: one subcommand per benchmark module. A module names itself (NAME, HELP), adds its
+flags (add_arguments(parser)) and runs (run(args)); its first docstring paragraph is the description.
+Each also runs alone (`python -m miles.bench.<name>`) through run_standalone."""
 
 from __future__ import annotations
 
@@ -10,11 +12,27 @@ from . import checkpoint, stream
 BENCHMARKS = (stream, checkpoint)
 
 
+def _describe(module) -> str:
+    return module.__doc__.split("\n\n")[0]
+
+
+def run_standalone(module, argv=None) -> int:
+    """`python -m miles.bench.<name> ...`: the module's own flags, then its run."""
+    parser = argparse.ArgumentParser(prog=f"miles bench {module.NAME}", description=_describe(module),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(sys.argv[1:] if argv is None else list(argv))) or 0)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="miles bench", description="miles benchmarks")
-    sub = parser.add_subparsers(title="benchmarks", dest="benchmark", metavar="{stream,checkpoint}")
+    sub = parser.add_subparsers(title="benchmarks", dest="benchmark",
+                                metavar="{" + ",".join(m.NAME for m in BENCHMARKS) + "}")
     for module in BENCHMARKS:
-        module.add_parser(sub)
+        p = sub.add_parser(module.NAME, help=module.HELP, description=_describe(module),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     if getattr(args, "func", None) is None:
         parser.print_help()

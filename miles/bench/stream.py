@@ -48,7 +48,7 @@ def parse_count(text: str) -> int:
 
 
 # ---- arguments ----------------------------------------------------------------------------------------
-def _add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", default="100M", help="trained params (e.g. 100M, 1.5B); 12 B/param of state "
                    "with fp32 moments")
     p.add_argument("--moment-dtype", default="fp32", choices=MOMENT_DTYPES,
@@ -80,25 +80,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no per-step log lines")
 
 
-def build_parser(prog: str = "miles bench stream") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_arguments(p)
-    return p
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `stream` on a `miles bench` subparsers object."""
-    p = subparsers.add_parser("stream", help="streamed optimizer step vs the raw disk floor, sync vs pipelined",
-                              description=__doc__.split("\n\n")[0])
-    _add_arguments(p)
-    p.set_defaults(func=run)
-    return p
+NAME, HELP = "stream", "streamed optimizer step vs the raw disk floor, sync vs pipelined"
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
-    return run(args)
+    from .cli import run_standalone
+
+    return run_standalone(sys.modules[__name__], argv)
 
 
 # ---- helpers ------------------------------------------------------------------------------------------
