@@ -33,8 +33,8 @@ from miles_plugins.optimizers.streaming.layout import MOMENTS  # noqa: E402
 from miles_plugins.optimizers.streaming.requantize import block_window  # noqa: E402
 from miles_plugins.optimizers.streaming.stager import StoreConfigError  # noqa: E402
 from test_checkpoint import (  # noqa: E402,F401  (_restarted_process_uids: autouse fixture)
-    _expect_error, _restarted_process_uids, assert_same, build, checkpoint, fresh_uids, gather, in_child,
-    in_children, load, save, state, state_parts, train)
+    CheckpointError, _expect_error, _restarted_process_uids, assert_same, build, checkpoint, fresh_uids, gather,
+    in_child, in_children, load, save, state, state_parts, train)
 
 NARROW = ("bf16", "fp16", "fp8e4m3", "fp8e5m2")
 STOCHASTIC = ("bf16", "fp8e4m3", "fp8e5m2")
@@ -368,3 +368,53 @@ def test_narrow_moments_reshard_across_data_parallel_sizes(tmp_path, moment_dtyp
         assert n21[1] > 0 and n12[1] > 0, (n21, n12)
     if moment_dtype in ("fp8e4m3", "fp8e5m2"):  # ... and stochastic rounding took the other neighbour at times
         assert n21[0] > 0 and n12[0] > 0, (n21, n12)
+
+
+# ---- resume with another moment_dtype -----------------------------------------------------------------
+@pytest.mark.parametrize("saved_dtype, load_dtype", [
+    ("fp8e4m3", "fp32"), ("fp16", "fp32"), ("bf16", "fp32"),  # widening: exact
+    ("fp32", "bf16"), ("fp8e5m2", "bf16"),                      # one stochastic rounding to bf16
+    ("fp32", "fp16"), ("fp8e4m3", "fp16"),                      # block-scaled, nearest: a direct encode's bytes
+    ("fp32", "fp8e4m3"), ("bf16", "fp8e5m2"),                   # block-scaled, stochastic: a neighbour code
+])
+def test_resume_with_another_moment_dtype_converts_the_moments(tmp_path, saved_dtype, load_dtype):
+    """The moment format may change between save and resume (say, to fp8 when the disk fills up): the
+    saved moments are decoded to fp32 and encoded in the new format; masters and steps stay exact."""
+    params, opt, store = build("plain", tmp_path / "live", dtype=FP32, shapes=SHAPES, moment_dtype=saved_dtype)
+    train(params, opt, range(3))
+    saved = state(store, params)
+    save(params, store, str(tmp_path / "ck"))
+    store.close()
+    fresh_uids()
+    params, opt, store = build("plain", tmp_path / "live", dtype=FP32, shapes=SHAPES, moment_dtype=load_dtype)
+    assert load(params, opt, store, str(tmp_path / "ck")) is True
+    got = state(store, params)
+    assert got.keys() == saved.keys()
+    for name in (k for k in saved if k != "params"):
+        (main, m, v, step), (ref_main, ref_m, ref_v, ref_step) = got[name], saved[name]
+        assert torch.equal(main, ref_main) and step == ref_step, name
+        if load_dtype == "fp32":
+            assert m is None or (torch.equal(m, ref_m) and torch.equal(v, ref_v)), f"{name}: widening is exact"
+        elif load_dtype == "bf16" and m is not None:
+            for x, y in ((ref_m, m), (ref_v, v)):  # stochastic rounding to bf16: within one ulp (2^-7 relative)
+                assert ((y - x).abs() <= x.abs() * 2.0**-7).all(), name
+    if load_dtype in ("fp16", "fp8e4m3", "fp8e5m2"):
+        check_resharded(store, saved, load_dtype)
+    train(params, opt, range(3, 5))
+    assert _finite(store, params)
+    store.close()
+
+
+def test_unknown_saved_moment_format_is_a_clear_error(tmp_path):
+    params, opt, store = build("plain", tmp_path / "live", moment_dtype="bf16")
+    train(params, opt, range(2))
+    save(params, store, str(tmp_path / "ck"))
+    store.close()
+    m = _manifest(str(tmp_path / "ck"))
+    m["segments"]["exp_avg"] = {**m["segments"]["exp_avg"], "name": "bf17"}
+    _write_manifest(str(tmp_path / "ck"), m)
+    fresh_uids()
+    params, opt, store = build("plain", tmp_path / "live", moment_dtype="fp32")
+    with pytest.raises(CheckpointError, match="no codec of this build stores a segment as .*bf17"):
+        load(params, opt, store, str(tmp_path / "ck"))
+    store.close()

@@ -33,10 +33,12 @@ crc32 checked on the way, and the generators' states: bit-identical resume for e
 reshards: it reads the manifests of this store identity on every rank (`rank*/opt{instance}_{uid}`),
 checks each named param range is covered exactly once, verifies the files it uses and copies element
 ranges into place (fp32, bf16: bytes, bit-exact; fp16, fp8: decoded and re-quantized in the new
-blocks, requantize.py; the noise restarts from the seeds). Then it restores the per-piece Adam steps
-and points the moments at the bucket buffers, so the first step streams them. A load that fails after
-touching the live files resets the store to fresh state (mains <- model params, no moments, noise
-from the seeds).
+blocks, requantize.py; the noise restarts from the seeds). Moments saved in another format than the
+store's (moment_dtype changed since the save) take the reshard path on any layout: decoded to fp32,
+encoded in the store's format; the recorded format must fit each segment's bytes. Then it restores the
+per-piece Adam steps and points the moments at the bucket buffers, so the first step streams them.
+A load that fails after touching the live files resets the store to fresh state (mains <- model
+params, no moments, noise from the seeds).
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ import torch
 
 from . import codec_rng, requantize
 from . import stager as io
-from .layout import MOMENTS, bucket_filename
+from .stager import StoreConfigError
+from .codec import codec_from_description
+from .layout import MAIN, MOMENTS, bucket_filename
 from .reshard import ReshardError, entry_meta, plan_reshard, segment_names
 
 logger = logging.getLogger(__name__)
@@ -216,7 +220,9 @@ def _read_manifest(directory: str) -> dict:
     return m
 
 
-def _check_format(m: dict, directory: str, store) -> None:
+def _check_format(m: dict, directory: str, store) -> str | None:
+    """Raise where this store cannot read the checkpoint at all. Returns what differs in the moments'
+    storage formats (moment_dtype changed since the save: the load converts them), or None."""
     if (m["format"], m["version"]) != (FORMAT, VERSION):
         raise CheckpointError(f"{directory}: format {m['format']!r} version {m['version']}, this build reads "
                               f"{FORMAT!r} version {VERSION}")
@@ -224,14 +230,26 @@ def _check_format(m: dict, directory: str, store) -> None:
         what = lambda s: "fp32 masters and moments" if s else "moments only (plain fp32 Adam)"  # noqa: E731
         raise CheckpointError(f"{directory}: checkpoint holds {what(m['streams_main'])}, this store streams "
                               f"{what(store.streams_main)}")
+    changed = []
     for name in segment_names(store):
         saved, live = m["segments"].get(name), store.codecs[name].describe()
-        if saved != live:
-            s = saved or {}
-            raise CheckpointError(
-                f"{directory}: {name} is stored as {s.get('storage_dtype')} (codec {s.get('name')}) in the "
-                f"checkpoint, as {live.get('storage_dtype')} (codec {live.get('name')}) by this store; resume "
-                f"with moment_dtype={s.get('name')!r} (saved format {saved}, this store {live})")
+        if saved == live:
+            continue
+        if name == MAIN or saved is None:
+            raise CheckpointError(f"{directory}: {name} is stored as {saved} in the checkpoint, as {live} by this "
+                                  "store; this build cannot convert it")
+        try:
+            decoder = codec_from_description(saved)
+        except StoreConfigError as e:
+            raise CheckpointError(f"{directory}: {e}") from None
+        for sb in m["buckets"]:  # the bytes must be what the recorded format says, or they decode to garbage
+            if sb["segments"][name][1] != decoder.encoded_nbytes(sb["numel"]):
+                raise CheckpointError(
+                    f"{directory}: {name} of {sb['file']} holds {sb['segments'][name][1]} bytes, but its recorded "
+                    f"format {saved.get('name')} stores {sb['numel']} elements in {decoder.encoded_nbytes(sb['numel'])}; "
+                    "the manifest does not describe the file: the checkpoint is corrupt")
+        changed.append(f"{name} {saved['name']} -> {live['name']}")
+    return f"moment storage changed since the save ({', '.join(changed)})" if changed else None
 
 
 def _layout_diff(m: dict, store) -> str | None:
@@ -306,7 +324,9 @@ def load(store, base: str) -> bool:
     m = _read_manifest(own) if io.glob_paths(os.path.join(own, MANIFEST)) else None
     diff = _layout_diff(m, store) if m is not None else f"no {STREAMED_DIR}/{store.relative_dir} in the checkpoint"
     if m is not None:
-        _check_format(m, own, store)
+        converted = _check_format(m, own, store)
+        # another moment_dtype than the save's: decoded and encoded again, through the reshard plan
+        diff = "; ".join(d for d in (converted, diff) if d) or None
     resident, resident_state, rng = _resident(store), None, None
     if diff is None and (resident is None) != (m.get("resident") is None):
         has = m.get("resident") is not None
@@ -340,7 +360,7 @@ def load(store, base: str) -> bool:
             _install(b, s, mo)
         if resident_state is not None:
             resident.load_state_dict(resident_state)
-        codec_rng.restore(store, rng, "resharded: the buckets differ" if diff is not None
+        codec_rng.restore(store, rng, f"not the saved layout or formats: {diff}" if diff is not None
                           else "the checkpoint predates the record of the generators")
     except BaseException:
         logger.error("loading optimizer state from %s failed: resetting the store to fresh state", own)
@@ -377,8 +397,8 @@ def _reshard(store, root: str, own: str, diff: str):
             _check_format(manifests[-1][1], manifests[-1][0], store)
         copies, requants, steps, moments, used = plan_reshard(store, manifests)
     except ReshardError as e:
-        raise CheckpointError(f"{own}: the checkpoint's layout differs from this store's ({diff}) and it "
-                              f"cannot be resharded: {e}") from None
+        raise CheckpointError(f"{own}: the checkpoint differs from this store ({diff}) and cannot be mapped "
+                              f"onto it: {e}") from None
     for path, meta in sorted(used.items()):  # every file we read from, before touching the live files
         _checked_size(path, meta["file_bytes"])
         _copy_checked(path, meta["crc32"], meta["file_bytes"], None)

@@ -1,16 +1,18 @@
-"""Resharding block-scaled moments (fp16, fp8): decode the saved ranges, encode the new buckets.
+"""Re-encoding saved moments: decode the saved ranges to fp32, encode the live buckets' segments.
 
-A block-scaled segment (codec.py) stores one fp32 scale per block of 256 elements of its bucket's
-segment, and blocks run across piece boundaries. Another data-parallel size or bucket size moves the
-boundaries, so the saved bytes cannot be copied; reshard.py plans a `Requantize` per saved range
-instead. Per live bucket and moment segment, this module builds the segment in fp32 in the bucket's own
+Two loads need it. (1) Resharding block-scaled moments (fp16, fp8): a block-scaled segment (codec.py)
+stores one fp32 scale per block of 256 elements of its bucket's segment, blocks run across piece
+boundaries, and another data-parallel size or bucket size moves them, so the saved bytes cannot be
+copied. (2) A resume with another moment_dtype than the save's, on any layout: every saved format
+decodes to fp32 and the store's format encodes it. reshard.py plans a `Requantize` per saved range. Per live bucket and moment segment, this module builds the segment in fp32 in the bucket's own
 device buffer (zeros where a piece has no Adam state, as a first write-back stores them), decodes each
 saved range into it with the codec its manifest describes, then encodes it with the store's codec and
 writes it over the live file's segment. Blocks [k0, k1) of a segment are themselves a valid
 block-scaled segment (their scales, then their payload), so a saved range is decoded from the whole
 blocks that hold it, reading only those bytes, at most CHUNK_NUMEL elements at a time.
 
-Not bit-identical: every value is quantized once more, in its new block, with the new block's scale
+Into fp32 the values are exact (every format widens to fp32 exactly). Otherwise not bit-identical:
+every value is quantized once more, in its new block, with the new block's scale
 (max|x| of the block / the format's max). The result is exactly what encoding the saved run's decoded
 moments in the new layout gives: for fp16 (nearest rounding) the same bytes; for fp8 (stochastic) the
 same scales and payloads within one code of each other, so each value is within one quantization step
@@ -44,6 +46,15 @@ def block_window(block_size: int, itemsize: int, numel: int, start: int, stop: i
 
 def _decode_range(codec, fd: int, r, out: torch.Tensor) -> None:
     """Saved elements [r.src, r.src + r.count) -> out[r.dst : r.dst + r.count] (fp32)."""
+    if getattr(codec, "block_size", None) is None:  # fp32 or a cast format: element i at byte i * itemsize
+        dtype = codec.fmt.dtype if hasattr(codec, "fmt") else codec.storage_dtype
+        itemsize = codec.encoded_nbytes(1)
+        for s in range(0, r.count, CHUNK_NUMEL):
+            n = min(CHUNK_NUMEL, r.count - s)
+            raw = io.read_at(fd, r.src_offset + (r.src + s) * itemsize, n * itemsize)
+            values = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
+            out[r.dst + s:r.dst + s + n].copy_(values.to(out.device))  # widening to fp32 is exact
+        return
     itemsize = codec.fmt.itemsize
     for s in range(0, r.count, CHUNK_NUMEL):
         n = min(CHUNK_NUMEL, r.count - s)
@@ -74,9 +85,6 @@ def apply(store, requants: list, fds: dict[str, int]) -> None:
                 key = json.dumps(r.description, sort_keys=True)
                 if key not in decoders:
                     decoders[key] = codec_from_description(r.description)
-                    if getattr(decoders[key], "block_size", None) is None:
-                        raise ValueError(f"{name} of {r.path} is not block-scaled ({r.description}); "
-                                         "it reshards by byte copies")
                 if r.path not in fds:
                     fds[r.path] = io.open_read(r.path)
                 _decode_range(decoders[key], fds[r.path], r, values)

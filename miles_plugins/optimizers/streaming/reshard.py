@@ -4,10 +4,13 @@
 Every entry with a name is elements [start, stop) of a flattened param (bucket.StreamEntry). A saved
 piece covers [entry start + piece start, entry start + piece stop) of its param; each live piece is
 filled from the saved pieces that overlap it, segment by segment:
-  byte copy    where a segment stores a fixed number of bytes per element (fp32, bf16): bit-exact.
+  byte copy    where a segment stores a fixed number of bytes per element (fp32, bf16) in the format
+               this store uses too: bit-exact.
   re-quantize  where it stores per-block scales (fp16, fp8): blocks run across piece boundaries and a
-               new layout moves them, so the saved range is decoded to fp32 and the live segment
-               encoded again (requantize.py: not bit-identical, within one quantization step).
+               new layout moves them; and wherever the saved format is not this store's (moment_dtype
+               changed since the save). The saved range is decoded to fp32 and the live segment encoded
+               again (requantize.py): exact into fp32, one rounding into a narrower format.
+The same plan serves a load onto the saved layout with another moment_dtype (checkpoint.py).
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ def entry_meta(e) -> dict:
 
 @dataclass(frozen=True)
 class Requantize:
-    """Elements [src, src + count) of the saved segment `segment` of file `path` (a block-scaled segment
-    of `src_numel` elements at byte `src_offset`, stored as `description` says) fill elements
-    [dst, dst + count) of the same segment of live bucket `bucket`."""
+    """Elements [src, src + count) of the saved segment `segment` of file `path` (a segment of `src_numel`
+    elements at byte `src_offset`, stored as `description` says) fill elements [dst, dst + count) of the
+    same segment of live bucket `bucket`, decoded and encoded in the store's format."""
 
     bucket: int
     segment: str
@@ -91,6 +94,9 @@ def plan_reshard(store, manifests: list[tuple[str, dict]]):
     if any(e.name is None for e in store.entries):
         raise ReshardError("this optimizer's binding gives its entries no param identities")
     sizes = _element_sizes(store)
+    live = {n: store.codecs[n].describe() for n in sizes}
+    requantized = {n for n, size in sizes.items()
+                   if size is None or any(m["segments"][n] != live[n] for _, m in manifests)}
     sources, files = _saved_pieces(manifests)
     descriptions = {os.path.join(d, sb["file"]): m["segments"] for d, m in manifests for sb in m["buckets"]}
     copies, requants, steps, moments, used = [], [], [], [], {}
@@ -117,7 +123,7 @@ def plan_reshard(store, manifests: list[tuple[str, dict]]):
                 for n, size in sizes.items():
                     if n in MOMENTS and step is None:
                         continue  # no Adam state: nothing on disk to keep
-                    if size is None:
+                    if n in requantized:
                         requants.append(Requantize(b.index, n, b.offsets[j] + a - lo, path, sb["segments"][n][0],
                                                    sb["numel"], offset + a - s_lo, z - a,
                                                    descriptions[path][n]))
