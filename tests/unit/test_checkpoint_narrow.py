@@ -377,16 +377,19 @@ def test_narrow_moments_reshard_across_data_parallel_sizes(tmp_path, moment_dtyp
     ("fp32", "fp16"), ("fp8e4m3", "fp16"),                      # block-scaled, nearest: a direct encode's bytes
     ("fp32", "fp8e4m3"), ("bf16", "fp8e5m2"),                   # block-scaled, stochastic: a neighbour code
 ])
-def test_resume_with_another_moment_dtype_converts_the_moments(tmp_path, saved_dtype, load_dtype):
+@pytest.mark.parametrize("bucket_numel", [None, 3000], ids=["same-buckets", "other-buckets"])
+def test_resume_with_another_moment_dtype_converts_the_moments(tmp_path, saved_dtype, load_dtype, bucket_numel):
     """The moment format may change between save and resume (say, to fp8 when the disk fills up): the
-    saved moments are decoded to fp32 and encoded in the new format; masters and steps stay exact."""
+    saved moments are decoded to fp32 and encoded in the new format; masters and steps stay exact. The
+    same holds when the layout changes too (another bucket size here; another DP size takes the same plan)."""
     params, opt, store = build("plain", tmp_path / "live", dtype=FP32, shapes=SHAPES, moment_dtype=saved_dtype)
     train(params, opt, range(3))
     saved = state(store, params)
     save(params, store, str(tmp_path / "ck"))
     store.close()
     fresh_uids()
-    params, opt, store = build("plain", tmp_path / "live", dtype=FP32, shapes=SHAPES, moment_dtype=load_dtype)
+    params, opt, store = build("plain", tmp_path / "live", dtype=FP32, shapes=SHAPES, moment_dtype=load_dtype,
+                               **({"bucket_numel": bucket_numel} if bucket_numel else {}))
     assert load(params, opt, store, str(tmp_path / "ck")) is True
     got = state(store, params)
     assert got.keys() == saved.keys()
