@@ -46,3 +46,34 @@ def test_narrow_resume_on_cuda_is_bit_identical(tmp_path, kind, moment_dtype):
           f"generator states saved for {devices}")
     if moment_dtype != "fp16":
         assert devices == {"exp_avg": ["cuda:0"], "exp_avg_sq": ["cuda:0"]}
+
+
+@pytest.mark.parametrize("saved_dtype, load_dtype", [("fp8e4m3", "fp32"), ("fp32", "fp8e4m3"), ("bf16", "fp16")])
+def test_resume_with_another_moment_dtype_and_bucket_size_on_cuda(tmp_path, saved_dtype, load_dtype):
+    """The conversion path (requantize.py) on device buffers: decode the saved moments, encode them in
+    the live store's format and its other buckets; masters and steps exact, widening to fp32 exact."""
+    fresh_uids()
+    params, opt, store = build("plain", tmp_path / "live", device="cuda", moment_dtype=saved_dtype)
+    train(params, opt, range(3))
+    saved = state(store, params)
+    save(params, store, str(tmp_path / "ck"))
+    store.close()
+    fresh_uids()
+    params, opt, store = build("plain", tmp_path / "live", device="cuda", moment_dtype=load_dtype, bucket_numel=3000)
+    assert load(params, opt, store, str(tmp_path / "ck")) is True
+    got = state(store, params)
+    worst = 0.0
+    for name in (k for k in saved if k != "params"):
+        (main, m, v, step), (ref_main, ref_m, ref_v, ref_step) = got[name], saved[name]
+        assert torch.equal(main, ref_main) and step == ref_step, name
+        if m is None:
+            continue
+        if load_dtype == "fp32":
+            assert torch.equal(m, ref_m) and torch.equal(v, ref_v), name
+        for x, y in ((ref_m, m), (ref_v, v)):
+            worst = max(worst, float((y - x).abs().max() / x.abs().max().clamp_min(1e-30)))
+    train(params, opt, range(3, 5))
+    assert all(torch.isfinite(p).all() for p in params)
+    print(f"\n{saved_dtype} -> {load_dtype} (bucket size 2000 -> 3000) on cuda: masters exact, "
+          f"largest moment change {worst:.3g} of the segment's max")
+    store.close()
