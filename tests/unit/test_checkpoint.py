@@ -365,6 +365,30 @@ def test_layout_mismatch_and_kind_mismatch(saved):
                   kind="plain")
 
 
+def test_manifest_without_param_identities_loads_onto_the_same_layout(saved):
+    """Checkpoints written before a binding gave its entries names (Megatron's, before this build) still
+    load onto the same layout; only a reshard needs the names."""
+    tmp_path, base, d = saved
+    fresh_uids()
+    params, opt, store = build("sharded", tmp_path / "live")
+    assert load(params, opt, store, base)
+    expected = state(store)
+    store.close()
+    m = json.loads((d / "manifest.json").read_text())
+    m.pop("manifest_crc32")
+    m["entries"] = [{**e, "name": None, "start": 0, "stop": e["stop"] - e["start"], "full_numel": e["stop"] - e["start"]}
+                    for e in m["entries"]]
+    m["manifest_crc32"] = zlib.crc32(json.dumps(m, sort_keys=True).encode())
+    (d / "manifest.json").write_text(json.dumps(m))
+    fresh_uids()
+    params, opt, store = build("sharded", tmp_path / "live")
+    assert load(params, opt, store, base)
+    assert_same(state(store), expected, "nameless manifest, same layout")
+    store.close()
+    _expect_error(tmp_path, base, "cannot be mapped onto it: entries without param identities|has entries without "
+                  "param identities", bucket_numel=3000)
+
+
 def test_other_bucket_size_reshards_exactly(saved):
     tmp_path, base, _ = saved
     fresh_uids()

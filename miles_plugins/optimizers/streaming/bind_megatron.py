@@ -101,12 +101,42 @@ def _param_buffer_view(opt, model_param) -> torch.Tensor:
     return param_data.view(-1)[world_range.start:world_range.end]
 
 
+def _param_names(opt) -> dict[int, str]:
+    """id(model param) -> a name that is the same on every data-parallel rank and differs across the
+    other parallel dimensions (pipeline stage, model chunk, tensor rank; expert and expert-tensor rank
+    for expert params), so that checkpoints reshard across data-parallel sizes. {} when megatron's
+    parallel state is not initialized."""
+    try:
+        from megatron.core import parallel_state as ps
+
+        pp, tp = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+        ep, etp = ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
+    except (ImportError, AssertionError, AttributeError, RuntimeError):
+        return {}
+    names = {}
+    for c, chunk in enumerate(getattr(opt, "model_chunks", None) or []):
+        for name, p in chunk.named_parameters():
+            where = f"ep{ep}.etp{etp}" if not getattr(p, "allreduce", True) else f"tp{tp}"
+            names[id(p)] = f"pp{pp}.chunk{c}.{where}.{name}"
+    return names
+
+
+def _entry(opt, g: int, model_param, main, names: dict[int, str]) -> StreamEntry:
+    """The shard `main` is elements [start, end) of `model_param` flattened (Megatron's "param" range)."""
+    entry = StreamEntry(main=main, group=g, model_view=_param_buffer_view(opt, model_param))
+    name, span = names.get(id(model_param)), opt._get_model_param_range_map(model_param)["param"]
+    if name is not None and span.end - span.start == main.numel():
+        entry.name, entry.start, entry.full_numel = name, span.start, model_param.numel()
+    return entry
+
+
 def _bind_distributed(opt, *, instance: int, **store_kwargs) -> NVMeOptimizerStateStore:
     check_megatron_config(opt)
-    entries = []
-    for g, (model_group, main_group) in enumerate(zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups)):
-        for model_param, main in zip(model_group, main_group):
-            entries.append(StreamEntry(main=main, group=g, model_view=_param_buffer_view(opt, model_param)))
+    names = _param_names(opt)
+    entries = [_entry(opt, g, model_param, main, names)
+               for g, (model_group, main_group) in enumerate(zip(opt.model_float16_groups,
+                                                                 opt.shard_fp32_from_float16_groups))
+               for model_param, main in zip(model_group, main_group)]
     resident = ResidentAdam(opt.optimizer, [list(group) for group in opt.shard_fp32_groups])
     store = NVMeOptimizerStateStore(entries, opt.optimizer, instance=instance, **store_kwargs)
     # Megatron hangs each bf16 model param's fp32 shard on it as `main_param`; the store has released

@@ -6,7 +6,8 @@ Format, version 1. `store.save_to(base)` writes one directory per store, named b
     manifest.json        format, version, relative_dir, streams_main (false: plain fp32 Adam, moments only),
       segments     {segment: codec.describe()}: storage dtype, block size, scale layout
       entries      [{name, start, stop, full_numel, group}]: elements [start, stop) of the flattened
-                   param `name` (null: no identity, resumes onto the same layout only)
+                   param `name` (null: no identity, resumes onto the same layout only; Megatron
+                   checkpoints written before its binding named entries)
       group_steps  {group: largest Adam step} (a summary; the per-piece steps are the state)
       buckets      [{file, numel, file_bytes, crc32 (zlib, whole file), moments (false: never stepped,
                     moment segments hold nothing), segments {name: [offset, nbytes]},
@@ -252,12 +253,18 @@ def _check_format(m: dict, directory: str, store) -> str | None:
     return f"moment storage changed since the save ({', '.join(changed)})" if changed else None
 
 
+def _same_entry(saved: dict, live: dict) -> bool:
+    if saved["name"] is None:  # saved before its binding gave identities (Megatron): sizes and group
+        return (saved["stop"] - saved["start"], saved["group"]) == (live["stop"] - live["start"], live["group"])
+    return saved == live
+
+
 def _layout_diff(m: dict, store) -> str | None:
     """The first difference between the checkpoint's layout and this store's, or None."""
     entries = [entry_meta(e) for e in store.entries]
     show = lambda e: f"{e['name']}[{e['start']}:{e['stop']}] of {e['full_numel']} (group {e['group']})"  # noqa: E731
     for i, (saved, live) in enumerate(zip(m["entries"], entries)):
-        if saved != live:
+        if not _same_entry(saved, live):
             return f"entry {i}: {show(saved)} in checkpoint, {show(live)} now"
     if len(m["entries"]) != len(entries):
         return f"{len(m['entries'])} entries in checkpoint, {len(entries)} now"
