@@ -308,6 +308,23 @@ def saved(tmp_path):
     return tmp_path, str(tmp_path / "ck"), tmp_path / "ck/nvme_opt_state/rank00000/opt0_0"
 
 
+def rewrite_manifest(d, m: dict) -> None:
+    """Replace the manifest in directory `d` with `m`, its checksum recomputed: a consistent, other manifest."""
+    m = {k: v for k, v in m.items() if k != "manifest_crc32"}
+    m["manifest_crc32"] = zlib.crc32(json.dumps(m, sort_keys=True).encode())
+    (d / "manifest.json").write_text(json.dumps(m))
+
+
+def loaded_state(tmp_path, base, **kw):
+    """The state a fresh sharded store (a restarted process) holds after loading `base`."""
+    fresh_uids()
+    params, opt, store = build("sharded", tmp_path / "live", **kw)
+    assert load(params, opt, store, base)
+    out = state(store)
+    store.close()
+    return out
+
+
 def _expect_error(tmp_path, base, match, **kw):
     fresh_uids()
     params, opt, store = build(kw.pop("kind", "sharded"), tmp_path / "live", **kw)
@@ -348,10 +365,8 @@ def test_manifest_format_that_does_not_fit_the_bytes(saved):
     recorded format must fit the segment's bytes: a manifest that says bf16 over fp32 bytes is refused."""
     tmp_path, base, d = saved
     m = json.loads((d / "manifest.json").read_text())
-    m.pop("manifest_crc32")
     m["segments"]["exp_avg_sq"] = codec.make_moment_codecs("bf16")["exp_avg_sq"].describe()  # over fp32 bytes
-    m["manifest_crc32"] = zlib.crc32(json.dumps(m, sort_keys=True).encode())  # a consistent, other manifest
-    (d / "manifest.json").write_text(json.dumps(m))
+    rewrite_manifest(d, m)
     _expect_error(tmp_path, base, r"exp_avg_sq of bucket00000.bin holds \d+ bytes, but its recorded format bf16 "
                   r"stores \d+ elements in \d+; the manifest does not describe the file")
 
@@ -369,38 +384,19 @@ def test_manifest_without_param_identities_loads_onto_the_same_layout(saved):
     """Checkpoints written before a binding gave its entries names (Megatron's, before this build) still
     load onto the same layout; only a reshard needs the names."""
     tmp_path, base, d = saved
-    fresh_uids()
-    params, opt, store = build("sharded", tmp_path / "live")
-    assert load(params, opt, store, base)
-    expected = state(store)
-    store.close()
+    expected = loaded_state(tmp_path, base)
     m = json.loads((d / "manifest.json").read_text())
-    m.pop("manifest_crc32")
     m["entries"] = [{**e, "name": None, "start": 0, "stop": e["stop"] - e["start"], "full_numel": e["stop"] - e["start"]}
                     for e in m["entries"]]
-    m["manifest_crc32"] = zlib.crc32(json.dumps(m, sort_keys=True).encode())
-    (d / "manifest.json").write_text(json.dumps(m))
-    fresh_uids()
-    params, opt, store = build("sharded", tmp_path / "live")
-    assert load(params, opt, store, base)
-    assert_same(state(store), expected, "nameless manifest, same layout")
-    store.close()
+    rewrite_manifest(d, m)
+    assert_same(loaded_state(tmp_path, base), expected, "nameless manifest, same layout")
     _expect_error(tmp_path, base, "cannot be mapped onto it: entries without param identities|has entries without "
                   "param identities", bucket_numel=3000)
 
 
 def test_other_bucket_size_reshards_exactly(saved):
     tmp_path, base, _ = saved
-    fresh_uids()
-    ref_params, ref_opt, ref_store = build("sharded", tmp_path / "live")
-    assert load(ref_params, ref_opt, ref_store, base)
-    expected = state(ref_store)
-    ref_store.close()
-    fresh_uids()
-    params, opt, store = build("sharded", tmp_path / "live", bucket_numel=3000)
-    assert load(params, opt, store, base)
-    assert_same(state(store), expected, "bucket size 2000 -> 3000")
-    store.close()
+    assert_same(loaded_state(tmp_path, base, bucket_numel=3000), loaded_state(tmp_path, base), "bucket size 2000 -> 3000")
 
 
 def test_no_streamed_state_returns_false_and_interrupted_save_is_an_error(tmp_path, caplog):

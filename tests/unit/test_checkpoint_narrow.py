@@ -15,6 +15,7 @@ one (fp8, stochastic rounding), i.e. within one quantization step. Training goes
 
 import json
 import os
+import pathlib
 import socket
 import sys
 import threading
@@ -34,7 +35,7 @@ from miles_plugins.optimizers.streaming.requantize import block_window  # noqa: 
 from miles_plugins.optimizers.streaming.stager import StoreConfigError  # noqa: E402
 from test_checkpoint import (  # noqa: E402,F401  (_restarted_process_uids: autouse fixture)
     CheckpointError, _expect_error, _restarted_process_uids, assert_same, build, checkpoint, fresh_uids, gather,
-    in_child, in_children, load, save, state, state_parts, train)
+    in_child, in_children, load, rewrite_manifest, save, state, state_parts, train)
 
 NARROW = ("bf16", "fp16", "fp8e4m3", "fp8e5m2")
 STOCHASTIC = ("bf16", "fp8e4m3", "fp8e5m2")
@@ -50,10 +51,7 @@ def _manifest(base):
 
 def _write_manifest(base, m):
     """A consistent manifest (its checksum recomputed) with other contents."""
-    m = {k: v for k, v in m.items() if k != "manifest_crc32"}
-    m["manifest_crc32"] = zlib.crc32(json.dumps(m, sort_keys=True).encode())
-    with open(os.path.join(base, "nvme_opt_state/rank00000/opt0_0/manifest.json"), "w") as f:
-        f.write(json.dumps(m))
+    rewrite_manifest(pathlib.Path(base) / "nvme_opt_state/rank00000/opt0_0", m)
 
 
 # ---- codec level ------------------------------------------------------------------------------------
