@@ -41,7 +41,7 @@ FORMAT_VERSION = 1
 
 
 class CheckpointError(RuntimeError):
-    pass
+    """A checkpoint that cannot be written or read as asked (the message names it and says why)."""
 
 
 def checkpoint_name(completed_rollouts: int) -> str:

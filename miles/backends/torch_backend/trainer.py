@@ -406,7 +406,7 @@ class _DataParallelSGD:
         return norm
 
     def reload_model_params(self):
-        pass
+        """Nothing to refresh: SGD steps the model params themselves (no fp32 masters)."""
 
     def state_dict(self):
         return self.inner.state_dict()

@@ -350,39 +350,37 @@ class PipelinedEngine:
             ticket._finish(error)
 
     def _copy_in(self, src: torch.Tensor, pieces, ready) -> None:
-        """Host bytes -> destination pieces; returns once the destination holds them. On CUDA the copy
-        runs on the H2D stream and this worker waits for its event (GIL released), so a finished read
-        is on the device and its host buffer may be reused."""
-        if not self.cuda:
-            pos = 0
-            for view, start, k in pieces:
-                view[start:start + k].copy_(src[pos:pos + k])
-                pos += k
-            return
-        with torch.cuda.stream(self._h2d):
-            self._h2d.wait_event(ready)  # the destination's allocation is ordered on the compute stream
-            pos = 0
-            for view, start, k in pieces:
-                view[start:start + k].copy_(src[pos:pos + k], non_blocking=True)
-                pos += k
-            event = self._h2d.record_event()
-        event.synchronize()
+        """Host bytes -> destination pieces, on the H2D stream (after `ready`: the destination's
+        allocation is ordered on the compute stream)."""
+        pairs, pos = [], 0
+        for view, start, k in pieces:
+            pairs.append((view[start:start + k], src[pos:pos + k]))
+            pos += k
+        self._copy(pairs, self._h2d if self.cuda else None, ready)
 
     def _copy_out(self, pieces, dst: torch.Tensor, ready) -> None:
-        """Source pieces -> host bytes `dst`; returns once `dst` holds them."""
-        if not self.cuda:
-            pos = 0
-            for view, start, k in pieces:
-                dst[pos:pos + k].copy_(view[start:start + k])
-                pos += k
+        """Source pieces -> host bytes `dst`, on the D2H stream (after `ready`: the update and publish of
+        this bucket ran on the compute stream)."""
+        pairs, pos = [], 0
+        for view, start, k in pieces:
+            pairs.append((dst[pos:pos + k], view[start:start + k]))
+            pos += k
+        self._copy(pairs, self._d2h if self.cuda else None, ready)
+
+    @staticmethod
+    def _copy(pairs, stream, ready) -> None:
+        """dst.copy_(src) for each pair; returns once every destination holds its bytes. On CUDA the
+        copies run on `stream` after the event `ready` and this worker waits for their event (GIL
+        released), so the host buffer of a finished read or write may be reused."""
+        if stream is None:
+            for dst, src in pairs:
+                dst.copy_(src)
             return
-        with torch.cuda.stream(self._d2h):
-            self._d2h.wait_event(ready)  # the update and publish of this bucket ran on the compute stream
-            pos = 0
-            for view, start, k in pieces:
-                dst[pos:pos + k].copy_(view[start:start + k], non_blocking=True)
-                pos += k
-            event = self._d2h.record_event()
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            event = stream.record_event()
         event.synchronize()
 
     def _transfer(self, op: str, file, dfd: int, buf: torch.Tensor, off: int, n: int, pad: bool) -> None:

@@ -85,7 +85,7 @@ class SyncEngine:
 
     # Nothing is ever in flight; errors raise in the caller.
     def check(self) -> None:
-        pass
+        """Nothing to check: no request outlives its call."""
 
     def pending(self, file, kind: str) -> list[Ticket]:
         return []
