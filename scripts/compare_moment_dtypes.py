@@ -40,7 +40,7 @@ from miles.backends.torch_backend.sharded_optimizer import ShardedMixedPrecision
 from miles_plugins.optimizers.nvme_stream import stream_optimizer_state  # noqa: E402
 from miles_plugins.optimizers.streaming.codec import (  # noqa: E402
     FORMATS, BlockScaledCodec, CastCodec, Fp32Codec, UnscaledCastCodec)
-from miles_plugins.optimizers.streaming.stager import as_bytes  # noqa: E402
+from miles_plugins.optimizers.streaming.io.stager import as_bytes  # noqa: E402
 
 
 # ==== part 1: training ==============================================================================

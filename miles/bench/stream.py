@@ -159,8 +159,8 @@ def median(xs):
 # ---- the run ------------------------------------------------------------------------------------------
 def run(args) -> int:
     from miles_plugins.optimizers.streaming.bucket import StreamEntry
-    from miles_plugins.optimizers.streaming.stager import raw_floor
-    from miles_plugins.optimizers.streaming.stager import Stager
+    from miles_plugins.optimizers.streaming.io.stager import raw_floor
+    from miles_plugins.optimizers.streaming.io.stager import Stager
     from miles_plugins.optimizers.streaming.store import NVMeOptimizerStateStore
 
     if not args.quiet:

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from .streaming.bind_torch import bind_plain_adam, bind_sharded_adam
-from .streaming.checkpoint import CheckpointError
+from .streaming.bind.torch_adam import bind_plain_adam, bind_sharded_adam
+from .streaming.errors import CheckpointError, StoreConfigError
 from .streaming.plan import DEFAULT_BUCKET_NUMEL, plan_buckets
-from .streaming.stager import StoreConfigError
 from .streaming.store import NVMeOptimizerStateStore, StepStats, StoreStats
 
 __all__ = ["stream_optimizer_state", "NVMeOptimizerStateStore", "StoreConfigError", "CheckpointError", "StoreStats",
@@ -64,7 +63,7 @@ def stream_optimizer_state(optimizer, dir: str, chunk_mb: int = 256, moment_dtyp
                   io_threads=io_threads, direct_io=direct_io, host_cache_mb=host_cache_mb,
                   write_behind=write_behind)
     if _is_megatron_optimizer(optimizer):
-        from .streaming.bind_megatron import bind_megatron
+        from .streaming.bind.megatron_optimizer import bind_megatron
         return bind_megatron(optimizer, **kwargs)
     if hasattr(optimizer, "shards") and hasattr(optimizer, "inner"):
         return bind_sharded_adam(optimizer, **kwargs)

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu,
 
 from miles.backends.torch_backend.sharded_optimizer import ShardedMixedPrecisionAdam  # noqa: E402
 from miles_plugins.optimizers.nvme_stream import stream_optimizer_state  # noqa: E402
-from miles_plugins.optimizers.streaming import engine as engine_mod  # noqa: E402
+from miles_plugins.optimizers.streaming.io import engine as engine_mod  # noqa: E402
 
 DEV = torch.device("cuda", 0)
 SIZES = ((1031, 517), (1 << 20,), (3,), (4099,), (3_000_001,), (257, 31), (2_500_000,), (7,))

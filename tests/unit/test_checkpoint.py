@@ -21,8 +21,9 @@ import torch
 
 from miles.backends.torch_backend.sharded_optimizer import ShardedMixedPrecisionAdam
 from miles_plugins.optimizers.nvme_stream import stream_optimizer_state
-from miles_plugins.optimizers.streaming import checkpoint, codec, layout
-from miles_plugins.optimizers.streaming.checkpoint import CheckpointError
+from miles_plugins.optimizers.streaming import codec, layout
+from miles_plugins.optimizers.streaming.checkpoint import save_load as checkpoint
+from miles_plugins.optimizers.streaming.errors import CheckpointError
 
 # torch builds its first optimizer slowly (lazy imports, seconds): do it once here, not in every fork.
 torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_checkpoint import (  # noqa: E402,F401  (_restarted_process_uids: autouse fixture)
     CheckpointError, _restarted_process_uids, assert_same, build, checkpoint, in_child, load, save, state, train)
 
-from miles_plugins.optimizers.streaming import fileops  # noqa: E402
+from miles_plugins.optimizers.streaming.io import fileops  # noqa: E402
 
 KILL_POINTS = 24
 

@@ -27,12 +27,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from miles_plugins.optimizers.streaming import codec_rng  # noqa: E402
+from miles_plugins.optimizers.streaming.checkpoint import rng as codec_rng  # noqa: E402
 from miles_plugins.optimizers.streaming.codec import (  # noqa: E402
     BlockScaledCodec, codec_from_description, make_moment_codecs)
 from miles_plugins.optimizers.streaming.layout import MOMENTS  # noqa: E402
-from miles_plugins.optimizers.streaming.requantize import block_window  # noqa: E402
-from miles_plugins.optimizers.streaming.stager import StoreConfigError  # noqa: E402
+from miles_plugins.optimizers.streaming.checkpoint.requantize import block_window  # noqa: E402
+from miles_plugins.optimizers.streaming.io.stager import StoreConfigError  # noqa: E402
 from test_checkpoint import (  # noqa: E402,F401  (_restarted_process_uids: autouse fixture)
     CheckpointError, _expect_error, _restarted_process_uids, assert_same, build, checkpoint, fresh_uids, gather,
     in_child, in_children, load, rewrite_manifest, save, state, state_parts, train)

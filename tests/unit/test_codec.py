@@ -10,7 +10,7 @@ from miles_plugins.optimizers.streaming.codec import (
     BLOCK_SIZE, CHUNK_NUMEL, FORMATS, MOMENT_DTYPES, BlockScaledCodec, CastCodec, Fp32Codec, _round,
     make_moment_codecs)
 from miles_plugins.optimizers.streaming.layout import EXP_AVG, EXP_AVG_SQ
-from miles_plugins.optimizers.streaming.stager import StoreConfigError, as_bytes
+from miles_plugins.optimizers.streaming.io.stager import StoreConfigError, as_bytes
 
 NARROW = ("bf16", "fp16", "fp8e4m3", "fp8e5m2")
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8e4m3": 1, "fp8e5m2": 1}

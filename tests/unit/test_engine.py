@@ -14,8 +14,8 @@ import torch
 
 from miles.backends.torch_backend.sharded_optimizer import ShardedMixedPrecisionAdam
 from miles_plugins.optimizers.nvme_stream import stream_optimizer_state
-from miles_plugins.optimizers.streaming import engine as engine_mod
-from miles_plugins.optimizers.streaming.stager import Stager, StoreConfigError, check_host_cache_budget
+from miles_plugins.optimizers.streaming.io import engine as engine_mod
+from miles_plugins.optimizers.streaming.io.stager import Stager, StoreConfigError, check_host_cache_budget
 
 SIZES = ((37, 29), (1000,), (3,), (4099,), (257, 31), (5000,), (12345,), (7,))
 BUCKET = 4096 + 50  # many buckets, split params

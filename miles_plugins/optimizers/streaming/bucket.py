@@ -14,7 +14,7 @@ import torch
 
 from .layout import EXP_AVG, EXP_AVG_SQ, MAIN, MOMENTS, BucketLayout, bucket_layout
 from .plan import BucketPlan
-from .stager import BucketFile, Stager
+from .io.stager import BucketFile, Stager
 
 # Master-group keys that belong to the per-bucket instance, not to the hyperparameters it mirrors.
 _NOT_HYPERPARAMETERS = {"params", "step"}

@@ -69,7 +69,7 @@ import math
 import torch
 
 from .layout import EXP_AVG, EXP_AVG_SQ
-from .stager import StoreConfigError
+from .errors import StoreConfigError
 
 BLOCK_SIZE = 256
 # Encode/decode walk a segment in chunks of this many elements (a multiple of BLOCK_SIZE), so the

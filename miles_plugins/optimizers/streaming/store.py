@@ -36,12 +36,13 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from . import checkpoint
+from .checkpoint import save_load as checkpoint
 from .bucket import Bucket, StreamEntry
 from .codec import Fp32Codec, make_moment_codecs
 from .layout import EXP_AVG, EXP_AVG_SQ, MAIN, bucket_filename, bucket_layout, next_store_uid, store_relative_dir
 from .plan import DEFAULT_BUCKET_NUMEL, plan_buckets
-from .stager import Stager, StoreConfigError
+from .errors import StoreConfigError
+from .io.stager import Stager
 
 logger = logging.getLogger(__name__)
 GB = 1e9

@@ -54,21 +54,18 @@ from io import BytesIO
 
 import torch
 
-from . import codec_rng, requantize
-from . import stager as io
-from .stager import StoreConfigError
-from .codec import codec_from_description
-from .layout import MAIN, MOMENTS, bucket_filename
+from ..codec import codec_from_description
+from ..errors import CheckpointError, StoreConfigError
+from ..io import stager as io
+from ..layout import MAIN, MOMENTS, bucket_filename
+from . import requantize
+from . import rng as codec_rng
 from .reshard import ReshardError, entry_meta, plan_reshard, segment_names
 
 logger = logging.getLogger(__name__)
 FORMAT, VERSION = "miles-streamed-optimizer-state", 1
 STREAMED_DIR, MANIFEST, RESIDENT = "nvme_opt_state", "manifest.json", "resident_adam.pt"
 FAULT_HOOK = None  # tests: called at every point of a save where they may kill the process
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint of streamed state is incomplete, corrupt, or does not fit this store."""
 
 
 def _fault() -> None:

@@ -27,8 +27,8 @@ import json
 
 import torch
 
-from . import stager as io
-from .codec import CHUNK_NUMEL, codec_from_description
+from ..io import stager as io
+from ..codec import CHUNK_NUMEL, codec_from_description
 
 
 def block_window(block_size: int, itemsize: int, numel: int, start: int, stop: int) -> tuple[int, int, int, int, int]:

@@ -21,7 +21,9 @@ from typing import Callable
 
 import torch
 
-from .engine import ENGINES, make_engine
+from ..config import IO_ENGINES
+from ..errors import StoreConfigError
+from .engine import make_engine
 from .fileops import (  # noqa: F401 - checkpoint.py, reshard.py, requantize.py use them through the stager
     open_read, open_new, close_fd, reflink, copy_with_crc, file_size, read_file,
     read_at, write_at, write_file_durable, fsync_dir, make_dirs, publish_dir, remove_tree, glob_paths)
@@ -31,10 +33,6 @@ from .tickets import IOCounters, Ticket  # noqa: F401
 logger = logging.getLogger(__name__)
 
 _NO_FALLOCATE = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
-
-
-class StoreConfigError(ValueError):
-    """Bad input to the store, found at construction, before anything on disk was touched."""
 
 
 def available_host_memory() -> int | None:
@@ -94,8 +92,8 @@ class Stager:
                  direct_io: bool | None = None, host_cache_bytes: int = 0):
         if chunk_bytes < 4096 or chunk_bytes % 4096:
             raise StoreConfigError(f"chunk size must be a positive multiple of 4 KiB, got {chunk_bytes} bytes")
-        if io_engine not in ENGINES:
-            raise StoreConfigError(f"io_engine must be one of {ENGINES}, got {io_engine!r}")
+        if io_engine not in IO_ENGINES:
+            raise StoreConfigError(f"io_engine must be one of {IO_ENGINES}, got {io_engine!r}")
         if io_threads < 1:
             raise StoreConfigError(f"io_threads must be >= 1, got {io_threads}")
         if host_cache_bytes:
@@ -265,8 +263,8 @@ class Stager:
                    host_cache_bytes: int = 0) -> None:
         """Replace the engine (nothing may be in flight: drain first). Benchmarks and A/B runs switch
         engines on the same files this way."""
-        if io_engine not in ENGINES:
-            raise StoreConfigError(f"io_engine must be one of {ENGINES}, got {io_engine!r}")
+        if io_engine not in IO_ENGINES:
+            raise StoreConfigError(f"io_engine must be one of {IO_ENGINES}, got {io_engine!r}")
         if host_cache_bytes:
             check_host_cache_budget(host_cache_bytes, available_host_memory())
         old = self.engine

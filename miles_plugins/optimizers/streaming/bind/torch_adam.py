@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .bucket import StreamEntry
-from .stager import StoreConfigError
-from .store import NVMeOptimizerStateStore
+from ..bucket import StreamEntry
+from ..errors import StoreConfigError
+from ..store import NVMeOptimizerStateStore
 
 _ADAM_CLASS_NAMES = {"Adam", "AdamW", "FusedAdam"}  # torch, and TE / apex FusedAdam
 

@@ -49,6 +49,7 @@ import time
 
 import torch
 
+from ..config import IO_ENGINES
 from .hostcache import FileState, HostCache
 from .hostio import (ALIGN, NO_DIRECT, HostMemory, StagingPool, align_up, cut_into_chunks, host_buffer,
                      open_direct, pread_into, pwrite_all)
@@ -56,8 +57,6 @@ from .sync import SyncEngine
 from .tickets import Deferred, IOCounters, Ticket, Workers, overlap
 
 logger = logging.getLogger(__name__)
-
-ENGINES = ("pipelined", "sync")
 
 
 class PipelinedEngine:
@@ -422,4 +421,4 @@ def make_engine(name: str, device: torch.device, chunk_bytes: int, threads: int 
         return SyncEngine(device, chunk_bytes)
     if name == "pipelined":
         return PipelinedEngine(device, chunk_bytes, threads=threads, direct=direct, host_cache_bytes=host_cache_bytes)
-    raise ValueError(f"io_engine must be one of {ENGINES}, got {name!r}")
+    raise ValueError(f"io_engine must be one of {IO_ENGINES}, got {name!r}")

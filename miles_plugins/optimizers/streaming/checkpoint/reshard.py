@@ -19,7 +19,7 @@ import bisect
 import os
 from dataclasses import dataclass
 
-from .layout import MAIN, MOMENTS
+from ..layout import MAIN, MOMENTS
 
 
 class ReshardError(ValueError):

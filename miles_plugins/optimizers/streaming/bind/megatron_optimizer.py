@@ -14,10 +14,10 @@ import logging
 
 import torch
 
-from .bind_torch import _bind_common, _state_marker, check_adam_family
-from .bucket import StreamEntry, adam_constructor_kwargs
-from .stager import StoreConfigError
-from .store import NVMeOptimizerStateStore
+from ..bucket import StreamEntry, adam_constructor_kwargs
+from ..errors import StoreConfigError
+from ..store import NVMeOptimizerStateStore
+from .torch_adam import _bind_common, _state_marker, check_adam_family
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,9 @@
+"""The store's two exceptions, one home each: every module raises these, the public API re-exports them."""
+
+
+class StoreConfigError(ValueError):
+    """Bad input to the store (configuration, optimizer, directory), found before anything on disk changed."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint of streamed state is incomplete, corrupt, or does not fit this store."""
