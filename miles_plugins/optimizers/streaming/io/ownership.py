@@ -1,0 +1,174 @@
+"""Who owns a directory on a shared disk: an exclusive lock while a run uses it, a marker for what it made.
+
+Two runs on one directory corrupt each other silently (each wipes and rewrites the other's files), and
+a teardown that removes "whatever is there" deletes other people's data. So:
+
+- `DirectoryLock.acquire(path, run_id)` holds an exclusive `flock` on `<path>/.miles-owner` for as long
+  as the run uses the directory; the file records the holder (host, pid, run id, time). A second
+  holder gets `DirectoryInUseError` naming the first. The kernel drops the lock when its process dies,
+  so a lock left by a dead process is taken over on the next acquire, and the takeover is logged.
+- `make_directory(path, run_id)` creates a directory and records in `<path>/.miles-created` that this
+  run created it; `remove_created(path, run_id)` removes a directory only when that record names this
+  run, and otherwise leaves it and reports why. Teardown deletes nothing it did not create.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from dataclasses import asdict, dataclass
+
+logger = logging.getLogger(__name__)
+
+LOCK_FILE = ".miles-owner"
+CREATED_FILE = ".miles-created"
+_RECORD_MAX_BYTES = 4096  # a record is a few hundred bytes; anything larger is not ours
+
+
+class DirectoryInUseError(RuntimeError):
+    """Another live process holds the directory."""
+
+
+@dataclass(frozen=True)
+class OwnerRecord:
+    host: str
+    pid: int
+    run_id: str
+    since: float  # time.time() when the lock was taken or the directory made
+
+    @classmethod
+    def mine(cls, run_id: str) -> "OwnerRecord":
+        return cls(socket.gethostname(), os.getpid(), run_id, time.time())
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        return f"pid {self.pid} on host {self.host} (run {self.run_id}, since {when})"
+
+
+def _parse_record(raw: bytes) -> OwnerRecord | None:
+    try:
+        data = json.loads(raw.decode())
+        return OwnerRecord(str(data["host"]), int(data["pid"]), str(data["run_id"]), float(data["since"]))
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return None
+
+
+def read_record(path: str) -> OwnerRecord | None:
+    """The record in a lock or marker file, or None when it is missing, foreign or malformed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        return _parse_record(os.read(fd, _RECORD_MAX_BYTES + 1)[:_RECORD_MAX_BYTES])
+    finally:
+        os.close(fd)
+
+
+def _write_record(fd: int, record: OwnerRecord) -> None:
+    data = json.dumps(asdict(record)).encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+    os.fsync(fd)
+
+
+class DirectoryLock:
+    """An exclusive hold on one directory; `release()` (or process death) ends it."""
+
+    def __init__(self, directory: str, fd: int, record: OwnerRecord, previous: OwnerRecord | None):
+        self.directory, self._fd, self.record, self.previous = directory, fd, record, previous
+
+    @classmethod
+    def acquire(cls, directory: str, run_id: str, what: str = "directory") -> "DirectoryLock":
+        """Lock `directory` (which must exist) for this process, or raise DirectoryInUseError.
+
+        `what` names the directory in messages ("optimizer-state directory", "run root")."""
+        path = os.path.join(directory, LOCK_FILE)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise
+                holder = read_record(path)
+                who = holder.describe() if holder else "another process (no readable owner record)"
+                raise DirectoryInUseError(
+                    f"{what} {directory} is in use by {who}. Two runs on one directory overwrite each "
+                    "other's files; wait for that run to end, or give this run another directory.") from None
+            # A releaser unlinks the file after we opened it: our lock would then be on a dead inode.
+            try:
+                same = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        previous = _parse_record(os.pread(fd, _RECORD_MAX_BYTES, 0))
+        record = OwnerRecord.mine(run_id)
+        if previous is not None and (previous.host, previous.pid) != (record.host, record.pid):
+            logger.warning("%s %s: taking over the lock of %s, which is no longer running", what, directory,
+                           previous.describe())
+        _write_record(fd, record)
+        return cls(directory, fd, record, previous)
+
+    @property
+    def held(self) -> bool:
+        return self._fd >= 0
+
+    def release(self) -> None:
+        """Remove the lock file and drop the lock. Safe to call twice."""
+        if self._fd < 0:
+            return
+        try:
+            os.unlink(os.path.join(self.directory, LOCK_FILE))
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)
+        self._fd = -1
+
+
+def make_directory(path: str, run_id: str) -> bool:
+    """Create `path` (and missing parents) and mark it as this run's; True when this call created it.
+
+    An existing directory is left unmarked: this run did not make it, so its teardown leaves it."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        os.mkdir(path)
+    except FileExistsError:
+        return False
+    fd = os.open(os.path.join(path, CREATED_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        _write_record(fd, OwnerRecord.mine(run_id))
+    finally:
+        os.close(fd)
+    return True
+
+
+def created_by(path: str, run_id: str) -> bool:
+    """True when `path` is a real directory (not a symlink) whose marker names `run_id`."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        return False
+    record = read_record(os.path.join(path, CREATED_FILE))
+    return record is not None and record.run_id == run_id
+
+
+def remove_created(path: str, run_id: str) -> str | None:
+    """Remove `path` if this run created it; else leave it and return why (None when removed or absent)."""
+    if not os.path.lexists(path):
+        return None
+    if not created_by(path, run_id):
+        record = read_record(os.path.join(path, CREATED_FILE))
+        return (f"{path} (made by {record.describe()})" if record else f"{path} (not made by this run)")
+    lock = read_record(os.path.join(path, LOCK_FILE))
+    if lock is not None and lock.run_id != run_id:
+        return f"{path} (in use by {lock.describe()})"
+    shutil.rmtree(path)
+    return None
