@@ -1,0 +1,120 @@
+"""megatron-core GPTModel from a transformers config (TP = PP = 1, EP >= 1).
+
+:func:`transformer_config_from_hf` and :func:`gpt_model_kwargs` return plain values (tested on CPU);
+:func:`build_gpt_model` imports megatron-core and builds the model. The layer spec is Transformer
+Engine's when ``transformer_engine`` imports, else the local spec (torch RMSNorm, unfused attention);
+``uses_te_spec`` says which, because the weight layout of the norms differs (see ``convert.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .architecture import UnsupportedModelError, describe
+
+__all__ = ["transformer_config_from_hf", "gpt_model_kwargs", "te_available", "build_gpt_model"]
+
+
+def transformer_config_from_hf(hf_config: Any, *, params_dtype: torch.dtype, expert_model_parallel_size: int = 1,
+                               perform_initialization: bool = False) -> dict[str, Any]:
+    """Keyword arguments of megatron-core's ``TransformerConfig`` for ``hf_config``.
+
+    ``perform_initialization=False``: the weights are loaded from the HF model right after building,
+    so random initialization would be wasted time (minutes on the CPU for billions of params).
+    """
+    arch = describe(hf_config)
+    kwargs: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_eps,
+        gated_linear_unit=True,  # SwiGLU: linear_fc1 = cat(gate, up), silu(gate) * up
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,  # HF causal LMs of these families train without dropout
+        attention_dropout=0.0,
+        init_method_std=arch.init_std,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        perform_initialization=perform_initialization,
+        use_cpu_initialization=False,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        # The fused kernels need apex / Transformer Engine; the plain paths give the same math.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+    if arch.num_experts is None:
+        return kwargs
+    if arch.moe_topk == 1 and arch.moe_renormalize:
+        raise UnsupportedModelError("top-1 routing with renormalized probabilities (weight 1.0 per token) has no "
+                                    "megatron-core router equivalent; use a top-k >= 2 model")
+    kwargs.update(
+        num_moe_experts=arch.num_experts,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_topk=arch.moe_topk,
+        moe_layer_freq=1 if all(arch.moe_layers) else [int(m) for m in arch.moe_layers],
+        # HF: softmax over all experts, top-k, then (Mixtral, Qwen3-MoE norm_topk_prob) renormalize, which
+        # equals softmax over the top-k logits: Megatron's default (pre_softmax False). Without
+        # renormalization the top-k softmax values are used as they are: pre_softmax True.
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not arch.moe_renormalize,
+        moe_router_enable_expert_bias=False,  # neither family has a routing bias
+        # HF's forward adds no load-balancing loss unless output_router_logits; RL follows the policy's loss.
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,  # SequentialMLP: one module per expert (convert.py's layout)
+        expert_model_parallel_size=expert_model_parallel_size,
+    )
+    return kwargs
+
+
+def gpt_model_kwargs(hf_config: Any) -> dict[str, Any]:
+    """Keyword arguments of ``GPTModel`` besides ``config`` and ``transformer_layer_spec``."""
+    arch = describe(hf_config)
+    return dict(vocab_size=arch.vocab_size, max_sequence_length=arch.max_position_embeddings,
+                share_embeddings_and_output_weights=arch.tied_embeddings, position_embedding_type="rope",
+                rotary_base=arch.rope_theta, rotary_percent=1.0)
+
+
+def te_available() -> bool:
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype, expert_model_parallel_size: int = 1,
+                    use_te: bool | None = None):
+    """``(GPTModel, TransformerConfig, uses_te_spec)`` on the current CUDA device, weights uninitialized.
+
+    Needs megatron-core and ``parallel_state.initialize_model_parallel`` to have run (the MoE layers
+    read the expert-parallel group).
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    use_te = te_available() if use_te is None else use_te
+    config = TransformerConfig(**transformer_config_from_hf(
+        hf_config, params_dtype=params_dtype, expert_model_parallel_size=expert_model_parallel_size))
+    # The block spec places MoE and dense layers by config.moe_layer_freq and picks the final norm.
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    model = GPTModel(config, spec, **gpt_model_kwargs(hf_config))
+    return model, config, use_te
