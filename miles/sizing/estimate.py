@@ -1,0 +1,258 @@
+"""The sizing of one run: per-rank bytes, which mechanism fits, disk per node, streamed bytes and step floors.
+
+Pure: a model's tensors, a parallel layout and the hardware in, an `Estimate` out. Per-rank figures are
+for the pipeline stage that holds the most (it decides whether the run fits); `stages` has each one.
+
+The disk model (`Hardware`): all GPUs of a node share its disk, and reads and writes share the disk's
+budget (measured on the H200 hosts: ~2.1-2.4 GB/s moving both at once, against 1.3-2.4 read or 2.2-3.6
+write alone). So a step's disk time is the node's read + write bytes / `disk_combined_gbps` when that is
+known (`miles bench stream` measures it), else read bytes / read speed + write bytes / write speed
+(the disk serving one direction at a time). Bytes served by the host tier (RAM) cost bytes / `pcie_gbps`
+instead (each GPU has its own link; both directions run at once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from miles_plugins.optimizers.streaming.config import DEFAULT_BUCKET_NUMEL, DEFAULT_DEPTH
+
+from .model_params import ModelTensors
+from .sharding import Parallelism, RankShard, check_parallelism, rank_shards
+from .store_plan import FP32_BYTES, StorePlan, plan_store
+
+GB = 1e9
+GIB = 2**30
+WEIGHT_BYTES = 2  # bf16 model weights
+GRAD_BYTES = {"fp32": 4, "bf16": 2}  # Megatron DDP accumulates grads in fp32 unless told to use bf16
+RESIDENT_STATE_BYTES = 12  # Megatron's resident Adam: fp32 main + two fp32 moments per owned param
+# Megatron's optimizer CPU offload held 1.8x its state in host RSS (one H200, megatron-core 0.19.2:
+# 28.9 GB of RSS for 16.1 GB of state): staging buffers and pinned copies come on top of the state.
+CPU_OFFLOAD_RSS_FACTOR = 1.8
+DEFAULT_RESERVE_FRACTION = 0.10  # of HBM, for activations, CUDA context, NCCL and allocator slack
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Per-node resources. Defaults: one node of 8 H200s (141 GB HBM, 2 TB RAM) whose disk moves what the H200
+    test host's disk measured in `miles bench stream` (docs/benchmarks.md): measure yours (--from-bench)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    hbm_gb: float = 141.0
+    host_ram_gb: float = 2000.0
+    disk_read_gbps: float = 1.9  # O_DIRECT, reading alone (bench: 18 GB in 9.53 s)
+    disk_write_gbps: float = 2.6  # O_DIRECT, writing alone (bench: 18 GB in 6.93 s)
+    disk_combined_gbps: Optional[float] = None  # reading and writing at once (bench: 36 GB in 17.17 s = 2.1)
+    disk_gb: Optional[float] = None  # node-local disk capacity, when it should be checked
+    pcie_gbps: float = 50.0  # pinned host <-> GPU, each direction (measured 51-55 GB/s)
+    host_tier_gb: float = 0.0  # host RAM per rank holding hot buckets (--stream-optimizer-state-host-cache-mb)
+    device_budget_mb: Optional[float] = None  # store residency on the GPU; None: what its default depth holds
+    reserve_gb: Optional[float] = None  # HBM kept for activations etc.; None: DEFAULT_RESERVE_FRACTION of HBM
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def reserve_bytes(self) -> float:
+        return (self.reserve_gb if self.reserve_gb is not None else DEFAULT_RESERVE_FRACTION * self.hbm_gb) * GB
+
+
+@dataclass(frozen=True)
+class Training:
+    moment_dtype: str = "fp32"
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL
+    grad_dtype: str = "fp32"
+    offload_train_to_disk: bool = True  # trainer weights + grads go to the disk while the rollout runs
+    checkpoint_copies: int = 1  # saved copies of the streamed state kept on the node-local disk
+
+
+class SizingError(ValueError):
+    """Inputs that do not describe a run; the message names the values and what to change."""
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    stage: int
+    params_local: int  # weights this rank holds (dense + expert)
+    dense_local: int
+    expert_local: int
+    params_owned: int  # params whose optimizer state this rank owns
+    dense_owned: int
+    expert_owned: int
+    weight_bytes: int
+    grad_bytes: int
+    resident_state_bytes: int  # Megatron's own fp32 state for the owned params
+    dense_store: StorePlan
+    expert_store: StorePlan
+
+    @property
+    def stores(self) -> tuple[StorePlan, StorePlan]:
+        return self.dense_store, self.expert_store
+
+    @property
+    def streamed_state_bytes(self) -> int:
+        return self.dense_store.state_bytes + self.expert_store.state_bytes
+
+    @property
+    def step_bytes(self) -> int:
+        """Read, and written, by every step from the second on."""
+        return sum(s.payload_bytes for s in self.stores)
+
+    @property
+    def first_step_read_bytes(self) -> int:
+        """The first step reads the mains only: Adam creates the moments during it."""
+        return sum(s.main_bytes for s in self.stores)
+
+
+@dataclass(frozen=True)
+class Fit:
+    resident: bool
+    cpu_offload: bool
+    streaming: bool
+    verdict: str  # "resident", "cpu-offload", "streaming" or "does-not-fit"
+    reason: str  # what the verdict rests on, in words
+    device_bytes: dict = field(default_factory=dict)  # HBM use per mechanism
+    host_bytes_per_node: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Floors:
+    """Seconds one step cannot go below on this disk (and host tier), for the binding rank's node."""
+
+    disk_model: str
+    steady_seconds: float
+    first_seconds: float
+    tiered_seconds: float  # steady state, with the host tier serving what it holds
+    node_read_bytes: int
+    node_write_bytes: int
+    node_first_read_bytes: int
+    tier_bytes_per_rank: int  # of the rank's step bytes, served by the host tier (each direction)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    model: str
+    total_params: int
+    dense_params: int
+    expert_params: int
+    parallel: Parallelism
+    hardware: Hardware
+    training: Training
+    stages: tuple[StageEstimate, ...]
+    binding: StageEstimate  # the stage with the most state: it decides the fit
+    mean_params_owned: float
+    fit: Fit
+    disk_bytes_per_node: dict
+    floors: Floors
+
+
+def _stage_estimate(shard: RankShard, training: Training) -> StageEstimate:
+    dense = plan_store(shard.dense_entries, training.moment_dtype, training.bucket_numel)
+    expert = plan_store(shard.expert_entries, training.moment_dtype, training.bucket_numel)
+    return StageEstimate(
+        stage=shard.stage, params_local=shard.local_params, dense_local=sum(shard.dense_local),
+        expert_local=sum(shard.expert_local), params_owned=shard.owned_params,
+        dense_owned=sum(shard.dense_entries), expert_owned=sum(shard.expert_entries),
+        weight_bytes=WEIGHT_BYTES * shard.local_params, grad_bytes=GRAD_BYTES[training.grad_dtype] * shard.local_params,
+        resident_state_bytes=RESIDENT_STATE_BYTES * shard.owned_params, dense_store=dense, expert_store=expert)
+
+
+def _store_device_bytes(stage: StageEstimate, hw: Hardware) -> int:
+    """GPU bytes the stores hold while stepping: the budget, or what the default depth keeps in flight.
+    The dense and expert stores step one after the other, so the larger of the two counts."""
+    if hw.device_budget_mb is not None:
+        return int(hw.device_budget_mb * 2**20)
+    per_bucket = 3 * FP32_BYTES  # main + two moments, decoded to fp32 on the device
+    return max(min(2 * DEFAULT_DEPTH + 1, s.num_buckets) * per_bucket * s.max_bucket_numel for s in stage.stores)
+
+
+def _fit(stage: StageEstimate, hw: Hardware) -> Fit:
+    hbm, reserve = hw.hbm_gb * GB, hw.reserve_bytes
+    base = stage.weight_bytes + stage.grad_bytes + reserve
+    device = {"resident": base + stage.resident_state_bytes, "cpu-offload": base,
+              "streaming": base + _store_device_bytes(stage, hw), "weights+grads+reserve": base}
+    host = {"cpu-offload": hw.gpus_per_node * CPU_OFFLOAD_RSS_FACTOR * stage.resident_state_bytes,
+            "streaming": hw.gpus_per_node * hw.host_tier_gb * GB}
+    ram = hw.host_ram_gb * GB
+    resident = device["resident"] <= hbm
+    cpu_offload = device["cpu-offload"] <= hbm and host["cpu-offload"] <= ram
+    streaming = device["streaming"] <= hbm and host["streaming"] <= ram
+    gb = lambda b: f"{b / GB:.1f} GB"  # noqa: E731
+    if resident:
+        verdict, reason = "resident", f"weights + grads + state + reserve = {gb(device['resident'])} <= {gb(hbm)} HBM"
+    elif cpu_offload:
+        verdict, reason = "cpu-offload", (f"resident needs {gb(device['resident'])} > {gb(hbm)} HBM; the state "
+                                          f"fits in host RAM ({gb(host['cpu-offload'])} of {gb(ram)} per node)")
+    elif streaming:
+        why_not_cpu = (f"host RAM {gb(ram)} < {gb(host['cpu-offload'])} for CPU offload"
+                       if device["cpu-offload"] <= hbm else "")
+        verdict, reason = "streaming", (f"resident needs {gb(device['resident'])} > {gb(hbm)} HBM"
+                                        + (f"; {why_not_cpu}" if why_not_cpu else "")
+                                        + f"; streaming needs {gb(device['streaming'])}")
+    else:
+        verdict, reason = "does-not-fit", (f"weights + grads + reserve alone take {gb(base)} of {gb(hbm)} HBM "
+                                           "(with streaming: " + gb(device["streaming"]) + "): raise TP, PP or EP, "
+                                           "or use more nodes")
+        if host["streaming"] > ram:
+            reason = (f"the host tier ({hw.host_tier_gb} GB x {hw.gpus_per_node} GPUs) exceeds the node's "
+                      f"{hw.host_ram_gb} GB of RAM: lower --host-tier-gb")
+    return Fit(resident, cpu_offload, streaming, verdict, reason, device, host)
+
+
+def _disk_per_node(stage: StageEstimate, hw: Hardware, training: Training) -> dict:
+    per_rank = {"streamed_state": stage.streamed_state_bytes,
+                "trainer_offload": (stage.weight_bytes + stage.grad_bytes) if training.offload_train_to_disk else 0,
+                "checkpoint_copies": training.checkpoint_copies * stage.streamed_state_bytes}
+    per_node = {k: hw.gpus_per_node * v for k, v in per_rank.items()}
+    per_node["total"] = sum(per_node.values())
+    return per_node
+
+
+def disk_seconds(read_bytes: float, write_bytes: float, hw: Hardware) -> float:
+    if hw.disk_combined_gbps:
+        return (read_bytes + write_bytes) / (hw.disk_combined_gbps * GB)
+    return read_bytes / (hw.disk_read_gbps * GB) + write_bytes / (hw.disk_write_gbps * GB)
+
+
+def _floors(stage: StageEstimate, hw: Hardware) -> Floors:
+    n = hw.gpus_per_node
+    step, first_read = stage.step_bytes, stage.first_step_read_bytes
+    tier = min(int(hw.host_tier_gb * GB), step)
+    model = (f"(read + write) / {hw.disk_combined_gbps} GB/s combined" if hw.disk_combined_gbps else
+             f"read / {hw.disk_read_gbps} GB/s + write / {hw.disk_write_gbps} GB/s")
+    return Floors(
+        disk_model=model, steady_seconds=disk_seconds(n * step, n * step, hw),
+        first_seconds=disk_seconds(n * first_read, n * step, hw),
+        tiered_seconds=disk_seconds(n * (step - tier), n * (step - tier), hw) + tier / (hw.pcie_gbps * GB),
+        node_read_bytes=n * step, node_write_bytes=n * step, node_first_read_bytes=n * first_read,
+        tier_bytes_per_rank=tier)
+
+
+def check_inputs(par: Parallelism, hw: Hardware, training: Training) -> None:
+    if hw.gpus != par.world:
+        raise SizingError(f"--nodes {hw.nodes} x --gpus-per-node {hw.gpus_per_node} = {hw.gpus} GPUs, but "
+                          f"TP {par.tp} x PP {par.pp} x DP {par.dp} = {par.world}: change --dp (or leave it out "
+                          "to derive it) or the node count")
+    if training.grad_dtype not in GRAD_BYTES:
+        raise SizingError(f"--grad-dtype {training.grad_dtype!r}: choose one of {', '.join(GRAD_BYTES)}")
+    for name in ("hbm_gb", "disk_read_gbps", "disk_write_gbps", "pcie_gbps"):
+        if getattr(hw, name) <= 0:
+            raise SizingError(f"--{name.replace('_', '-')} must be > 0, got {getattr(hw, name)}")
+    if hw.host_tier_gb < 0 or training.checkpoint_copies < 0:
+        raise SizingError("--host-tier-gb and --checkpoint-copies must be >= 0")
+
+
+def estimate(model: ModelTensors, par: Parallelism, hw: Hardware, training: Training = Training()) -> Estimate:
+    check_inputs(par, hw, training)
+    experts = len({t.expert for t in model.all() if t.expert is not None})
+    check_parallelism(par, model, experts)
+    stages = tuple(_stage_estimate(s, training) for s in rank_shards(model, par))
+    binding = max(stages, key=lambda s: (s.streamed_state_bytes, s.weight_bytes))
+    return Estimate(
+        model=model.name, total_params=model.total(), dense_params=model.total(expert=False),
+        expert_params=model.total(expert=True), parallel=par, hardware=hw, training=training, stages=stages,
+        binding=binding, mean_params_owned=sum(s.params_owned for s in stages) / len(stages),
+        fit=_fit(binding, hw), disk_bytes_per_node=_disk_per_node(binding, hw, training), floors=_floors(binding, hw))

@@ -1,0 +1,70 @@
+"""Named models for `miles plan --preset`: each is the subset of a transformers config.json the planner reads.
+
+| preset          | hidden | layers (dense) | attention                          | vocab   | experts x ffn | top-k | shared | MTP |
+|-----------------|--------|----------------|------------------------------------|---------|---------------|-------|--------|-----|
+| glm5-744b       | 6144   | 78 (first 3)   | MLA 64 heads, q/kv rank 2048/512,  | 154880  | 256 x 2048    | 8     | 1      | 1   |
+|                 |        |                | qk 192+64, v 256; DSA indexer 32x128 |       |               |       |        |     |
+| qwen3-30b-a3b   | 2048   | 48 (0)         | GQA 32 q / 4 kv heads x 128        | 151936  | 128 x 768     | 8     | 0      | 0   |
+| qwen3.5-35b-a3b | 2048   | 40 (0)         | 3 of 4 Gated DeltaNet (16 k / 32 v | 248320  | 256 x 512     | 8     | 1x512  | 1   |
+|                 |        |                | heads x 128), 1 of 4 gated GQA     |         |               |       |        |     |
+|                 |        |                | 16 q / 2 kv heads x 256            |         |               |       |        |     |
+
+Sources and assumptions:
+  * glm5-744b: "a GLM-5.2-744B-like MoE". The numbers are GLM-5's published config.json (zai-org/GLM-5,
+    744B total / 40B active: DeepSeek-V3-style MLA + DeepSeek sparse attention, 256 routed experts);
+    GLM-5.2 is assumed to keep GLM-5's architecture. Without its MTP layer the count is 744B, the
+    published total; the MTP layer (trained by default) adds ~10B.
+  * qwen3-30b-a3b: Qwen/Qwen3-30B-A3B config.json (30.5B total / 3.3B active).
+  * qwen3.5-35b-a3b: "a Qwen3.5-35B-A3B-like MoE": the language model of Qwen/Qwen3.5-35B-A3B's
+    config.json (`text_config`, hybrid Gated DeltaNet / gated attention like Qwen3-Next, untied
+    embeddings, one MTP layer); its vision tower is not counted (RL recipes freeze it).
+"""
+
+from __future__ import annotations
+
+GLM5_744B = {
+    "model_type": "glm_moe_dsa",
+    "hidden_size": 6144, "num_hidden_layers": 78, "first_k_dense_replace": 3, "intermediate_size": 12288,
+    "num_attention_heads": 64, "num_key_value_heads": 64,
+    "q_lora_rank": 2048, "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256,
+    "index_n_heads": 32, "index_head_dim": 128,
+    "vocab_size": 154880, "tie_word_embeddings": False,
+    "n_routed_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "n_shared_experts": 1,
+    "num_nextn_predict_layers": 1,
+}
+
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048, "num_hidden_layers": 48, "intermediate_size": 6144,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "vocab_size": 151936, "tie_word_embeddings": False,
+    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
+
+QWEN3_5_35B_A3B = {
+    "model_type": "qwen3_5_moe",
+    "text_config": {
+        "model_type": "qwen3_5_moe_text",
+        "hidden_size": 2048, "num_hidden_layers": 40, "full_attention_interval": 4,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "attn_output_gate": True,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+        "vocab_size": 248320, "tie_word_embeddings": False,
+        "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "mtp_num_hidden_layers": 1,
+    },
+}
+
+PRESETS: dict[str, dict] = {
+    "glm5-744b": GLM5_744B,
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
+    "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
+}
+
+
+def preset_config(name: str) -> dict:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise KeyError(f"no preset {name!r}; choose one of {', '.join(PRESETS)} or pass a config.json") from None
