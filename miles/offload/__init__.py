@@ -1,8 +1,14 @@
-"""Trainer offload for sleep (colocated RL: the trainer steps aside while the rollout engine runs).
+"""Sleep/wake: the one mechanism by which the trainer and the rollout engine step aside (colocated RL).
 
-- CPU torch backend: :class:`StorageOffloader`, host copies (``cpu``) or files (``disk``) plus
-  ``untyped_storage().resize_(0)``; bit-exact, idempotent.
-- GPU: torch_memory_saver (:class:`TmsOffloader`), configured through the actor's environment.
+- :class:`StorageOffloader`: host copies (``cpu``) or one file (``disk``) plus
+  ``untyped_storage().resize_(0)``; bit-exact, idempotent. The torch trainer's sleep on CPU (and on GPU
+  without torch_memory_saver) and the embedded rollout engine's release_memory/resume_memory.
+  :func:`make_resizable` prepares a loaded model for it (mmap'ed / numpy-backed / tied storages).
+- GPU trainer: torch_memory_saver (:class:`TmsOffloader`), configured through the actor's environment.
+
+    make_resizable(model)
+    off = make_offloader("disk", directory, chunk_mb, device_type)
+    off.sleep(list(model.parameters())); off.wake()   # OffloadStats each; off.close() drops the backup
 """
 
 from .storage import OffloadStats, StorageOffloader, make_resizable, unique_storages
@@ -12,7 +18,7 @@ __all__ = ["OffloadStats", "StorageOffloader", "TmsOffloader", "make_resizable",
            "unique_storages"]
 
 
-def make_offloader(target: str, directory=None, chunk_mb: int = 256, device_type: str = "cpu"):
+def make_offloader(target: str, directory, chunk_mb: int, device_type: str):
     """The offloader for this process: torch_memory_saver on GPU when the actor was launched with its
     hook, otherwise the storage offloader (works for CPU and CUDA tensors alike)."""
     if device_type == "cuda" and tms_active():

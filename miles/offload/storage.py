@@ -24,6 +24,9 @@ from typing import Iterable, Optional
 
 import torch
 
+from miles_plugins.optimizers.streaming.config import DEFAULT_CHUNK_MB
+from miles_plugins.optimizers.streaming.units import GB
+
 logger = logging.getLogger(__name__)
 
 TARGETS = ("cpu", "disk")
@@ -42,7 +45,7 @@ class OffloadStats:
 
     @property
     def gbps(self) -> float:
-        return self.bytes / 1e9 / self.seconds if self.seconds > 0 else 0.0
+        return self.bytes / GB / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass
@@ -75,20 +78,34 @@ def unique_storages(tensors: Iterable[Optional[torch.Tensor]]) -> list[torch.Unt
 
 
 def make_resizable(module: torch.nn.Module) -> int:
-    """Give every parameter and buffer a resizable storage of its own (a tensor loaded from an mmap'ed
-    checkpoint cannot be resized). Call before building the optimizer. Returns how many were copied."""
-    copied = 0
-    for tensor in list(module.parameters()) + list(module.buffers()):
-        if not tensor.untyped_storage().resizable():
-            tensor.data = tensor.data.clone()
-            copied += 1
-    return copied
+    """Give every parameter and buffer of ``module`` a resizable storage (sleep frees memory by resizing
+    storages to 0 bytes; a tensor backed by an mmap'ed checkpoint or a numpy array cannot be resized).
+
+    Each non-resizable storage is copied ONCE into a fresh storage, and every tensor that viewed it is
+    re-pointed at the copy with its old offset, shape and stride, so tied weights (one storage behind
+    ``embed_tokens.weight`` and ``lm_head.weight``) stay tied. Call before building the optimizer.
+    Returns how many storages were copied.
+    """
+    tensors = [t for _, t in module.named_parameters(remove_duplicate=False)]
+    tensors += [t for _, t in module.named_buffers(remove_duplicate=False)]
+    replacements: dict[int, torch.UntypedStorage] = {}
+    for t in tensors:
+        old = t.untyped_storage()
+        if old.resizable() or old.nbytes() == 0:
+            continue
+        key = old._cdata
+        if key not in replacements:
+            replacements[key] = old.clone()  # a plain allocation: resizable
+        new = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            replacements[key], t.storage_offset(), t.size(), t.stride())
+        t.data = new
+    return len(replacements)
 
 
 class StorageOffloader:
     """Sleep/wake a set of tensors by storage. See the module docstring."""
 
-    def __init__(self, target: str, directory: Optional[str] = None, chunk_mb: int = 256):
+    def __init__(self, target: str, directory: Optional[str] = None, chunk_mb: int = DEFAULT_CHUNK_MB):
         if target not in TARGETS:
             raise ValueError(f"offload target must be one of {TARGETS}, got {target!r}")
         if target == "disk" and not directory:
@@ -117,8 +134,9 @@ class StorageOffloader:
         storages = unique_storages(tensors)
         for s in storages:
             if not s.resizable():
-                raise RuntimeError("cannot offload a non-resizable storage (e.g. mmap'ed from a checkpoint); "
-                                   "call miles.offload.make_resizable(model) before building the optimizer")
+                raise RuntimeError(f"cannot offload a non-resizable storage of {s.nbytes()} bytes (mmap'ed from a "
+                                   "checkpoint or backed by numpy): call miles.offload.make_resizable(model) "
+                                   "after loading the model and before building the optimizer")
         saved = [_Saved(s, s.nbytes()) for s in storages]
         if self.target == "disk":
             self._write_all(saved)

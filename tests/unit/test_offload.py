@@ -83,7 +83,7 @@ def test_empty_storages_are_skipped(tmp_path):
 def test_several_cycles_and_close(tmp_path):
     t = torch.randn(1234, dtype=torch.float32)
     ref = t.clone()
-    off = make_offloader("disk", str(tmp_path / "d"), chunk_mb=1)
+    off = make_offloader("disk", str(tmp_path / "d"), chunk_mb=1, device_type="cpu")
     for _ in range(3):
         off.sleep([t])
         off.wake()
@@ -105,6 +105,51 @@ def test_make_resizable_copies_mmapped_storage(tmp_path):
     assert make_resizable(module) == 1
     assert module.w.untyped_storage().resizable()
     assert torch.equal(module.w.detach(), torch.arange(64, dtype=torch.float32))
+
+
+def gguf_like_model():
+    """The storage layout of the default model as loaded from its GGUF-converted checkpoint: every weight
+    in a non-resizable storage (numpy-backed here; mmap'ed safetensors there), the embedding tied to the
+    LM head (one Parameter under two names), and two weights viewing one shared storage."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(40, 8)
+    model.head = torch.nn.Linear(8, 40, bias=False)
+    model.q = torch.nn.Linear(8, 8, bias=False)
+    model.k = torch.nn.Linear(8, 8, bias=False)
+    model.embed.weight = torch.nn.Parameter(torch.from_numpy(np.random.default_rng(0).standard_normal(
+        (40, 8), dtype=np.float32)))
+    model.head.weight = model.embed.weight  # tied
+    shared = torch.from_numpy(np.arange(128, dtype=np.float32))  # one file-backed block behind q and k
+    model.q.weight = torch.nn.Parameter(shared[:64].view(8, 8))
+    model.k.weight = torch.nn.Parameter(shared[64:].view(8, 8))
+    return model
+
+
+@pytest.mark.parametrize("target", ["cpu", "disk"])
+def test_non_resizable_tied_and_shared_storages_sleep_and_wake(tmp_path, target):
+    model = gguf_like_model()
+    named = dict(model.named_parameters(remove_duplicate=False))
+    assert not any(p.untyped_storage().resizable() for p in named.values())
+    before = {k: v.detach().clone() for k, v in named.items()}
+    off = StorageOffloader(target, str(tmp_path / "o"), chunk_mb=1)
+    with pytest.raises(RuntimeError, match="make_resizable"):  # the clear error, not torch's resize failure
+        off.sleep(named.values())
+    assert make_resizable(model) == 2  # the embedding's storage and the shared q/k block, each copied once
+    assert all(p.untyped_storage().resizable() for p in named.values())
+    assert model.head.weight is model.embed.weight
+    assert model.q.weight.untyped_storage()._cdata == model.k.weight.untyped_storage()._cdata  # still shared
+    for _ in range(2):
+        stats = off.sleep(named.values())
+        assert stats.storages == 2 and all(p.untyped_storage().nbytes() == 0 for p in named.values())
+        off.wake()
+        assert all(torch.equal(named[k].detach(), before[k]) for k in before)
+    assert model.k.weight.storage_offset() == 64  # the shared block's layout survived
+    with torch.no_grad():
+        model.embed.weight[0, 0] = 5.0
+    assert float(model.head.weight.detach()[0, 0]) == 5.0  # still tied after the cycles
 
 
 def test_bad_target():
