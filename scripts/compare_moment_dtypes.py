@@ -370,7 +370,8 @@ def _LONG_CHECKS(long_steps):
 # ==== part 3: on an accelerator ======================================================================
 def run_device(args):
     """Codec throughput on the device and a few streamed steps there (encoded tensors never leave it)."""
-    from miles_plugins.optimizers.streaming.codec import MOMENT_DTYPES, make_moment_codecs
+    from miles_plugins.optimizers.streaming.codec import make_moment_codecs
+    from miles_plugins.optimizers.streaming.config import MOMENT_DTYPES
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

@@ -37,9 +37,9 @@ import time
 
 import torch
 
-from .stream import FwdBwd, Progress, median, parse_count
+from miles_plugins.optimizers.streaming.units import GB, MiB
 
-GB = 1e9
+from .common import FwdBwd, Progress, median, parse_count, run_standalone
 STATE_BYTES_PER_PARAM = 12  # fp32 master + 2 fp32 moments
 PROG = "miles bench checkpoint"
 
@@ -85,8 +85,6 @@ NAME, HELP = "checkpoint", "checkpoint save of streamed state vs a plain copy of
 
 
 def main(argv=None) -> int:
-    from .cli import run_standalone
-
     return run_standalone(sys.modules[__name__], argv)
 
 
@@ -105,7 +103,7 @@ def _device(text: str) -> torch.device:
 
 def _check_room(root: str, state_bytes: int) -> None:
     """The live files plus one copy of them (plain copy or checkpoint) sit on the disk at once."""
-    need = 2 * state_bytes + 64 * 2**20
+    need = 2 * state_bytes + 64 * MiB
     free = shutil.disk_usage(root).free
     if free < need:
         raise SystemExit(f"{PROG}: {root} has {free / GB:.2f} GB free, the run needs about {need / GB:.2f} GB (the "

@@ -8,20 +8,9 @@ import argparse
 import sys
 
 from . import checkpoint, stream
+from .common import describe
 
 BENCHMARKS = (stream, checkpoint)
-
-
-def _describe(module) -> str:
-    return module.__doc__.split("\n\n")[0]
-
-
-def run_standalone(module, argv=None) -> int:
-    """`python -m miles.bench.<name> ...`: the module's own flags, then its run."""
-    parser = argparse.ArgumentParser(prog=f"miles bench {module.NAME}", description=_describe(module),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    module.add_arguments(parser)
-    return int(module.run(parser.parse_args(sys.argv[1:] if argv is None else list(argv))) or 0)
 
 
 def main(argv=None) -> int:
@@ -29,7 +18,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(title="benchmarks", dest="benchmark",
                                 metavar="{" + ",".join(m.NAME for m in BENCHMARKS) + "}")
     for module in BENCHMARKS:
-        p = sub.add_parser(module.NAME, help=module.HELP, description=_describe(module),
+        p = sub.add_parser(module.NAME, help=module.HELP, description=describe(module),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(func=module.run)

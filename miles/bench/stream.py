@@ -36,15 +36,11 @@ import time
 
 import torch
 
-from miles_plugins.optimizers.streaming.codec import MOMENT_DTYPES
+from miles_plugins.optimizers.streaming.config import DEFAULT_CHUNK_MB, DEFAULT_DEPTH, DEFAULT_IO_THREADS, MOMENT_DTYPES
+from miles_plugins.optimizers.streaming.units import GB, MiB
 
-GB = 1e9
-
-
-def parse_count(text: str) -> int:
-    text = text.strip().upper().replace("_", "")
-    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
+from .common import FwdBwd, Progress, median, parse_count, run_standalone, sync_device
+from .floor import raw_floor
 
 
 # ---- arguments ----------------------------------------------------------------------------------------
@@ -59,9 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--buckets", type=int, default=8, help="buckets the state is cut into (sets bucket_numel)")
     p.add_argument("--bucket-numel", type=int, default=None, help="element budget per bucket (overrides --buckets)")
-    p.add_argument("--chunk-mb", type=int, default=256)
-    p.add_argument("--depth", type=int, default=2)
-    p.add_argument("--io-threads", type=int, default=2)
+    p.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_MB)
+    p.add_argument("--depth", type=int, default=DEFAULT_DEPTH)
+    p.add_argument("--io-threads", type=int, default=DEFAULT_IO_THREADS)
     p.add_argument("--direct", choices=["auto", "on", "off"], default="auto", help="O_DIRECT for the floor and "
                    "the pipelined engine")
     p.add_argument("--repeat", type=int, default=1, help="rounds of (floors, sync step, pipelined step) and "
@@ -84,25 +80,10 @@ NAME, HELP = "stream", "streamed optimizer step vs the raw disk floor, sync vs p
 
 
 def main(argv=None) -> int:
-    from .cli import run_standalone
-
     return run_standalone(sys.modules[__name__], argv)
 
 
 # ---- helpers ------------------------------------------------------------------------------------------
-class Progress:
-    def __init__(self):
-        self.t0 = time.perf_counter()
-
-    def __call__(self, msg: str) -> None:
-        print(f"[bench {time.perf_counter() - self.t0:7.1f}s] {msg}", flush=True)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def make_state(total: int, device: torch.device, tensors: int = 16):
     """bf16 model params, fp32 masters (copies), fp32 grads on the masters; irregular sizes so that
     buckets split params."""
@@ -127,39 +108,10 @@ def adamw(params, device):
         return torch.optim.AdamW(params, **kwargs)
 
 
-class FwdBwd:
-    """A synthetic forward/backward of a given length: bf16 matmuls on CUDA, or sleep."""
-
-    def __init__(self, device: torch.device, kind: str):
-        self.device = device
-        self.kind = ("matmul" if device.type == "cuda" else "sleep") if kind == "auto" else kind
-        if self.kind == "matmul":
-            dt = torch.bfloat16 if device.type == "cuda" else torch.float32
-            n = 8192 if device.type == "cuda" else 1024
-            self.a = torch.randn(n, n, device=device, dtype=dt)
-            self.b = torch.randn(n, n, device=device, dtype=dt)
-
-    def __call__(self, seconds: float) -> float:
-        t0 = time.perf_counter()
-        if self.kind == "sleep":
-            time.sleep(seconds)
-        else:
-            while time.perf_counter() - t0 < seconds:
-                for _ in range(8):
-                    self.a @ self.b
-                _sync(self.device)
-        return time.perf_counter() - t0
-
-
-def median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
-
-
 # ---- the run ------------------------------------------------------------------------------------------
 def run(args) -> int:
     from miles_plugins.optimizers.streaming.bucket import StreamEntry
-    from miles_plugins.optimizers.streaming.io.stager import raw_floor
+    from miles_plugins.optimizers.streaming.config import StreamConfig
     from miles_plugins.optimizers.streaming.io.stager import Stager
     from miles_plugins.optimizers.streaming.store import NVMeOptimizerStateStore
 
@@ -185,12 +137,12 @@ def run(args) -> int:
     model, masters = make_state(total, device)
     opt = adamw(masters, device)
     opt.step()  # creates the moments
-    _sync(device)
+    sync_device(device)
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
         opt.step()
-        _sync(device)
+        sync_device(device)
         times.append(time.perf_counter() - t0)
     resident = median(times)
     del opt
@@ -200,9 +152,10 @@ def run(args) -> int:
     # 2. the store (pipelined), step 1 (reads mains only) --------------------------------------------
     entries = [StreamEntry(main=m, group=0, model_view=p.view(-1)) for m, p in zip(masters, model)]
     t0 = time.perf_counter()
-    store = NVMeOptimizerStateStore(entries, adamw(masters, device), dir=root, chunk_mb=args.chunk_mb,
-                                    bucket_numel=bucket_numel, io_engine="pipelined", depth=args.depth,
-                                    io_threads=args.io_threads, direct_io=direct, moment_dtype=args.moment_dtype)
+    config = StreamConfig(dir=root, chunk_mb=args.chunk_mb, bucket_numel=bucket_numel, rank=0, io_engine="pipelined",
+                          depth=args.depth, io_threads=args.io_threads, direct_io=direct,
+                          moment_dtype=args.moment_dtype)
+    store = NVMeOptimizerStateStore(entries, adamw(masters, device), config)
     results["state_bytes"] = store.stats.state_bytes
     say(f"store built in {time.perf_counter() - t0:.1f} s (mains written): {store.stats.num_buckets} buckets, "
         f"{store.stats.state_bytes / GB:.2f} GB")
@@ -213,7 +166,7 @@ def run(args) -> int:
         store.step()
         store.flush()
         say(f"step 1 (mains only, moments created): {time.perf_counter() - t0:.1f} s")
-        direct_used = bool(store.stager.engine.direct)
+        direct_used = store.direct_io
         results["direct_io"] = direct_used
 
         # 3. the raw disk floor -----------------------------------------------------------------------
@@ -237,7 +190,7 @@ def run(args) -> int:
         def floor_once(concurrent):
             label = "concurrent" if concurrent else "sequential"
             say(f"raw disk floor ({label}): reading {step_read / GB:.2f} GB and writing as many ...")
-            f = raw_floor(ranges, scratch_path, step_read, args.chunk_mb * 2**20, threads=args.io_threads,
+            f = raw_floor(ranges, scratch_path, step_read, args.chunk_mb * MiB, threads=args.io_threads,
                           direct=direct is not False, concurrent=concurrent)
             floor_runs.setdefault(label, []).append(f)
             extra = (f" (reads {f['read_seconds']:.2f} s, writes {f['write_seconds']:.2f} s)"
@@ -250,7 +203,7 @@ def run(args) -> int:
             store.set_io(**io)
             store.flush()
             store.stager.drop_page_cache(files)
-            store.stats.peak_resident_bytes = 0
+            store.reset_stats()
             if cuda:
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
@@ -312,7 +265,7 @@ def run(args) -> int:
                      ("ahead+behind", "read-ahead (prefetch) + write-behind", dict(write_behind=True, host_cache_mb=0), True)]
             for fraction in (float(x) for x in args.host_cache_fractions.split(",") if x.strip()):
                 # of the files' bytes (segments are 4 KiB aligned), so that 1 caches every bucket
-                cache_mb = math.ceil(fraction * sum(f.nbytes for f in files) / 2**20)
+                cache_mb = math.ceil(fraction * sum(f.nbytes for f in files) / MiB)
                 modes.append((f"ahead+behind+cache{fraction:g}", f"+ host cache {cache_mb / 1024:.2f} GiB = {fraction:g} "
                               "of the state", dict(write_behind=True, host_cache_mb=cache_mb), True))
             results["exposed"] = {"fwd_bwd_seconds": seconds, "fwd_bwd_kind": fwd_bwd.kind, "modes": {}}

@@ -5,25 +5,33 @@ at a time during `optimizer.step()`, so device residency of optimizer state is b
 in flight. Public API:
 
     store = stream_optimizer_state(optimizer, dir=..., chunk_mb=256, moment_dtype="fp32")
+    store = stream_optimizer_state(optimizer, StreamConfig(dir=..., moment_dtype="bf16"))  # the same, as one object
     optimizer.step()          # streams
     store.refresh_main_from_model_params(); store.save_to(base); store.load_from(base); store.stats; store.close()
     store.prefetch()          # read-ahead before forward/backward; store.flush(): wait for write-behind
 
-The data path lives in `miles_plugins.optimizers.streaming`: plan -> layout -> stager -> bucket -> store
--> bindings (torch here, Megatron in bind_megatron).
+The code lives in `miles_plugins.optimizers.streaming` (docs/dev/architecture.md draws it): core at the
+top (plan -> layout -> codec -> bucket -> store, config, errors), io/ (the stager, the one door to files
+and host memory), checkpoint/ (save/load, reshard) and bind/ (torch and Megatron bindings).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .streaming.bind.torch_adam import bind_plain_adam, bind_sharded_adam
+from .streaming.config import DEFAULT_BUCKET_NUMEL, DEFAULT_CHUNK_MB, MOMENT_DTYPES, StreamConfig, check_config
 from .streaming.errors import CheckpointError, StoreConfigError
-from .streaming.plan import DEFAULT_BUCKET_NUMEL, plan_buckets
+from .streaming.layout import STREAMED_DIR
+from .streaming.plan import plan_buckets
 from .streaming.store import NVMeOptimizerStateStore, StepStats, StoreStats
 
-__all__ = ["stream_optimizer_state", "NVMeOptimizerStateStore", "StoreConfigError", "CheckpointError", "StoreStats",
-           "StepStats", "plan_buckets", "DEFAULT_BUCKET_NUMEL"]
+__all__ = ["stream_optimizer_state", "NVMeOptimizerStateStore", "StreamConfig", "StoreConfigError", "CheckpointError",
+           "StoreStats", "StepStats", "plan_buckets", "DEFAULT_BUCKET_NUMEL", "DEFAULT_CHUNK_MB", "MOMENT_DTYPES",
+           "STREAMED_DIR"]
+_FIELDS = tuple(f.name for f in dataclasses.fields(StreamConfig))
 
 
 def _is_megatron_optimizer(optimizer) -> bool:
@@ -35,40 +43,47 @@ def _default_rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
 
 
-def stream_optimizer_state(optimizer, dir: str, chunk_mb: int = 256, moment_dtype: str = "fp32",
-                           bucket_numel: int = DEFAULT_BUCKET_NUMEL, rank: int | None = None,
-                           io_engine: str = "pipelined", depth: int = 2, io_threads: int = 2,
-                           direct_io: bool | None = None, host_cache_mb: int = 0, write_behind: bool = True):
-    """Bind `optimizer` in place so its step streams state through files under `dir`; returns the store.
+def _resolve_config(config: StreamConfig | None, fields: dict) -> StreamConfig:
+    """One StreamConfig from either a config or its fields as keywords (not both: which would win is a
+    guess), validated, its rank resolved."""
+    unknown = sorted(set(fields) - set(_FIELDS))
+    if unknown:
+        raise TypeError(f"stream_optimizer_state() got unexpected keyword arguments {unknown}; "
+                        f"the store's settings are {', '.join(_FIELDS)}")
+    if config is not None and fields:
+        raise TypeError(f"pass either config=StreamConfig(...) or its fields as keywords, not both (got both "
+                        f"a config and {sorted(fields)}); use dataclasses.replace(config, ...) to change a config")
+    if config is None:
+        if "dir" not in fields:
+            raise TypeError("stream_optimizer_state() needs dir= (a directory on node-local disk) or config=")
+        config = StreamConfig(**fields)
+    check_config(config)
+    return config if config.rank is not None else dataclasses.replace(config, rank=_default_rank())
+
+
+def stream_optimizer_state(optimizer, config: StreamConfig | None = None, *, instance: int | None = None,
+                           **fields):
+    """Bind `optimizer` in place so its step streams state through files under `config.dir`; returns the store.
 
     optimizer: torch.optim.Adam/AdamW over fp32 params (moments stream), miles' ShardedMixedPrecisionAdam
         (masters and moments stream), or a megatron-core DistributedOptimizer / ChainedOptimizer.
-    dir: root directory on node-local disk; the store uses `<dir>/rank{r:05d}/opt{instance}_{uid}/`.
-    chunk_mb: host staging chunk size. moment_dtype: storage format of the moments.
-    bucket_numel: element budget per bucket (device residency per bucket in flight).
-    io_engine: "pipelined" (default: worker threads, CUDA streams, O_DIRECT) or "sync" (the seed's
-        synchronous path, one bucket at a time; the in-run baseline).
-    depth: buckets read ahead and written behind while one updates. Device residency of state is at
-        most (2 * depth + 1) buckets (store.stats.residency_bound_bytes); sync is depth 0.
-    io_threads: reader and writer threads (each). direct_io: None probes O_DIRECT (logged fallback),
-        True asks for it, False never. host_cache_mb: host RAM for images of hot buckets (read from RAM,
-        their disk writes run behind the next forward/backward). write_behind: let the step return before the last write-backs
-        land (the next read of that bucket, a save/load, flush() and close() wait for them).
+    config: a StreamConfig; or pass its fields as keywords instead (not both): dir, chunk_mb, moment_dtype,
+        bucket_numel, rank, io_engine, depth, io_threads, direct_io, host_cache_mb, write_behind. What each
+        means, and its default, is in streaming/config.py. Bad values raise StoreConfigError naming the field.
+    instance: the store's identity within this process (its directory `<dir>/rank{r:05d}/opt{instance}_{part}`
+        and its checkpoints'): 0 by default, Megatron's distributed_optimizer_instance_id for Megatron
+        optimizers; `part` is the member's index in a ChainedOptimizer. Two open stores of one process
+        may not share an identity: give the second optimizer another instance.
     Call `store.prefetch()` before forward/backward to read the next step's first buckets meanwhile.
     """
-    if chunk_mb <= 0:
-        raise StoreConfigError(f"chunk_mb must be positive, got {chunk_mb}")
-    kwargs = dict(dir=dir, chunk_mb=chunk_mb, moment_dtype=moment_dtype, bucket_numel=bucket_numel,
-                  rank=_default_rank() if rank is None else rank, io_engine=io_engine, depth=depth,
-                  io_threads=io_threads, direct_io=direct_io, host_cache_mb=host_cache_mb,
-                  write_behind=write_behind)
+    config = _resolve_config(config, fields)
     if _is_megatron_optimizer(optimizer):
         from .streaming.bind.megatron_optimizer import bind_megatron
-        return bind_megatron(optimizer, **kwargs)
+        return bind_megatron(optimizer, config, instance=instance)
     if hasattr(optimizer, "shards") and hasattr(optimizer, "inner"):
-        return bind_sharded_adam(optimizer, **kwargs)
+        return bind_sharded_adam(optimizer, config, instance=instance or 0)
     if isinstance(optimizer, torch.optim.Optimizer):
-        return bind_plain_adam(optimizer, **kwargs)
+        return bind_plain_adam(optimizer, config, instance=instance or 0)
     raise StoreConfigError(f"cannot stream the state of {type(optimizer).__module__}.{type(optimizer).__name__}: "
                            "pass a torch Adam/AdamW, miles' ShardedMixedPrecisionAdam, or a megatron-core "
                            "DistributedOptimizer/ChainedOptimizer")

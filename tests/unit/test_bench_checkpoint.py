@@ -7,7 +7,7 @@ import os
 import pytest
 
 from miles.bench import checkpoint as bench
-from miles.bench.stream import median
+from miles.bench.common import median
 from miles.cli import main as miles_main
 
 TINY = ["--gb", "0.006", "--bucket-numel", "150K", "--device", "cpu", "--quiet"]

@@ -4,7 +4,8 @@ measured (rounds, ratios, bytes), and it leaves nothing behind in its directory.
 import json
 import os
 
-from miles.bench.stream import main, median
+from miles.bench.common import median
+from miles.bench.stream import main
 
 
 def test_median():

@@ -6,11 +6,9 @@ test_checkpoint_crash.py and test_checkpoint_reshard.py. The save benchmark is `
 (miles/bench/checkpoint.py).
 """
 
-import itertools
 import json
 import os
 import tempfile
-import threading
 import time
 import traceback
 import types
@@ -20,8 +18,9 @@ import pytest
 import torch
 
 from miles.backends.torch_backend.sharded_optimizer import ShardedMixedPrecisionAdam
-from miles_plugins.optimizers.nvme_stream import stream_optimizer_state
-from miles_plugins.optimizers.streaming import codec, layout
+from miles_plugins.optimizers.nvme_stream import NVMeOptimizerStateStore, StreamConfig, stream_optimizer_state
+from miles_plugins.optimizers.streaming.bucket import StreamEntry
+from miles_plugins.optimizers.streaming import codec
 from miles_plugins.optimizers.streaming.checkpoint import save_load as checkpoint
 from miles_plugins.optimizers.streaming.errors import CheckpointError
 
@@ -79,6 +78,7 @@ def build(kind, dir, dtype=None, bucket_numel=BUCKET_NUMEL, shapes=SHAPES, devic
     opt = (ShardedMixedPrecisionAdam(groups_of(params)) if kind == "sharded"
            else torch.optim.AdamW(groups_of(params)))
     store = stream_optimizer_state(opt, dir=str(dir), bucket_numel=bucket_numel, **kw)
+    _OPEN_STORES.append(store)
     return params, opt, store
 
 
@@ -158,17 +158,49 @@ def assert_same(a, b, what=""):
             assert same, f"{what}: {name} {['main', 'exp_avg', 'exp_avg_sq', 'step'][k]} differs"
 
 
-def fresh_uids(start=0):
-    """Stores built next get the identities a restarted process would give them."""
-    layout._construction_counter = itertools.count(start)
+_OPEN_STORES = []  # built by build(), not yet closed by restart()
+
+
+def restart():
+    """What a restarted process starts from: none of this process's stores is open, so the next store
+    built takes the same identity (directory, checkpoint name) as the first one did."""
+    while _OPEN_STORES:
+        _OPEN_STORES.pop().close()
 
 
 @pytest.fixture(autouse=True)
-def _restarted_process_uids():
-    saved = layout._construction_counter
-    fresh_uids()
+def _restarted_process():
+    restart()
     yield
-    layout._construction_counter = saved
+    restart()
+
+
+def inject_faults(fault):
+    """Call fault() at every point of a save where a kill matters: each chunk copied or checksummed, each
+    file the copier opens, each fsync, each durable file, each rename of the publish. Wraps the stager
+    functions the save calls (the product carries no test hook); for forked children: never undone."""
+    io = checkpoint.io
+    copy_with_crc, publish_dir, open_new = io.copy_with_crc, io.publish_dir, io.open_new
+
+    def then_fault(fn):
+        def wrapped(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            fault()
+            return result
+        return wrapped
+
+    io.copy_with_crc = lambda *args, **kwargs: copy_with_crc(*args, **kwargs, on_chunk=fault)
+    io.publish_dir = lambda tmp, final: publish_dir(tmp, final, on_step=fault)
+    io.open_new = lambda path: (fault(), open_new(path))[1]
+    for name in ("make_dirs", "close_fd", "write_file_durable", "fsync_dir"):
+        setattr(io, name, then_fault(getattr(io, name)))
+
+
+def start_copier_late(delay=0.5):
+    """The save's copier thread starts `delay` s late, so the next steps reach every bucket before it
+    and copy each first. For forked children: never undone."""
+    run = checkpoint.SaveJob._run
+    checkpoint.SaveJob._run = lambda job: (time.sleep(delay), run(job))[1]
 
 
 def in_children(fn, argss, timeout=120):
@@ -225,9 +257,7 @@ def _run3_save(kind, root, base, background):
     train(params, opt, range(3))
     at_save = state(store, params)
     if background:  # a copier that starts late: the next step reaches every bucket first and copies it
-        late = threading.Event()
-        checkpoint.FAULT_HOOK = lambda: (threading.current_thread().name == "nvme-opt-checkpoint"
-                                         and not late.is_set() and (late.set(), time.sleep(0.5)))
+        start_copier_late()
     stats = save(params, store, base, wait=not background)
     # In the background case the next steps overwrite buckets while the copy runs: it must still
     # capture step 3's state.
@@ -266,12 +296,17 @@ def test_resident_adam_state_is_saved_and_restored(tmp_path):
     """Megatron's binding keeps native-fp32 params (router biases) under a small in-memory Adam
     (store.resident_adam); a checkpoint must carry its state too."""
     def run(steps, base_in=None, base_out=None, resident=True):
-        fresh_uids()
-        params, opt, store = build("plain", tmp_path / "live")
+        restart()
+        params = make_params()
+        opt = torch.optim.AdamW(groups_of(params))
+        entries = [StreamEntry(main=p, group=g, name=f"param{i}") for i, (p, g) in enumerate(
+            (p, g) for g, group in enumerate(opt.param_groups) for p in group["params"])]
         extra = torch.nn.Parameter(torch.randn(7, generator=torch.Generator().manual_seed(5)))
         adam = torch.optim.AdamW([extra], lr=1e-2)
-        if resident:
-            store.resident_adam = types.SimpleNamespace(optimizer=adam)
+        store = NVMeOptimizerStateStore(entries, opt, StreamConfig(dir=str(tmp_path / "live"), rank=0,
+                                                                    bucket_numel=BUCKET_NUMEL),
+                                        resident_adam=types.SimpleNamespace(optimizer=adam) if resident else None)
+        opt.step = store.step
         if base_in:
             with torch.no_grad():
                 extra.copy_(torch.load(os.path.join(base_in, "extra.pt")))
@@ -300,12 +335,12 @@ def test_resident_adam_state_is_saved_and_restored(tmp_path):
 @pytest.fixture
 def saved(tmp_path):
     """A sharded DP=1 checkpoint after 3 steps; returns (tmp_path, base, state dir)."""
-    fresh_uids()
+    restart()
     params, opt, store = build("sharded", tmp_path / "live")
     train(params, opt, range(3))
     save(params, store, str(tmp_path / "ck"))
     store.close()
-    fresh_uids()
+    restart()
     return tmp_path, str(tmp_path / "ck"), tmp_path / "ck/nvme_opt_state/rank00000/opt0_0"
 
 
@@ -318,7 +353,7 @@ def rewrite_manifest(d, m: dict) -> None:
 
 def loaded_state(tmp_path, base, **kw):
     """The state a fresh sharded store (a restarted process) holds after loading `base`."""
-    fresh_uids()
+    restart()
     params, opt, store = build("sharded", tmp_path / "live", **kw)
     assert load(params, opt, store, base)
     out = state(store)
@@ -327,7 +362,7 @@ def loaded_state(tmp_path, base, **kw):
 
 
 def _expect_error(tmp_path, base, match, **kw):
-    fresh_uids()
+    restart()
     params, opt, store = build(kw.pop("kind", "sharded"), tmp_path / "live", **kw)
     with pytest.raises(CheckpointError, match=match):
         if kw.get("shapes"):  # another model: its weights do not load either; the streamed state is the test
@@ -401,7 +436,7 @@ def test_other_bucket_size_reshards_exactly(saved):
 
 
 def test_no_streamed_state_returns_false_and_interrupted_save_is_an_error(tmp_path, caplog):
-    fresh_uids()
+    restart()
     params, opt, store = build("plain", tmp_path / "live")
     os.makedirs(tmp_path / "old")
     with caplog.at_level("WARNING"):
@@ -414,7 +449,7 @@ def test_no_streamed_state_returns_false_and_interrupted_save_is_an_error(tmp_pa
 
 
 def test_save_failure_is_reported_and_training_goes_on(tmp_path, monkeypatch):
-    fresh_uids()
+    restart()
     params, opt, store = build("plain", tmp_path / "live")
     train(params, opt, range(2))
     (tmp_path / "ro").write_text("a file where a directory must go")

@@ -18,8 +18,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from test_checkpoint import (  # noqa: E402,F401  (_restarted_process_uids: autouse fixture)
-    CheckpointError, _restarted_process_uids, assert_same, build, checkpoint, in_child, load, save, state, train)
+from test_checkpoint import (  # noqa: E402,F401  (_restarted_process: autouse fixture)
+    CheckpointError, _restarted_process, assert_same, build, in_child, inject_faults, load, save, state, train)
 
 from miles_plugins.optimizers.streaming.io import fileops  # noqa: E402
 
@@ -45,7 +45,7 @@ def _save_iter2(root, iter1, iter2, kill_at, moment_dtype):
         if next(calls) == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    checkpoint.FAULT_HOOK = fault
+    inject_faults(fault)
     save(params, store, iter2, wait=False)
     train(params, opt, range(4, 5))  # overwrites buckets while the copy runs
     store.wait_for_save()

@@ -18,8 +18,6 @@ import os
 import pathlib
 import socket
 import sys
-import threading
-import time
 import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -33,8 +31,8 @@ from miles_plugins.optimizers.streaming.codec import (  # noqa: E402
 from miles_plugins.optimizers.streaming.layout import MOMENTS  # noqa: E402
 from miles_plugins.optimizers.streaming.checkpoint.requantize import block_window  # noqa: E402
 from miles_plugins.optimizers.streaming.io.stager import StoreConfigError  # noqa: E402
-from test_checkpoint import (  # noqa: E402,F401  (_restarted_process_uids: autouse fixture)
-    CheckpointError, _expect_error, _restarted_process_uids, assert_same, build, checkpoint, fresh_uids, gather,
+from test_checkpoint import (  # noqa: E402,F401  (_restarted_process: autouse fixture)
+    CheckpointError, _expect_error, _restarted_process, assert_same, build, gather, restart, start_copier_late,
     in_child, in_children, load, rewrite_manifest, save, state, state_parts, train)
 
 NARROW = ("bf16", "fp16", "fp8e4m3", "fp8e5m2")
@@ -123,9 +121,7 @@ def _run3_save(kind, root, base, background, moment_dtype):
     train(params, opt, range(3))
     at_save = state(store, params)
     if background:  # a copier that starts late: the next steps draw noise before it writes anything
-        late = threading.Event()
-        checkpoint.FAULT_HOOK = lambda: (threading.current_thread().name == "nvme-opt-checkpoint"
-                                         and not late.is_set() and (late.set(), time.sleep(0.5)))
+        start_copier_late()
     save(params, store, base, wait=not background)
     train(params, opt, range(3, 6))
     stats = store.wait_for_save() if background else None
@@ -167,12 +163,12 @@ def test_narrow_moment_resume_is_bit_identical(tmp_path, kind, background, momen
 @pytest.fixture
 def saved_bf16(tmp_path):
     """A plain bf16 checkpoint after 3 steps: (tmp_path, base)."""
-    fresh_uids()
+    restart()
     params, opt, store = build("plain", tmp_path / "live", moment_dtype="bf16")
     train(params, opt, range(3))
     save(params, store, str(tmp_path / "ck"))
     store.close()
-    fresh_uids()
+    restart()
     return tmp_path, str(tmp_path / "ck")
 
 
@@ -207,7 +203,7 @@ def test_corrupt_rng_record_is_a_checkpoint_error(saved_bf16):
 def test_checkpoint_without_rng_record_loads_and_restarts_the_noise(saved_bf16, caplog):
     """A checkpoint written before the record existed: it loads, and the noise restarts from the seeds."""
     tmp_path, base = saved_bf16
-    fresh_uids()
+    restart()
     params, opt, store = build("plain", tmp_path / "live", moment_dtype="bf16")
     assert load(params, opt, store, base)
     expected = state(store, params)
@@ -215,7 +211,7 @@ def test_checkpoint_without_rng_record_loads_and_restarts_the_noise(saved_bf16, 
     m = _manifest(base)
     os.unlink(os.path.join(base, "nvme_opt_state/rank00000/opt0_0", codec_rng.FILE))
     _write_manifest(base, {k: v for k, v in m.items() if k not in ("codec_rng", "next_bucket_order")})
-    fresh_uids()
+    restart()
     params, opt, store = build("plain", tmp_path / "live", moment_dtype="bf16")
     train(params, opt, range(1))  # the generators have drawn noise: the load must put them back at the seed
     with caplog.at_level("WARNING"):
@@ -330,7 +326,7 @@ def _dp2_rank(rank, port, root, base_out, base_in, expected, moment_dtype):
         train(params, opt, range(3, 6), rank, world=2)
         same_size = state_parts(store), params_of(params)
         store.close()
-        fresh_uids()
+        restart()
         params, opt, store = build("sharded", root, dtype=FP32, shapes=SHAPES, moment_dtype=moment_dtype)
         assert load(params, opt, store, base_in)
         counts = check_resharded(store, expected, moment_dtype)
@@ -385,7 +381,7 @@ def test_resume_with_another_moment_dtype_converts_the_moments(tmp_path, saved_d
     saved = state(store, params)
     save(params, store, str(tmp_path / "ck"))
     store.close()
-    fresh_uids()
+    restart()
     params, opt, store = build("plain", tmp_path / "live", dtype=FP32, shapes=SHAPES, moment_dtype=load_dtype,
                                **({"bucket_numel": bucket_numel} if bucket_numel else {}))
     assert load(params, opt, store, str(tmp_path / "ck")) is True
@@ -414,7 +410,7 @@ def test_unknown_saved_moment_format_is_a_clear_error(tmp_path):
     m = _manifest(str(tmp_path / "ck"))
     m["segments"]["exp_avg"] = {**m["segments"]["exp_avg"], "name": "bf17"}
     _write_manifest(str(tmp_path / "ck"), m)
-    fresh_uids()
+    restart()
     params, opt, store = build("plain", tmp_path / "live", moment_dtype="fp32")
     with pytest.raises(CheckpointError, match="no codec of this build stores a segment as .*bf17"):
         load(params, opt, store, str(tmp_path / "ck"))

@@ -16,8 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from test_checkpoint import (  # noqa: E402,F401  (_restarted_process_uids: autouse fixture)
-    _restarted_process_uids, assert_same, build, fresh_uids, gather, in_child, in_children, load, save, state,
+from test_checkpoint import (  # noqa: E402,F401  (_restarted_process: autouse fixture)
+    _restarted_process, assert_same, build, restart, gather, in_child, in_children, load, save, state,
     state_parts, train)
 
 FP32 = torch.float32
@@ -65,7 +65,7 @@ def _dp2_rank(phase, rank, port, tmp):
             run(None, "trained", save_to=os.path.join(tmp, "dp2_iter3"))
         else:
             run(os.path.join(tmp, "dp2_iter3"), "same_dp")
-            fresh_uids()
+            restart()
             run(os.path.join(tmp, "dp1_iter3"), "resharded")
     finally:
         dist.destroy_process_group()

@@ -52,4 +52,4 @@ def test_layout_aligns_every_segment():
 
 
 def test_directory_identity_spelling():
-    assert store_relative_dir(3, 0, 12) == "rank00003/opt0_12"
+    assert store_relative_dir(3, 0, 12) == "rank00003/opt0_12"  # instance 0, part 12 of a chain

@@ -106,7 +106,13 @@ def test_state_dict_marker_and_store_attribute(tmp_path):
 def test_files_removed_at_close_and_two_stores_never_share_a_directory(tmp_path):
     a, b = make_params(), make_params()
     sa = stream_optimizer_state(make_adamw(a), dir=str(tmp_path))
-    sb = stream_optimizer_state(make_adamw(b), dir=str(tmp_path))
+    files = sorted(os.listdir(sa.path))
+    with pytest.raises(StoreConfigError, match=r"another open store of this process already works in .*opt0_0 "
+                                               r".*give this optimizer another identity"):
+        stream_optimizer_state(make_adamw(b), dir=str(tmp_path))
+    assert sorted(os.listdir(sa.path)) == files  # refused before touching the first store's files
+    sb = stream_optimizer_state(make_adamw(b), dir=str(tmp_path), instance=1)
+    assert (sa.relative_dir, sb.relative_dir) == ("rank00000/opt0_0", "rank00000/opt1_0")
     assert sa.path != sb.path and os.path.isdir(sa.path) and os.path.isdir(sb.path)
     assert sorted(os.listdir(sa.path))[0] == "bucket00000.bin"
     sa.close()

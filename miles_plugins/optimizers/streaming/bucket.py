@@ -58,6 +58,7 @@ class Bucket:
         self.file = file
         self.streams_main = streams_main
         self.moments_on_disk = False
+        self._decode_pending: list[tuple[str, list[torch.Tensor]]] = []  # read, not yet decoded (start_fetch)
         self.layout: BucketLayout = bucket_layout(
             [(name, codecs[name].encoded_nbytes(self.numel)) for name in self.segment_names])
         self.offsets = [0]
@@ -139,13 +140,17 @@ class Bucket:
     def finish_fetch(self, stager: Stager) -> None:
         """Wait for the reads start_fetch submitted, then decode narrow segments into the fp32 buffers."""
         stager.wait_reads(self.file)
-        pending, self._decode_pending = getattr(self, "_decode_pending", []), []
+        pending, self._decode_pending = self._decode_pending, []
         for name, encoded in pending:
             self.codecs[name].decode(encoded, self.flat[name])
 
     def pending_decode_bytes(self) -> int:
         """Device bytes of encoded segments read but not yet decoded (they count towards residency)."""
-        return sum(t.nbytes for _, encoded in getattr(self, "_decode_pending", []) for t in encoded)
+        return sum(t.nbytes for _, encoded in self._decode_pending for t in encoded)
+
+    def discard_pending_decode(self) -> None:
+        """Forget reads whose bytes will not be used (the pipeline releases a prefetched bucket)."""
+        self._decode_pending = []
 
     def update(self) -> None:
         """One Adam step over exactly this bucket's pieces, hyperparameters re-read from the master."""
@@ -167,22 +172,22 @@ class Bucket:
 
     def write_back(self, stager: Stager) -> None:
         if self.streams_main:
-            self._write_segment(stager, MAIN, [self.flat[MAIN]])
+            self.write_segment(stager, MAIN, [self.flat[MAIN]])
         if self.moments_on_disk:
             self._adopt_new_moments(copy=True)
             for k in MOMENTS:
-                self._write_segment(stager, k, [self.flat[k]])
+                self.write_segment(stager, k, [self.flat[k]])
             return
         states = [self.optimizer.state.get(p, {}) for p in self.params]
         if not any(states):
             return  # no piece has stepped yet: there are no moments to keep
         for k in MOMENTS:
             values = [s[k] if k in s else torch.zeros(p.numel(), device=p.device) for s, p in zip(states, self.params)]
-            self._write_segment(stager, k, values)
+            self.write_segment(stager, k, values)
         self._adopt_new_moments(copy=False)
         self.moments_on_disk = True
 
-    def _write_segment(self, stager: Stager, name: str, values: list[torch.Tensor]) -> None:
+    def write_segment(self, stager: Stager, name: str, values: list[torch.Tensor]) -> None:
         """Submit one write of the whole segment: small parts (per-piece moments, a codec's scales and
         payload) are packed into chunk-sized transfers by the engine. The segment's tail up to the next
         4 KiB boundary is reserved (layout.py), so the engine may pad it for O_DIRECT. The sources must
@@ -211,6 +216,50 @@ class Bucket:
         self.materialize((MAIN,))
         for piece, param in zip(self.pieces, self.params):
             param.copy_(self.entries[piece.entry].model_view[piece.start:piece.stop])
-        self._write_segment(stager, MAIN, [self.flat[MAIN]])
+        self.write_segment(stager, MAIN, [self.flat[MAIN]])
         stager.wait_sources(self.file)
         self.release()
+
+    # ---- checkpoints (checkpoint/ reads and installs Adam state only through these) -------------
+    def adam_steps(self) -> list[int | float | None]:
+        """Per piece, the Adam step its state has reached (None: never stepped, no moments)."""
+        steps = []
+        for param in self.params:
+            state = self.optimizer.state.get(param)
+            if not state or "step" not in state:
+                steps.append(None)
+                continue
+            value = float(state["step"])
+            steps.append(int(value) if value.is_integer() else value)
+        return steps
+
+    def install_moments(self, steps: list, moments_on_disk: bool) -> None:
+        """Adam state as torch creates it, per piece at `steps` (None: no state), its moments pointing at
+        the (released) bucket buffers: the next fetch reads them from the file, which holds them."""
+        scalar = _adam_step_dtype()
+        groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        self.optimizer.state.clear()
+        for param, views, step in zip(self.params, self.moment_views, steps):
+            if step is None:
+                continue
+            g = groups[id(param)]
+            on_device = bool(g.get("capturable") or g.get("fused"))
+            self.optimizer.state[param] = {
+                "step": torch.tensor(float(step), dtype=torch.float32 if on_device else scalar,
+                                     device=param.device if on_device else "cpu"),
+                **{k: views[k] for k in MOMENTS}}
+        self.moments_on_disk = moments_on_disk
+
+    def reset_state(self) -> None:
+        """Back to a fresh bucket: no Adam state, no moments on disk (a failed checkpoint load)."""
+        self.optimizer.state.clear()
+        self.moments_on_disk = False
+
+
+def _adam_step_dtype() -> torch.dtype:
+    """The dtype torch's Adam keeps a CPU `step` in (torch's own choice; fp32 on builds without it)."""
+    try:
+        from torch.optim.optimizer import _get_scalar_dtype
+    except ImportError:
+        return torch.float32
+    return _get_scalar_dtype()

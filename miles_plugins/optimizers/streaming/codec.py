@@ -69,6 +69,7 @@ import math
 import torch
 
 from .layout import EXP_AVG, EXP_AVG_SQ
+from .config import MOMENT_DTYPES, STUDY_MOMENT_DTYPES, check_moment_dtype
 from .errors import StoreConfigError
 
 BLOCK_SIZE = 256
@@ -367,13 +368,10 @@ def _moment_codecs(moment_dtype: str):
     return table.get(moment_dtype)
 
 
-MOMENT_DTYPES = ("fp32", "bf16", "fp16", "fp8e4m3", "fp8e5m2")
-
-
 def codec_from_description(description: dict):
     """The codec whose describe() is `description` (what a checkpoint manifest recorded): it decodes the
     bytes of that checkpoint's segments. A clear error when this build has no such codec."""
-    for moment_dtype in (*MOMENT_DTYPES, "_fp8e4m3_unscaled"):
+    for moment_dtype in MOMENT_DTYPES + STUDY_MOMENT_DTYPES:
         for codec in _moment_codecs(moment_dtype)():
             if codec.describe() == description:
                 return codec
@@ -383,9 +381,6 @@ def codec_from_description(description: dict):
 
 def make_moment_codecs(moment_dtype: str) -> dict:
     """{"exp_avg": codec, "exp_avg_sq": codec} for a `moment_dtype`; a clear error for anything else."""
-    make = _moment_codecs(moment_dtype) if isinstance(moment_dtype, str) else None
-    if make is None:
-        raise StoreConfigError(
-            f"moment_dtype {moment_dtype!r} is not supported; choose one of {', '.join(MOMENT_DTYPES)}")
-    exp_avg, exp_avg_sq = make()
+    check_moment_dtype(moment_dtype)
+    exp_avg, exp_avg_sq = _moment_codecs(moment_dtype)()
     return {EXP_AVG: exp_avg, EXP_AVG_SQ: exp_avg_sq}

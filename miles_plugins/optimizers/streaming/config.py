@@ -10,13 +10,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
+
+from .errors import StoreConfigError
 
 DEFAULT_CHUNK_MB = 256  # host staging chunk per transfer, MiB
 DEFAULT_BUCKET_NUMEL = 200_000_000  # elements per bucket: device residency per bucket in flight
 DEFAULT_DEPTH = 2  # buckets read ahead and written behind while one updates
 DEFAULT_IO_THREADS = 2  # reader and writer threads, each
 MOMENT_DTYPES = ("fp32", "bf16", "fp16", "fp8e4m3", "fp8e5m2")
+# Not offered to users: the unscaled fp8 cast the narrow-moment study compares against (codec.py).
+STUDY_MOMENT_DTYPES = ("_fp8e4m3_unscaled",)
 IO_ENGINES = ("pipelined", "sync")
 
 
@@ -43,5 +47,43 @@ class StreamConfig:
     depth: int = DEFAULT_DEPTH
     io_threads: int = DEFAULT_IO_THREADS
     direct_io: Optional[bool] = None
-    host_cache_mb: Union[int, str] = 0
+    host_cache_mb: int = 0
     write_behind: bool = True
+
+
+def check_moment_dtype(moment_dtype) -> None:
+    if not isinstance(moment_dtype, str) or moment_dtype not in MOMENT_DTYPES + STUDY_MOMENT_DTYPES:
+        raise StoreConfigError(f"moment_dtype {moment_dtype!r} is not supported; choose one of "
+                               f"{', '.join(MOMENT_DTYPES)}")
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_config(config: StreamConfig) -> None:
+    """Raise StoreConfigError naming the first bad field, its value and what to pass instead."""
+    def bad(field: str, expected: str) -> StoreConfigError:
+        return StoreConfigError(f"{field} must be {expected}, got {getattr(config, field)!r}")
+
+    if not isinstance(config.dir, str) or not config.dir:
+        raise bad("dir", "a directory on node-local disk (a non-empty path)")
+    if not _whole(config.chunk_mb) or config.chunk_mb <= 0:
+        raise bad("chunk_mb", f"positive: a host staging chunk in MiB (default {DEFAULT_CHUNK_MB})")
+    check_moment_dtype(config.moment_dtype)
+    if not _whole(config.bucket_numel) or config.bucket_numel <= 0:
+        raise bad("bucket_numel", f"a positive element count (default {DEFAULT_BUCKET_NUMEL})")
+    if config.rank is not None and (not _whole(config.rank) or config.rank < 0):
+        raise bad("rank", "None (torch.distributed's rank) or an integer >= 0")
+    if config.io_engine not in IO_ENGINES:
+        raise bad("io_engine", f"one of {IO_ENGINES}")
+    if not _whole(config.depth) or config.depth < 0:
+        raise bad("depth", f"an integer >= 0 (default {DEFAULT_DEPTH}; 0 streams one bucket at a time)")
+    if not _whole(config.io_threads) or config.io_threads < 1:
+        raise bad("io_threads", f"an integer >= 1 (default {DEFAULT_IO_THREADS})")
+    if config.direct_io not in (None, True, False):
+        raise bad("direct_io", "None (probe O_DIRECT), True or False")
+    if not _whole(config.host_cache_mb) or config.host_cache_mb < 0:
+        raise bad("host_cache_mb", "an integer >= 0: the host cache budget in MiB (0: no host cache)")
+    if not isinstance(config.write_behind, bool):
+        raise bad("write_behind", "True or False")

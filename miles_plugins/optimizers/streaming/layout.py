@@ -1,4 +1,4 @@
-"""File layout: where each bucket's segments live, and the one spelling of a store's directory.
+"""File layout: where each bucket's segments live, and the one spelling of a store's directories.
 
 A bucket file holds its segments back to back, `[main | exp_avg | exp_avg_sq]` (main absent when the
 params are themselves the fp32 masters). Inside a segment the pieces follow the bucket's piece order.
@@ -7,7 +7,6 @@ Every segment starts on a 4 KiB boundary, which O_DIRECT and GPUDirect Storage r
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 ALIGN_BYTES = 4096
@@ -45,18 +44,20 @@ def bucket_filename(index: int) -> str:
     return f"bucket{index:05d}.bin"
 
 
-def store_relative_dir(rank: int, instance: int, uid: int) -> str:
-    """`rank{rank:05d}/opt{instance}_{uid}`: used for the live scratch directory and checkpoints alike.
+STREAMED_DIR = "nvme_opt_state"  # a checkpoint holds each store's state under <base>/STREAMED_DIR/<relative_dir>
 
-    `uid` is a per-process construction counter: chained dense and expert optimizers can share an
-    instance id, and two stores must never share a directory (each would wipe the other's files).
+
+def store_identity(instance: int, part: int) -> str:
+    """`opt{instance}_{part}`: which optimizer of the process a store serves, chosen by its binding.
+
+    instance: the optimizer's instance number (Megatron: distributed_optimizer_instance_id; 0 otherwise).
+    part: its index within a Megatron ChainedOptimizer (dense, expert, ...; 0 otherwise). Both depend on
+    what the optimizer is, never on the order stores were built in, so a restarted job finds its
+    checkpoints; the spelling is the one older checkpoints used for the same stores in a fresh process.
     """
-    return f"rank{rank:05d}/opt{instance}_{uid}"
+    return f"opt{instance}_{part}"
 
 
-_construction_counter = itertools.count()
-
-
-def next_store_uid() -> int:
-    """Deterministic across runs as long as stores are built in the same order."""
-    return next(_construction_counter)
+def store_relative_dir(rank: int, instance: int, part: int) -> str:
+    """`rank{rank:05d}/opt{instance}_{part}`: the live scratch directory and the checkpoint's alike."""
+    return f"rank{rank:05d}/{store_identity(instance, part)}"

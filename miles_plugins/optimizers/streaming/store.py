@@ -27,6 +27,7 @@ temporaries are not state and not counted. io_engine="sync" is depth 0: one buck
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import time
@@ -39,13 +40,14 @@ from tqdm import tqdm
 from .checkpoint import save_load as checkpoint
 from .bucket import Bucket, StreamEntry
 from .codec import Fp32Codec, make_moment_codecs
-from .layout import EXP_AVG, EXP_AVG_SQ, MAIN, bucket_filename, bucket_layout, next_store_uid, store_relative_dir
-from .plan import DEFAULT_BUCKET_NUMEL, plan_buckets
+from .config import StreamConfig, check_config
 from .errors import StoreConfigError
 from .io.stager import Stager
+from .layout import EXP_AVG, EXP_AVG_SQ, MAIN, bucket_filename, bucket_layout, store_identity, store_relative_dir
+from .plan import plan_buckets
+from .units import GB, MiB
 
 logger = logging.getLogger(__name__)
-GB = 1e9
 
 
 @dataclass
@@ -89,42 +91,60 @@ class NVMeOptimizerStateStore:
     Build it through `stream_optimizer_state`, which validates the optimizer and binds it.
     """
 
-    def __init__(self, entries: list[StreamEntry], master: torch.optim.Optimizer, *, dir: str, rank: int = 0,
-                 instance: int = 0, chunk_mb: int = 256, moment_dtype: str = "fp32",
-                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, io_engine: str = "pipelined", depth: int = 2,
-                 io_threads: int = 2, direct_io: bool | None = None, host_cache_mb: int = 0,
-                 write_behind: bool = True):
+    def __init__(self, entries: list[StreamEntry], master: torch.optim.Optimizer, config: StreamConfig, *,
+                 instance: int = 0, part: int = 0, resident_adam=None):
+        """config: validated here (config.check_config); its rank must be resolved (not None).
+        instance, part: the store's identity, chosen by the binding (layout.store_relative_dir): the
+        directory it works in and the one its checkpoints are saved under. resident_adam: the small
+        always-resident Adam over native-fp32 params the binding steps beside the store (or None);
+        checkpoints carry its state."""
+        check_config(config)
+        if config.rank is None:
+            raise StoreConfigError("config.rank is None: resolve it (torch.distributed's rank) before building a store")
         _check_entries(entries)
-        if not isinstance(depth, int) or depth < 0:
-            raise StoreConfigError(f"depth must be an integer >= 0, got {depth!r}")
-        sync = io_engine == "sync"
-        self._depth_setting, self._write_behind_setting = depth, write_behind
-        self.depth = 0 if sync else depth
-        self.write_behind = write_behind and not sync
+        self.config = config
+        self.master = master
+        self.entries = entries
+        self.resident_adam = resident_adam
+        self.streams_main = bool(entries) and entries[0].model_view is not None
+        self.device = entries[0].main.device if entries else torch.device("cpu")
+        self.moment_dtype = config.moment_dtype
+        self.identity = store_identity(instance, part)
+        self.relative_dir = store_relative_dir(config.rank, instance, part)
+        self.depth, self.write_behind = _pipeline_shape(config)
         self._fetching: dict[int, Bucket] = {}  # reads started, not yet consumed by a step
         self._held: dict[int, tuple[Bucket, int]] = {}  # written back, storage kept: (bucket, extra bytes)
         self._current: Bucket | None = None
-        self._order_flipped = False  # a load restored a saved run's bucket order (_set_next_order)
-        self.master = master
-        self.entries = entries
-        self.streams_main = bool(entries) and entries[0].model_view is not None
-        self.device = entries[0].main.device if entries else torch.device("cpu")
-        self.moment_dtype = moment_dtype
-        self.uid = next_store_uid()
-        self.relative_dir = store_relative_dir(rank, instance, self.uid)
+        self._order_flipped = False  # a load restored a saved run's bucket order (restore_next_order)
+        self._step_read = self._step_reused = self._step_peak = 0
+        self._save_job = None
+        self.last_save: dict | None = None
+        self._closed = True  # until the files exist
+        self.path: str | None = None
+        self.buckets: list[Bucket] = []
         # One codec per segment: exp_avg_sq may be stored differently from exp_avg (codec.py says why).
-        self.codecs = {MAIN: Fp32Codec(), **make_moment_codecs(moment_dtype)}
-        plans = plan_buckets([e.main.numel() for e in entries], bucket_numel)
+        self.codecs = {MAIN: Fp32Codec(), **make_moment_codecs(config.moment_dtype)}
+        plans = plan_buckets([e.main.numel() for e in entries], config.bucket_numel)
         names = (MAIN, EXP_AVG, EXP_AVG_SQ) if self.streams_main else (EXP_AVG, EXP_AVG_SQ)
         file_bytes = [bucket_layout([(n, self.codecs[n].encoded_nbytes(p.numel)) for n in names]).file_bytes
                       for p in plans]
-        self.stager = Stager(self.device, chunk_mb * 2**20, io_engine=io_engine, io_threads=io_threads,
-                             direct_io=direct_io, host_cache_bytes=host_cache_mb * 2**20)
+        inflight = max((len(names) * 4 * p.numel + sum(self.codecs[n].encoded_nbytes(p.numel) for n in names
+                                                       if not self.codecs[n].reads_in_place()) for p in plans),
+                       default=0)
+        self.stats = StoreStats(num_buckets=len(plans), state_bytes=sum(file_bytes),
+                                max_bucket_bytes=max((len(names) * 4 * p.numel for p in plans), default=0),
+                                bucket_inflight_bytes=inflight)
+        _refuse_shared_directory(os.path.join(os.path.abspath(config.dir), self.relative_dir))
+        self.stager = Stager(self.device, config.chunk_mb * MiB, io_engine=config.io_engine,
+                             io_threads=config.io_threads, direct_io=config.direct_io,
+                             host_cache_bytes=config.host_cache_mb * MiB)
         self.stager.on_drain(self._release_pipeline)
-        self.path = self.stager.prepare_directory(dir, self.relative_dir, sum(file_bytes))
-        self.stager.expect_files(max(file_bytes, default=0))
-        self.buckets: list[Bucket] = []
+        self._update_io_stats()
+        self._closed = False
+        _LIVE_STORES.add(self)
         try:
+            self.path = self.stager.prepare_directory(config.dir, self.relative_dir, sum(file_bytes))
+            self.stager.expect_files(max(file_bytes, default=0))
             for i, (plan, nbytes) in enumerate(zip(plans, file_bytes)):
                 file = self.stager.create_file(os.path.join(self.path, bucket_filename(i)), nbytes)
                 self.buckets.append(Bucket(i, plan, entries, master, self.codecs, file, self.device,
@@ -133,23 +153,29 @@ class NVMeOptimizerStateStore:
         except BaseException:
             self.close()
             raise
-        inflight = max((len(names) * 4 * p.numel + sum(self.codecs[n].encoded_nbytes(p.numel) for n in names
-                                                       if not self.codecs[n].reads_in_place()) for p in plans),
-                       default=0)
-        self.stats = StoreStats(num_buckets=len(self.buckets), state_bytes=sum(file_bytes),
-                                max_bucket_bytes=max((len(names) * 4 * p.numel for p in plans), default=0),
-                                io_engine=self.stager.io_engine, depth=self.depth, bucket_inflight_bytes=inflight,
-                                residency_bound_bytes=min(2 * self.depth + 1, len(self.buckets)) * inflight,
-                                staging_bytes=self.stager.staging_bytes, host_cache_bytes=host_cache_mb * 2**20)
-        self._marks = self._read_marks()
-        self._closed = False
-        _LIVE_STORES.add(self)
         logger.info("streaming optimizer state: %d buckets, %.3f GB in %s (moments %s, mains %s); %s I/O, "
                     "depth %d, residency bound %.3f GB + staging %.3f GB + host cache %.3f GB",
-                    len(self.buckets), self.stats.state_bytes / GB, self.path, moment_dtype,
+                    len(self.buckets), self.stats.state_bytes / GB, self.path, config.moment_dtype,
                     "streamed" if self.streams_main else "resident (they are the model params)",
                     self.stats.io_engine, self.depth, self.stats.residency_bound_bytes / GB,
                     self.stats.staging_bytes / GB, self.stats.host_cache_bytes / GB)
+
+    def _update_io_stats(self) -> None:
+        """The stats that follow the I/O configuration (construction and set_io)."""
+        s = self.stats
+        s.io_engine, s.depth = self.stager.io_engine, self.depth
+        s.residency_bound_bytes = min(2 * self.depth + 1, s.num_buckets) * s.bucket_inflight_bytes
+        s.staging_bytes, s.host_cache_bytes = self.stager.staging_bytes, self.config.host_cache_mb * MiB
+        self._marks = self._read_marks()
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether the engine moves bytes with O_DIRECT now (a probe may have fallen back to buffered)."""
+        return self.stager.direct_io
+
+    def reset_stats(self) -> None:
+        """Start the peak-residency measurement over (benchmarks measure one configuration at a time)."""
+        self.stats.peak_resident_bytes = self.stats.resident_bytes
 
     # ---- construction -------------------------------------------------------------------------
     def _evict_mains(self) -> None:
@@ -162,7 +188,7 @@ class NVMeOptimizerStateStore:
                         disable=len(self.buckets) < 8 or not logger.isEnabledFor(logging.INFO))
         for bucket in progress:
             views = [self.entries[p.entry].main.detach().view(-1)[p.start:p.stop] for p in bucket.pieces]
-            bucket._write_segment(self.stager, MAIN, views)
+            bucket.write_segment(self.stager, MAIN, views)
         self.stager.wait_all()  # the writes read from the mains' storage
         for entry in self.entries:
             entry.main.untyped_storage().resize_(0)
@@ -170,16 +196,17 @@ class NVMeOptimizerStateStore:
         logger.info("evicted %.3f GB of fp32 mains to disk in %.2f s", nbytes / GB, time.perf_counter() - start)
 
     # ---- the step: a pipeline over the bucket phases -------------------------------------------
-    def _order(self) -> list[Bucket]:
-        """Alternate direction every step: the buckets written last are read first, still in page cache.
-        A checkpoint records the next step's direction (the encode order decides which bucket draws
-        which stochastic-rounding noise) and a load restores it (`_set_next_order`)."""
-        return self.buckets[::-1] if self._next_descending() else self.buckets
+    def next_bucket_order(self) -> list[Bucket]:
+        """The order the next step walks the buckets in. It alternates every step: the buckets written
+        last are read first, still in page cache. A checkpoint records the direction (the encode order
+        decides which bucket draws which stochastic-rounding noise) and a load restores it."""
+        return self.buckets[::-1] if self.next_order_descending() else self.buckets
 
-    def _next_descending(self) -> bool:
+    def next_order_descending(self) -> bool:
         return (self.stats.steps % 2 == 1) != self._order_flipped
 
-    def _set_next_order(self, descending: bool) -> None:
+    def restore_next_order(self, descending: bool) -> None:
+        """Make the next step walk the buckets as a saved run's next step would have (checkpoint load)."""
         self._order_flipped = descending != (self.stats.steps % 2 == 1)
 
     def _read_marks(self) -> tuple[int, int]:
@@ -195,7 +222,7 @@ class NVMeOptimizerStateStore:
         total += sum(extra for _, extra in self._held.values())
         self.stats.resident_bytes = total
         self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, total)
-        self._step_peak = max(getattr(self, "_step_peak", 0), total)
+        self._step_peak = max(self._step_peak, total)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -285,15 +312,14 @@ class NVMeOptimizerStateStore:
         """Release every bucket the pipeline holds (the I/O in flight has ended): prefetched buckets are
         discarded (the next step reads them again), written-back ones freed."""
         for bucket in list(self._fetching.values()):
-            bucket._decode_pending = []
+            bucket.discard_pending_decode()
             bucket.release()
         for bucket, _ in self._held.values():
             bucket.release()
         if self._current is not None:
             self._current.release()
         self._fetching, self._held, self._current = {}, {}, None
-        if hasattr(self, "stats"):
-            self.stats.resident_bytes = 0
+        self.stats.resident_bytes = 0
 
     def _abort(self) -> None:
         self.stager.wait_all(raise_errors=False)
@@ -311,7 +337,7 @@ class NVMeOptimizerStateStore:
             return 0
         self._release_written(self.depth)
         started = 0
-        for bucket in self._order():
+        for bucket in self.next_bucket_order():
             if len(self._fetching) >= self.depth:
                 break
             names = bucket.segments_to_fetch()
@@ -333,27 +359,20 @@ class NVMeOptimizerStateStore:
         finally:
             self._release_pipeline()
 
-    def set_io(self, io_engine: str | None = None, depth: int | None = None, write_behind: bool | None = None,
-               io_threads: int = 2, direct_io: bool | None = None, host_cache_mb: int | None = None) -> None:
+    def set_io(self, *, io_engine: str | None = None, depth: int | None = None, write_behind: bool | None = None,
+               io_threads: int | None = None, direct_io: bool | None = None, host_cache_mb: int | None = None) -> None:
         """Switch the I/O configuration between steps, on the same files (benchmarks, A/B runs).
-        Flushes first; arguments left None keep their value."""
+        Flushes first; arguments left None keep their value (store.config holds the current ones)."""
         self.flush()
-        io_engine = io_engine or self.stats.io_engine
-        if depth is not None and (not isinstance(depth, int) or depth < 0):
-            raise StoreConfigError(f"depth must be an integer >= 0, got {depth!r}")
-        cache = self.stats.host_cache_bytes if host_cache_mb is None else host_cache_mb * 2**20
-        self.stager.set_engine(io_engine, io_threads=io_threads, direct_io=direct_io, host_cache_bytes=cache)
-        sync = io_engine == "sync"
-        if depth is not None:
-            self._depth_setting = depth
-        if write_behind is not None:
-            self._write_behind_setting = write_behind
-        self.depth = 0 if sync else self._depth_setting
-        self.write_behind = self._write_behind_setting and not sync
-        self.stats.io_engine, self.stats.depth = io_engine, self.depth
-        self.stats.residency_bound_bytes = min(2 * self.depth + 1, len(self.buckets)) * self.stats.bucket_inflight_bytes
-        self.stats.staging_bytes, self.stats.host_cache_bytes = self.stager.staging_bytes, cache
-        self._marks = self._read_marks()
+        changes = dict(io_engine=io_engine, depth=depth, write_behind=write_behind, io_threads=io_threads,
+                       direct_io=direct_io, host_cache_mb=host_cache_mb)
+        config = dataclasses.replace(self.config, **{k: v for k, v in changes.items() if v is not None})
+        check_config(config)
+        self.stager.set_engine(config.io_engine, io_threads=config.io_threads, direct_io=config.direct_io,
+                               host_cache_bytes=config.host_cache_mb * MiB)
+        self.config = config
+        self.depth, self.write_behind = _pipeline_shape(config)
+        self._update_io_stats()
 
     @torch.no_grad()
     def step(self) -> StepStats:
@@ -364,7 +383,7 @@ class NVMeOptimizerStateStore:
         prefetched = len(self._fetching)
         self._step_read = self._step_reused = self._step_peak = 0
         compute = 0.0
-        order = self._order()
+        order = self.next_bucket_order()
         try:
             for i, bucket in enumerate(order):
                 self._acquire(bucket)
@@ -431,7 +450,7 @@ class NVMeOptimizerStateStore:
 
     def wait_for_save(self) -> dict | None:
         """Block until the save in flight (if any) is published; raise CheckpointError if it failed."""
-        job, self._save_job = getattr(self, "_save_job", None), None
+        job, self._save_job = self._save_job, None
         if job is None:
             return None
         self.last_save = job.wait()
@@ -452,27 +471,25 @@ class NVMeOptimizerStateStore:
 
     # ---- lifetime -----------------------------------------------------------------------------
     def _check_open(self) -> None:
-        if getattr(self, "_closed", True):
-            raise RuntimeError(f"the optimizer-state store at {getattr(self, 'path', '?')} is closed")
+        if self._closed:
+            raise RuntimeError(f"the optimizer-state store {self.relative_dir} under {self.config.dir} is closed")
 
     def close(self) -> None:
         """Close and remove the bucket files. Runs at exit too; safe to call twice."""
-        if getattr(self, "_closed", False):
+        if self._closed:
             return
         try:  # a checkpoint still copying from the live files finishes first
             self.wait_for_save()
         except Exception:
             logger.exception("a background save of optimizer state failed")
         self._closed = True
-        if hasattr(self, "stager"):  # write-behind in flight ends before its files close
-            self.stager.wait_all(raise_errors=False)
-            self._release_pipeline()
-        for bucket in getattr(self, "buckets", []):
+        self.stager.wait_all(raise_errors=False)  # write-behind in flight ends before its files close
+        self._release_pipeline()
+        for bucket in self.buckets:
             self.stager.close_file(bucket.file)
-        if hasattr(self, "path"):
+        if self.path is not None:  # None: construction failed before the directory was prepared
             self.stager.remove_directory(self.path)
-        if hasattr(self, "stager"):
-            self.stager.close()
+        self.stager.close()
         _LIVE_STORES.discard(self)
 
 
@@ -483,6 +500,22 @@ _LIVE_STORES: "weakref.WeakSet[NVMeOptimizerStateStore]" = weakref.WeakSet()
 def _close_live_stores() -> None:
     for store in list(_LIVE_STORES):
         store.close()
+
+
+def _pipeline_shape(config: StreamConfig) -> tuple[int, bool]:
+    """(depth, write_behind) in effect: the sync engine is depth 0 with no write-behind."""
+    sync = config.io_engine == "sync"
+    return (0 if sync else config.depth), (config.write_behind and not sync)
+
+
+def _refuse_shared_directory(path: str) -> None:
+    """Two live stores in one directory would wipe each other's files: refuse the second, before any
+    file is touched. The binding chooses the identity; stream_optimizer_state(..., instance=k) sets it."""
+    for other in list(_LIVE_STORES):
+        if other.path == path:
+            raise StoreConfigError(
+                f"another open store of this process already works in {path} (identity {other.identity}): "
+                "close it first, or give this optimizer another identity (stream_optimizer_state(..., instance=k))")
 
 
 def _check_entries(entries: list[StreamEntry]) -> None:

@@ -15,6 +15,7 @@ import logging
 import torch
 
 from ..bucket import StreamEntry, adam_constructor_kwargs
+from ..config import StreamConfig
 from ..errors import StoreConfigError
 from ..store import NVMeOptimizerStateStore
 from .torch_adam import _bind_common, _state_marker, check_adam_family
@@ -130,7 +131,7 @@ def _entry(opt, g: int, model_param, main, names: dict[int, str]) -> StreamEntry
     return entry
 
 
-def _bind_distributed(opt, *, instance: int, **store_kwargs) -> NVMeOptimizerStateStore:
+def _bind_distributed(opt, config: StreamConfig, *, instance: int, part: int) -> NVMeOptimizerStateStore:
     check_megatron_config(opt)
     names = _param_names(opt)
     entries = [_entry(opt, g, model_param, main, names)
@@ -138,7 +139,8 @@ def _bind_distributed(opt, *, instance: int, **store_kwargs) -> NVMeOptimizerSta
                                                                  opt.shard_fp32_from_float16_groups))
                for model_param, main in zip(model_group, main_group)]
     resident = ResidentAdam(opt.optimizer, [list(group) for group in opt.shard_fp32_groups])
-    store = NVMeOptimizerStateStore(entries, opt.optimizer, instance=instance, **store_kwargs)
+    store = NVMeOptimizerStateStore(entries, opt.optimizer, config, instance=instance, part=part,
+                                    resident_adam=resident)
     # Megatron hangs each bf16 model param's fp32 shard on it as `main_param`; the store has released
     # that storage. Readers (megatron.training's calc_params_l2_norm) fall back to the model weights
     # when the handle is absent, instead of reading a tensor with no storage.
@@ -146,7 +148,6 @@ def _bind_distributed(opt, *, instance: int, **store_kwargs) -> NVMeOptimizerSta
         for model_param in model_group:
             if hasattr(model_param, "main_param"):
                 del model_param.main_param
-    store.resident_adam = resident
     n_resident = sum(p.numel() for group in opt.shard_fp32_groups for p in group)
     if n_resident:
         logger.info("%d native-fp32 param elements stay under a resident Adam (aliasing the model params)",
@@ -204,19 +205,24 @@ class StoreGroup:
             s.close()
 
 
-def bind_megatron(optimizer, **store_kwargs):
-    """Bind a DistributedOptimizer (returns its store) or a ChainedOptimizer (returns a StoreGroup)."""
+def bind_megatron(optimizer, config: StreamConfig, instance: int | None = None):
+    """Bind a DistributedOptimizer (returns its store) or a ChainedOptimizer (returns a StoreGroup).
+
+    Store identity (layout.store_identity): `instance` is the member's distributed_optimizer_instance_id
+    unless the caller gives one; `part` its index in the chain (0 for a lone DistributedOptimizer), stub
+    members included, so a member's directory does not depend on which other members hold params."""
     members = getattr(optimizer, "chained_optimizers", None)
     if members is None:
         members = [optimizer]
     stores = []
-    for member in members:
+    for part, member in enumerate(members):
         if not _is_distributed_optimizer(member):
             raise StoreConfigError(f"cannot stream the state of {type(member).__name__}: only megatron-core's "
                                    "DistributedOptimizer (use_distributed_optimizer=True) is supported")
         if member.is_stub_optimizer:
             continue
-        stores.append(_bind_distributed(member, instance=member.distributed_optimizer_instance_id, **store_kwargs))
+        own = member.distributed_optimizer_instance_id if instance is None else instance
+        stores.append(_bind_distributed(member, config, instance=own, part=part))
     if hasattr(optimizer, "chained_optimizers"):
         group = StoreGroup(stores)
         optimizer._nvme_state_store = group

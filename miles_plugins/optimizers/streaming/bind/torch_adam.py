@@ -1,7 +1,8 @@
 """Bindings for torch optimizers: plain Adam/AdamW, and the torch backend's ZeRO-1 sharded Adam.
 
 Binding is in place: `optimizer.step()` streams afterwards, and the store is reachable as
-`optimizer._nvme_state_store`. The bucket files are the state, so `state_dict()` returns a marker and
+`optimizer._nvme_state_store`. Identity (layout.store_identity): `instance` (0 unless the caller gives
+another), part 0. The bucket files are the state, so `state_dict()` returns a marker and
 `load_state_dict()` does nothing; checkpoints go through `store.save_to` / `store.load_from`.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..bucket import StreamEntry
+from ..config import StreamConfig
 from ..errors import StoreConfigError
 from ..store import NVMeOptimizerStateStore
 
@@ -40,7 +42,7 @@ def _bind_common(optimizer, store: NVMeOptimizerStateStore) -> None:
     optimizer._nvme_state_store = store
 
 
-def bind_plain_adam(optimizer: torch.optim.Optimizer, **store_kwargs) -> NVMeOptimizerStateStore:
+def bind_plain_adam(optimizer: torch.optim.Optimizer, config: StreamConfig, instance: int = 0) -> NVMeOptimizerStateStore:
     """fp32 params are their own masters: only the moments stream; the params stay where they are."""
     check_adam_family(optimizer)
     entries = []
@@ -51,7 +53,7 @@ def bind_plain_adam(optimizer: torch.optim.Optimizer, **store_kwargs) -> NVMeOpt
                     f"param of shape {tuple(p.shape)} is {p.dtype}; a plain Adam streams fp32 params only. For "
                     "low-precision params use miles' ShardedMixedPrecisionAdam (fp32 masters) and stream that")
             entries.append(StreamEntry(main=p, group=g, name=f"param{len(entries)}"))
-    store = NVMeOptimizerStateStore(entries, optimizer, **store_kwargs)
+    store = NVMeOptimizerStateStore(entries, optimizer, config, instance=instance)
 
     def step(closure=None):
         loss = None
@@ -66,12 +68,12 @@ def bind_plain_adam(optimizer: torch.optim.Optimizer, **store_kwargs) -> NVMeOpt
     return store
 
 
-def bind_sharded_adam(optimizer, **store_kwargs) -> NVMeOptimizerStateStore:
+def bind_sharded_adam(optimizer, config: StreamConfig, instance: int = 0) -> NVMeOptimizerStateStore:
     """ZeRO-1 sharded mixed precision: the fp32 master shards stream; updates publish into the model."""
     check_adam_family(optimizer.inner)
     entries = [StreamEntry(main=s.master, group=s.group, model_view=s.model_view, name=f"param{s.index}",
                            start=s.start, full_numel=s.param.numel()) for s in optimizer.shards]
-    store = NVMeOptimizerStateStore(entries, optimizer.inner, **store_kwargs)
+    store = NVMeOptimizerStateStore(entries, optimizer.inner, config, instance=instance)
     optimizer.update = store.step
     optimizer.reload_model_params = store.refresh_main_from_model_params
     _bind_common(optimizer, store)

@@ -57,35 +57,21 @@ import torch
 from ..codec import codec_from_description
 from ..errors import CheckpointError, StoreConfigError
 from ..io import stager as io
-from ..layout import MAIN, MOMENTS, bucket_filename
+from ..layout import MAIN, STREAMED_DIR, bucket_filename
 from . import requantize
 from . import rng as codec_rng
 from .reshard import ReshardError, entry_meta, plan_reshard, segment_names
 
 logger = logging.getLogger(__name__)
 FORMAT, VERSION = "miles-streamed-optimizer-state", 1
-STREAMED_DIR, MANIFEST, RESIDENT = "nvme_opt_state", "manifest.json", "resident_adam.pt"
-FAULT_HOOK = None  # tests: called at every point of a save where they may kill the process
-
-
-def _fault() -> None:
-    if FAULT_HOOK is not None:
-        FAULT_HOOK()
-
-
-def _step(state):
-    if not state or "step" not in state:
-        return None
-    value = float(state["step"])
-    return int(value) if value.is_integer() else value
+MANIFEST, RESIDENT = "manifest.json", "resident_adam.pt"
 
 
 def build_manifest(store) -> dict:
     buckets, group_steps = [], {}
     for b in store.buckets:
         pieces = []
-        for piece, param in zip(b.pieces, b.params):
-            step = _step(b.optimizer.state.get(param))
+        for piece, step in zip(b.pieces, b.adam_steps()):
             pieces.append([piece.entry, piece.start, piece.stop, step])
             g = str(store.entries[piece.entry].group)
             group_steps[g] = max(group_steps.get(g, 0), step or 0)
@@ -120,9 +106,7 @@ class SaveJob:
         for stale in io.glob_paths(f"{self.final}.tmp-*"):
             io.remove_tree(stale)
         io.make_dirs(self.tmp)
-        _fault()
-        order = store._order() if hasattr(store, "_order") else store.buckets
-        self.order = [b.index for b in order]  # the order the next step overwrites them in
+        self.order = [b.index for b in store.next_bucket_order()]  # the order the next step overwrites them in
         self.locks = {i: threading.Lock() for i in self.order}
         self.fds, self.done, self.error, self.use_reflink = {}, set(), None, True
         self.stats = {"path": self.final, "bytes": sum(b.file.nbytes for b in store.buckets),
@@ -150,7 +134,7 @@ class SaveJob:
                     crc = None  # reflinked: checksummed later from the clone, off the training path
                     if not (self.use_reflink and io.reflink(file.fd, fd)):
                         self.use_reflink = False
-                        crc = io.copy_with_crc(file.fd, fd, file.nbytes, on_chunk=_fault)
+                        crc = io.copy_with_crc(file.fd, fd, file.nbytes)
                     self.manifest["buckets"][i]["crc32"] = crc
             except Exception as e:  # training goes on; wait_for_save() reports it
                 self.error = self.error or e
@@ -161,7 +145,6 @@ class SaveJob:
 
     def _run(self) -> None:
         try:
-            _fault()
             for i in self.order:
                 self._copy(i)
             if self.error is not None:
@@ -169,21 +152,17 @@ class SaveJob:
             for i in sorted(self.fds):
                 meta = self.manifest["buckets"][i]
                 if meta["crc32"] is None:
-                    meta["crc32"] = io.copy_with_crc(self.fds[i], None, meta["file_bytes"], on_chunk=_fault)
+                    meta["crc32"] = io.copy_with_crc(self.fds[i], None, meta["file_bytes"])
                     self.stats["reflinked_buckets"] += 1
                 io.close_fd(self.fds.pop(i), sync=True)
-                _fault()
             for name, data in ((RESIDENT, self.resident), (codec_rng.FILE, self.rng)):
                 if data is not None:
                     io.write_file_durable(os.path.join(self.tmp, name), data)
-                    _fault()
             body = json.dumps(self.manifest, sort_keys=True)
             text = json.dumps({**self.manifest, "manifest_crc32": zlib.crc32(body.encode())}, indent=1)
             io.write_file_durable(os.path.join(self.tmp, MANIFEST), text.encode())
-            _fault()
             io.fsync_dir(self.tmp)
-            _fault()
-            io.publish_dir(self.tmp, self.final, on_step=_fault)
+            io.publish_dir(self.tmp, self.final)
             self.stats["seconds"] = time.perf_counter() - self.t0
         except BaseException as e:
             self.error = self.error or e
@@ -203,7 +182,8 @@ class SaveJob:
 
 # ---- load -----------------------------------------------------------------------------------------
 def _resident(store):
-    return getattr(getattr(store, "resident_adam", None), "optimizer", None)
+    """The torch optimizer of the store's resident Adam (native-fp32 params), or None."""
+    return None if store.resident_adam is None else store.resident_adam.optimizer
 
 
 def _read_manifest(directory: str) -> dict:
@@ -361,7 +341,7 @@ def load(store, base: str) -> bool:
             io.copy_with_crc(sources[path], dst_fd, nbytes, src_off, dst_off)
         requantize.apply(store, requants, sources)
         for b, s, mo in zip(store.buckets, steps, moments):
-            _install(b, s, mo)
+            b.install_moments(s, mo)
         if resident_state is not None:
             resident.load_state_dict(resident_state)
         codec_rng.restore(store, rng, f"not the saved layout or formats: {diff}" if diff is not None
@@ -369,8 +349,7 @@ def load(store, base: str) -> bool:
     except BaseException:
         logger.error("loading optimizer state from %s failed: resetting the store to fresh state", own)
         for b in store.buckets:
-            b.optimizer.state.clear()
-            b.moments_on_disk = False
+            b.reset_state()
         if resident is not None:
             resident.state.clear()
         codec_rng.reset(store)
@@ -410,23 +389,3 @@ def _reshard(store, root: str, own: str, diff: str):
                 f"; re-quantizing {len(requants)} block-scaled moment ranges" if requants else "")
     return copies, requants, steps, moments
 
-
-def _install(bucket, steps: list, moments: bool) -> None:
-    """Adam state as torch creates it, with the moments pointing at the (released) bucket buffers."""
-    try:
-        from torch.optim.optimizer import _get_scalar_dtype
-        scalar = _get_scalar_dtype()
-    except ImportError:
-        scalar = torch.float32
-    groups = {id(p): g for g in bucket.optimizer.param_groups for p in g["params"]}
-    bucket.optimizer.state.clear()
-    for param, views, step in zip(bucket.params, bucket.moment_views, steps):
-        if step is None:
-            continue
-        g = groups[id(param)]
-        on_device = bool(g.get("capturable") or g.get("fused"))
-        bucket.optimizer.state[param] = {
-            "step": torch.tensor(float(step), dtype=torch.float32 if on_device else scalar,
-                                 device=param.device if on_device else "cpu"),
-            **{k: views[k] for k in MOMENTS}}
-    bucket.moments_on_disk = moments

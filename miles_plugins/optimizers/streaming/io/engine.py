@@ -50,8 +50,9 @@ import time
 import torch
 
 from ..config import IO_ENGINES
+from ..layout import ALIGN_BYTES, align_up
 from .hostcache import FileState, HostCache
-from .hostio import (ALIGN, NO_DIRECT, HostMemory, StagingPool, align_up, cut_into_chunks, host_buffer,
+from .hostio import (NO_DIRECT, HostMemory, StagingPool, cut_into_chunks, host_buffer,
                      open_direct, pread_into, pwrite_all)
 from .sync import SyncEngine
 from .tickets import Deferred, IOCounters, Ticket, Workers, overlap
@@ -262,7 +263,7 @@ class PipelinedEngine:
         error = None
         try:
             for dep, level in deps:
-                dep._wait_dependency(level)
+                dep.wait_dependency(level)
             t0 = time.perf_counter()
             if slot is not None:
                 self._copy_in(slot.image[file_off:file_off + n], pieces, ready)
@@ -289,24 +290,24 @@ class PipelinedEngine:
                     idle = self._disk_reads == 0
                 if idle:
                     self._behind.poke()
-            ticket._consume()
-            ticket._finish(error)
+            ticket.consume_chunk()
+            ticket.finish_chunk(error)
 
     def _write_task(self, file, dfd, ticket, chunk, deps, ready, slot, pad) -> None:
         file_off, n, pieces = chunk
         consumed, error, deferred = False, None, False
         try:
             for dep, level in deps:
-                dep._wait_dependency(level)
+                dep.wait_dependency(level)
             t0 = time.perf_counter()
             if slot is not None:
                 # write-behind: the bytes are in host RAM now (the source may be released); the disk
                 # write runs in the background, when the disk has no reads to serve
                 self._copy_out(pieces, slot.image[file_off:file_off + n], ready)
-                ticket._consume()
+                ticket.consume_chunk()
                 consumed = True
                 task = Deferred(lambda: self._slot_write(file, dfd, ticket, slot, file_off, n, pad))
-                ticket._deferred.append(task)
+                ticket.defer(task)
                 deferred = True
                 self._behind.submit(task.run, background=True)
             elif not self.cuda and dfd < 0:
@@ -315,7 +316,7 @@ class PipelinedEngine:
                 buf = self._write_staging.acquire()
                 try:
                     self._copy_out(pieces, buf.tensor[:n], ready)
-                    ticket._consume()
+                    ticket.consume_chunk()
                     consumed = True
                     self._transfer("write", file, dfd, buf.tensor, file_off, n, pad)
                 finally:
@@ -327,11 +328,11 @@ class PipelinedEngine:
             self._failed(e)
         finally:
             if not consumed:
-                ticket._consume()
+                ticket.consume_chunk()
             if not deferred:
                 if slot is not None:
                     self.cache.unpin(slot)
-                ticket._finish(error)
+                ticket.finish_chunk(error)
 
     def _slot_write(self, file, dfd, ticket, slot, file_off, n, pad) -> None:
         """The background half of a write-through to a host image: image -> file."""
@@ -346,7 +347,7 @@ class PipelinedEngine:
             self._failed(e)
         finally:
             self.cache.unpin(slot)
-            ticket._finish(error)
+            ticket.finish_chunk(error)
 
     def _copy_in(self, src: torch.Tensor, pieces, ready) -> None:
         """Host bytes -> destination pieces, on the H2D stream (after `ready`: the destination's
@@ -389,7 +390,7 @@ class PipelinedEngine:
         and the padded range lies inside the file (reads: the segment's reserved tail; writes: zeros into
         the reserved tail). Otherwise the aligned head goes direct and the tail through the buffered fd.
         """
-        direct = dfd >= 0 and self.direct and off % ALIGN == 0 and buf.data_ptr() % ALIGN == 0
+        direct = dfd >= 0 and self.direct and off % ALIGN_BYTES == 0 and buf.data_ptr() % ALIGN_BYTES == 0
         head, tail = (n, 0)
         if direct:
             padded = align_up(n)
@@ -398,7 +399,7 @@ class PipelinedEngine:
                     buf[n:padded].zero_()
                 head, tail = padded, 0
             else:
-                head, tail = n - n % ALIGN, n % ALIGN
+                head, tail = n - n % ALIGN_BYTES, n % ALIGN_BYTES
         else:
             head, tail = 0, n
         try:

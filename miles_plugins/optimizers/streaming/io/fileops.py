@@ -1,6 +1,6 @@
 """File primitives of checkpoints: whole-file copies with checksums, durable small files, atomic
-directory publish. Below the stager (which re-exports them): checkpoint.py, reshard.py and
-requantize.py reach them as `stager.<name>`, so the stager stays the one door to files.
+directory publish, on hostio's positional I/O. Below the stager (which re-exports them): checkpoint/
+reaches them as `stager.<name>`, so the stager stays the one door to files.
 
 Copies run in the kernel (copy_file_range; reflink where the filesystem shares extents; pread/pwrite
 where refused); every syscall and crc32 releases the GIL, so a background save does not stall training.
@@ -15,23 +15,7 @@ import shutil
 import zlib
 from typing import Callable
 
-
-def _pread_into(fd: int, buffer, offset: int) -> None:
-    view = buffer
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:done + (1 << 30)]], offset + done)
-        if n == 0:
-            raise IOError(f"unexpected end of file reading fd {fd} at byte {offset + done}")
-        done += n
-
-
-def _pwrite_all(fd: int, buffers: list, offset: int) -> None:
-    for view in buffers:
-        done = 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:done + (1 << 30)], offset + done)
-        offset += len(view)
+from .hostio import pread_into, pwrite_all
 
 
 # ---- checkpoint files (checkpoint.py decides what to copy; these move the bytes) --------------------
@@ -85,8 +69,8 @@ def _copy_range(src_fd: int, dst_fd: int, n: int, src_off: int, dst_off: int, bu
         done += k
     for pos in range(done, n, len(buf)):
         chunk = buf[:min(len(buf), n - pos)]
-        _pread_into(src_fd, chunk, src_off + pos)
-        _pwrite_all(dst_fd, [chunk], dst_off + pos)
+        pread_into(src_fd, [chunk], src_off + pos)
+        pwrite_all(dst_fd, [chunk], dst_off + pos)
 
 
 def copy_with_crc(src_fd: int, dst_fd: int | None, nbytes: int, src_offset: int = 0, dst_offset: int = 0,
@@ -105,7 +89,7 @@ def copy_with_crc(src_fd: int, dst_fd: int | None, nbytes: int, src_offset: int 
             n = min(chunk_bytes, nbytes - pos)
             if dst_fd is not None:
                 _copy_range(src_fd, dst_fd, n, src_offset + pos, dst_offset + pos, buf)
-            _pread_into(src_fd, buf[:n], src_offset + pos)
+            pread_into(src_fd, [buf[:n]], src_offset + pos)
             crc = zlib.crc32(buf[:n], crc)
             if on_chunk is not None:
                 on_chunk()
@@ -115,7 +99,7 @@ def copy_with_crc(src_fd: int, dst_fd: int | None, nbytes: int, src_offset: int 
     copy_buf, crc_buf, state = memoryview(bytearray(chunk_bytes)), memoryview(bytearray(chunk_bytes)), [crc]
 
     def checksum(pos: int, n: int) -> None:  # one worker: runs in submission order
-        _pread_into(src_fd, crc_buf[:n], src_offset + pos)
+        pread_into(src_fd, [crc_buf[:n]], src_offset + pos)
         state[0] = zlib.crc32(crc_buf[:n], state[0])
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-crc") as pool:
@@ -143,19 +127,19 @@ def read_file(path: str) -> bytes:
 def read_at(fd: int, offset: int, nbytes: int) -> bytearray:
     """`nbytes` bytes at `offset` (short files raise IOError)."""
     buf = bytearray(nbytes)
-    _pread_into(fd, memoryview(buf), offset)
+    pread_into(fd, [memoryview(buf)], offset)
     return buf
 
 
 def write_at(fd: int, offset: int, data) -> None:
     """Write all of `data` (a bytes-like object) at `offset`."""
-    _pwrite_all(fd, [memoryview(data).cast("B")], offset)
+    pwrite_all(fd, [memoryview(data).cast("B")], offset)
 
 
 def write_file_durable(path: str, data: bytes) -> None:
     fd = open_new(path)
     try:
-        _pwrite_all(fd, [memoryview(data)], 0)
+        pwrite_all(fd, [memoryview(data)], 0)
     finally:
         close_fd(fd, sync=True)
 
@@ -206,5 +190,4 @@ def remove_tree(path: str) -> None:
 
 
 def glob_paths(pattern: str) -> list[str]:
-    import glob
     return sorted(glob.glob(pattern))

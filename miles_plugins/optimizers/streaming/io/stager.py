@@ -23,11 +23,13 @@ import torch
 
 from ..config import IO_ENGINES
 from ..errors import StoreConfigError
+from ..layout import align_up  # noqa: F401 - miles/bench/floor.py
 from .engine import make_engine
 from .fileops import (  # noqa: F401 - checkpoint.py, reshard.py, requantize.py use them through the stager
     open_read, open_new, close_fd, reflink, copy_with_crc, file_size, read_file,
     read_at, write_at, write_file_durable, fsync_dir, make_dirs, publish_dir, remove_tree, glob_paths)
-from .hostio import as_bytes, drop_page_cache, host_buffer, raw_floor  # noqa: F401 (raw_floor: miles bench stream)
+from .hostio import (  # noqa: F401 - requantize.py moves bytes, miles/bench/floor.py times the disk, through them
+    NO_DIRECT, HostMemory, as_bytes, drop_page_cache, host_buffer, open_direct, pread_into, pwrite_all)
 from .tickets import IOCounters, Ticket  # noqa: F401
 
 logger = logging.getLogger(__name__)
@@ -108,6 +110,11 @@ class Stager:
     @property
     def io_engine(self) -> str:
         return self.engine.name
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether the engine uses O_DIRECT now (a probe may have fallen back to buffered I/O)."""
+        return bool(self.engine.direct)
 
     @property
     def staging_bytes(self) -> int:

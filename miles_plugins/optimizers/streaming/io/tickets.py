@@ -43,13 +43,15 @@ class Ticket:
             self.finished.set()
             self._holds = None
 
-    def _consume(self) -> None:
+    def consume_chunk(self) -> None:
+        """The engine: one chunk no longer needs its source tensors."""
         with self._lock:
             self._unconsumed -= 1
             if self._unconsumed == 0:
                 self.consumed.set()
 
-    def _finish(self, error: BaseException | None) -> None:
+    def finish_chunk(self, error: BaseException | None) -> None:
+        """The engine: one chunk has ended (its error, if it failed, is the ticket's)."""
         with self._lock:
             if error is not None and self.error is None:
                 self.error = error
@@ -58,6 +60,10 @@ class Ticket:
         if done:
             self._holds = None
             self.finished.set()
+
+    def defer(self, task: "Deferred") -> None:
+        """The engine: a background part of this request that a waiter may run itself."""
+        self._deferred.append(task)
 
     def _run_deferred(self) -> None:
         """Whoever needs this request finished runs its background parts now instead of waiting for
@@ -77,7 +83,7 @@ class Ticket:
     def done(self, level: str = "finished") -> bool:
         return (self.consumed if level == "consumed" else self.finished).is_set()
 
-    def _wait_dependency(self, level: str) -> None:
+    def wait_dependency(self, level: str) -> None:
         """Used by worker tasks: a failed dependency fails the task."""
         if level == "finished":
             self._run_deferred()
