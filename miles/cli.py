@@ -13,9 +13,9 @@ returns an exit code (None means 0).
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.util
-import logging
 import sys
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -65,24 +65,18 @@ def _top_parser(subs: Sequence[Subcommand]) -> argparse.ArgumentParser:
     return parser
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-
-
 def train_main(argv: Sequence[str]) -> int:
     """``miles train``: parse, validate (one clear error, before anything starts), run ``miles.train.run``."""
     from miles.config import ArgumentError, build_parser, validate_args
+    from miles.logging_setup import configure_logging
 
     parser = build_parser(prog="miles train")
     args = parser.parse_args(list(argv))
     try:
-        args = validate_args(args)
+        config = validate_args(args)
     except ArgumentError as e:
         parser.error(str(e))  # exits with status 2
-    _setup_logging(args.log_level)
+    configure_logging(config.logging.log_level)
     try:
         train_mod = importlib.import_module("miles.train")
     except ModuleNotFoundError as e:
@@ -90,7 +84,7 @@ def train_main(argv: Sequence[str]) -> int:
             raise
         print("miles train: the training loop (miles.train) is not part of this build", file=sys.stderr)
         return 1
-    ret = train_mod.run(args)
+    ret = train_mod.run(config)
     return int(ret) if isinstance(ret, int) else 0
 
 
@@ -104,8 +98,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0 if argv else 2
     by_name = {s.name: s for s in subs}
     if argv[0] not in by_name:
-        parser.parse_args(argv[:1])  # prints usage + "invalid choice" and exits 2
-        return 2
+        close = difflib.get_close_matches(argv[0], list(by_name), n=1)
+        parser.error(f"unknown subcommand {argv[0]!r} (choose from {', '.join(by_name)})"
+                     + (f"; did you mean {close[0]}?" if close else ""))  # exits 2
     ret = _resolve(by_name[argv[0]].handler)(argv[1:])
     return int(ret) if isinstance(ret, int) else 0
 

@@ -9,8 +9,10 @@ import os
 import statistics
 from typing import Any, Optional
 
+from miles.config import RunConfig
+from miles_plugins.optimizers.streaming.units import GB
+
 logger = logging.getLogger("miles.train")
-GB = 1e9
 
 
 def mean_of(values) -> float:
@@ -104,8 +106,9 @@ def format_rollout_line(rec: dict[str, Any], num_rollout: int) -> str:
     return " | ".join(parts)
 
 
-def log_summary(args, summary: dict[str, Any]) -> None:
+def log_summary(config: RunConfig, summary: dict[str, Any]) -> None:
     recs = summary["records"]
+    ckpt = config.checkpoint
     lines = ["run finished in %.1f s: %d rollout(s) (%s)" % (
         summary["seconds"], len(recs),
         f"rollouts {recs[0]['rollout_id']}..{recs[-1]['rollout_id']}" if recs else "nothing left to do")]
@@ -118,9 +121,9 @@ def log_summary(args, summary: dict[str, Any]) -> None:
                 recs[-1]["stream_gbps"]))
     if summary["checkpoints"]:
         lines.append(f"  checkpoints: {', '.join(summary['checkpoints'])}")
-        lines.append(f"  latest checkpoint: {summary['latest_checkpoint']} (resume with --load {args.save})")
-    elif getattr(args, "save", None):
-        lines.append(f"  no checkpoint written (--save {args.save}, --save-interval {getattr(args, 'save_interval', None)})")
+        lines.append(f"  latest checkpoint: {summary['latest_checkpoint']} (resume with --load {ckpt.save})")
+    elif ckpt.save:
+        lines.append(f"  no checkpoint written (--save {ckpt.save}, --save-interval {ckpt.save_interval})")
     else:
         lines.append("  no checkpoints (--save not given)")
     lines.append(f"  metrics: {summary['metrics_file']}" +

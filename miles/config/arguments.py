@@ -1,13 +1,14 @@
 """Arguments of ``miles train`` as Megatron-core-style config dataclasses.
 
 Every knob is declared exactly once, as a typed dataclass field whose ``metadata["help"]`` is its
-documentation. :func:`build_parser` turns the dataclasses into argparse groups (one group per
-dataclass, flag ``--<field-name-with-dashes>``), and :func:`parse_args` returns a flat
-``argparse.Namespace`` whose attribute names are the field names (= flag names with underscores),
-e.g. ``args.stream_optimizer_state_to_disk``.
+documentation and whose default is the flag's one default (the store's knobs take theirs from the
+store's own ``streaming.config``). :func:`build_parser` turns the dataclasses into argparse groups
+(one group per dataclass, flag ``--<field-name-with-dashes>``), and :func:`parse_args` returns a flat
+``argparse.Namespace`` whose attribute names are the field names (= flag names with underscores).
 
 Parsing does not validate combinations and does not resolve tri-states / environment-dependent
-defaults (``None`` values); :func:`miles.config.validation.validate_args` does that.
+defaults (``None`` values); :func:`miles.config.validation.validate_args` does that and returns the
+frozen :class:`miles.config.run_config.RunConfig` built from these groups.
 
 Groups (in order): cluster, model, rollout, training, optimizer, offload, checkpoint, logging.
 """
@@ -16,9 +17,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
+
+from miles_plugins.optimizers.streaming.config import DEFAULT_BUCKET_NUMEL, DEFAULT_CHUNK_MB, MOMENT_DTYPES
 
 __all__ = [
     "ClusterConfig",
@@ -29,17 +33,12 @@ __all__ = [
     "OffloadConfig",
     "CheckpointConfig",
     "LoggingConfig",
-    "MilesConfig",
     "CONFIG_GROUPS",
     "MOMENT_DTYPES",
     "build_parser",
     "parse_args",
-    "default_args",
-    "config_from_args",
     "flag_name",
 ]
-
-MOMENT_DTYPES = ("fp32", "bf16", "fp16", "fp8e4m3", "fp8e5m2")
 
 
 def knob(default: Any, help: str, *, choices: Sequence[Any] | None = None, metavar: str | None = None):
@@ -55,7 +54,7 @@ def knob(default: Any, help: str, *, choices: Sequence[Any] | None = None, metav
 # --------------------------------------------------------------------------------------- groups
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClusterConfig:
     """Where the actors run."""
 
@@ -69,7 +68,7 @@ class ClusterConfig:
     num_cpus_per_rank: int = knob(1, "CPUs reserved per train rank / rollout engine (Ray bundle size).")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """Which policy model is trained."""
 
@@ -86,7 +85,7 @@ class ModelConfig:
     fp8_param: bool = knob(False, "Keep parameters in fp8 (megatron backend only; incompatible with streaming).")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutConfig:
     """Generation of samples."""
 
@@ -109,7 +108,7 @@ class RolloutConfig:
     rollout_seed: int = knob(42, "Seed of prompt order and sampling (rollout i samples with seed + i).")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainingConfig:
     """The training backend and its batch shape."""
 
@@ -123,7 +122,7 @@ class TrainingConfig:
     eps_clip: float = knob(0.2, "PPO-style clip range of the importance ratio against the rollout log-probs.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerConfig:
     """Optimizer and the streamed optimizer state."""
 
@@ -146,8 +145,11 @@ class OptimizerConfig:
         "fp32", "Storage dtype of the streamed Adam moments (fp8 uses per-block scaling).", choices=MOMENT_DTYPES
     )
     stream_optimizer_state_bucket_numel: int = knob(
-        200_000_000, "Elements per streamed bucket (GPU residency is bounded by about one bucket).",
+        DEFAULT_BUCKET_NUMEL, "Elements per streamed bucket (GPU residency is bounded by about one bucket).",
         metavar="N",
+    )
+    stream_optimizer_state_chunk_mb: int = knob(
+        DEFAULT_CHUNK_MB, "Host staging chunk of the streamed optimizer state's disk transfers, MiB.", metavar="MB"
     )
     stream_optimizer_state_host_cache_mb: int = knob(
         0, "Host RAM per train rank, MiB, for images of hot buckets: their reads come from RAM and their "
@@ -162,7 +164,7 @@ class OptimizerConfig:
     enable_witness: bool = knob(False, "Optimizer-state witness (miles flag; not implemented here, rejected).")
 
 
-@dataclass
+@dataclass(frozen=True)
 class OffloadConfig:
     """Trainer offload while the rollout engine runs ("sleep")."""
 
@@ -181,10 +183,14 @@ class OffloadConfig:
         "streaming, <root>/trainer for trainer offload, <root>/rollout for the rollout engine.",
         metavar="DIR",
     )
-    offload_train_disk_chunk_mb: int = knob(256, "Chunk size of disk transfers, MiB.", metavar="MB")
+    offload_train_disk_chunk_mb: int = knob(
+        DEFAULT_CHUNK_MB, "Chunk size of the trainer offload's disk transfers (torch_memory_saver's "
+        "TMS_DISK_BACKUP_CHUNK_MB on GPU), MiB. The streamed optimizer state has its own "
+        "--stream-optimizer-state-chunk-mb.", metavar="MB"
+    )
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Saving and loading."""
 
@@ -195,7 +201,7 @@ class CheckpointConfig:
     finetune: bool = knob(False, "With --load: load weights only and restart the rollout count at 0.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingConfig:
     """Metrics and logs."""
 
@@ -215,19 +221,6 @@ CONFIG_GROUPS: tuple[tuple[str, type], ...] = (
     ("logging", LoggingConfig),
 )
 
-
-@dataclass
-class MilesConfig:
-    """All groups together (``config_from_args(args)``)."""
-
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    offload: OffloadConfig = field(default_factory=OffloadConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 # --------------------------------------------------------------------------------------- parser
@@ -249,7 +242,8 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hints: dict[str, Any]) -> None:
     tp, optional = _unwrap_optional(hints[f.name])
     md = f.metadata
-    kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": md["help"]}
+    # argparse %-formats help texts: a literal % (e.g. "55%") must be doubled
+    kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": md["help"].replace("%", "%%")}
     if tp is bool:
         if optional:  # tri-state: --x / --no-x / unset (None)
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -268,9 +262,36 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hints: dict
     group.add_argument(flag_name(f.name), **kwargs)
 
 
+class SuggestingParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose unknown-flag error suggests the closest known flag."""
+
+    def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse's contract
+        ns, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.error(unknown_arguments_message(unknown, self.option_strings()))
+        return ns
+
+    def option_strings(self) -> list[str]:
+        return [s for action in self._actions for s in action.option_strings]
+
+
+def unknown_arguments_message(unknown: Sequence[str], known: Sequence[str]) -> str:
+    """``unrecognized arguments: --eps-clp 0 (--eps-clp: did you mean --eps-clip?)`` (flags only; ``--x=v``
+    is matched by its name)."""
+    hints = []
+    for token in unknown:
+        name = token.split("=", 1)[0]
+        if name.startswith("-"):
+            close = difflib.get_close_matches(name, known, n=1)
+            if close:
+                hints.append(f"{name}: did you mean {close[0]}?")
+    message = "unrecognized arguments: " + " ".join(unknown)
+    return message + (" (" + "; ".join(hints) + ")" if hints else "")
+
+
 def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
-    """An ``argparse.ArgumentParser`` with one argument group per config dataclass."""
-    parser = argparse.ArgumentParser(
+    """An argument parser with one argument group per config dataclass."""
+    parser = SuggestingParser(
         prog=prog,
         description="Train a policy with RL (rollout -> reward -> GRPO -> train -> weight sync).",
         allow_abbrev=False,
@@ -290,21 +311,3 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     Unset tri-states and environment-dependent defaults are ``None`` until ``validate_args``.
     """
     return build_parser().parse_args(list(argv) if argv is not None else None)
-
-
-def default_args(**overrides: Any) -> argparse.Namespace:
-    """The namespace ``parse_args([])`` returns, with ``overrides`` applied (for tests/scripts)."""
-    args = parse_args([])
-    for k, v in overrides.items():
-        if not hasattr(args, k):
-            raise AttributeError(f"unknown argument {k!r}")
-        setattr(args, k, v)
-    return args
-
-
-def config_from_args(args: argparse.Namespace) -> MilesConfig:
-    """Group a flat namespace back into a :class:`MilesConfig` (derived attributes are dropped)."""
-    parts = {}
-    for title, cls in CONFIG_GROUPS:
-        parts[title] = cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
-    return MilesConfig(**parts)

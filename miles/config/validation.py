@@ -2,41 +2,38 @@
 
 :func:`validate_args` is a pure function of the parsed namespace and an :class:`Environment`
 (Python version, CUDA, importable packages, files on disk; a ``--prompt-data`` file is parsed here so
-that a malformed line is reported before any actor starts). It returns a NEW namespace with every
-tri-state and environment-dependent default resolved, or raises exactly one :class:`ArgumentError`
-naming the conflicting flags and the fix. It starts nothing, creates nothing and is idempotent:
-``validate_args(validate_args(a)) == validate_args(a)``.
+that a malformed line is reported before any actor starts). It returns ONE frozen
+:class:`~miles.config.run_config.RunConfig` with every tri-state and environment-dependent default
+resolved, or raises exactly one :class:`ArgumentError` naming the conflicting flags and the fix. It
+starts nothing and creates nothing.
 
-Resolved values (``None`` after parsing -> concrete after validation):
+Resolved values (``None`` after parsing -> concrete in the config):
 
-- ``offload_train``: True under ``--colocate`` or with ``--offload-train-target=disk``, else False.
-- ``offload_train_target``: ``"cpu"``.
-- ``model_dtype``: ``"fp32"`` without CUDA, ``"bf16"`` with CUDA.
-- ``lr``: 5e-5 for a pretrained model, 1e-2 for the tiny random model.
-- ``offload_train_disk_dir``: absolute; default ``$SCRATCH`` (or the system temp dir)
-  ``/miles-run-<YYYYmmdd-HHMMSS>-<pid>``.
+- ``offload.offload_train``: True under ``--colocate`` or with ``--offload-train-target=disk``, else False.
+- ``offload.offload_train_target``: ``"cpu"``.
+- ``model.model_dtype``: ``"fp32"`` without CUDA, ``"bf16"`` with CUDA.
+- ``optimizer.lr``: 5e-5 for a pretrained model, 1e-2 for the tiny random model.
+- ``offload.offload_train_disk_dir``: absolute; default ``$SCRATCH`` (or the system temp dir)
+  ``/miles-run-<YYYYmmdd-HHMMSS>-<pid>`` (:func:`miles.config.paths.default_root`).
+- ``logging.metrics_file``: absolute; default ``<run dir>/metrics.jsonl``.
 
-Derived attributes added (not flags):
-
-- ``model_source``: ``"hf_checkpoint"`` | ``"smollm2"`` | ``"tiny"`` (what ``miles.models.load_policy`` loads).
-- ``offload_train_disk_dir_is_default``: True when the root was chosen here (the run owns it and may
-  remove it at exit).
-- ``stream_optimizer_state_dir``: ``<root>/optimizer_state`` (the streamed optimizer state's home).
-- ``offload_train_trainer_dir``: ``<root>/trainer`` (trainer offload; per-rank dirs go below it).
-- ``rollout_offload_dir``: ``<root>/rollout`` (rollout engines' release_memory backups).
-- ``validated``: True.
+Derived: ``model_source`` (``"hf_checkpoint"`` | ``"smollm2"`` | ``"tiny"``) and ``paths``
+(:class:`~miles.config.paths.RunPaths`: the disk root, whether the run chose it, the run dir).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import sys
-import tempfile
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
+
+from miles.config.arguments import CONFIG_GROUPS
+from miles.config.paths import RunPaths, default_root, new_run_id
+from miles.config.run_config import RunConfig
 
 __all__ = ["ArgumentError", "Environment", "validate_args", "DEFAULT_LR_PRETRAINED", "DEFAULT_LR_TINY"]
 
@@ -44,6 +41,7 @@ DEFAULT_LR_PRETRAINED = 5e-5
 DEFAULT_LR_TINY = 1e-2
 
 _STREAM = "--stream-optimizer-state-to-disk"
+_PARSER_DEFAULTS = {f.name: f.default for _, cls in CONFIG_GROUPS for f in dataclasses.fields(cls)}
 
 
 class ArgumentError(ValueError):
@@ -98,12 +96,7 @@ class Environment:
     is_file: Callable[[str], bool] = os.path.isfile
     check_prompt_data: Callable[[str], Optional[str]] = _check_prompt_data  # None if the file parses
     scratch_root: Optional[str] = None  # None: $SCRATCH or the system temp dir
-    run_id: Optional[str] = None  # None: "<YYYYmmdd-HHMMSS>-<pid>"
-
-    def default_disk_root(self) -> str:
-        base = self.scratch_root or os.environ.get("SCRATCH") or tempfile.gettempdir()
-        run_id = self.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        return os.path.join(base, f"miles-run-{run_id}")
+    run_id: Optional[str] = None  # None: "<YYYYmmdd-HHMMSS>-<pid>" (miles.config.paths.new_run_id)
 
 
 def _err(message: str, flags: tuple[str, ...], fix: str) -> ArgumentError:
@@ -128,7 +121,8 @@ def _check_ranges(a: argparse.Namespace) -> None:
 
     for n in ("num_train_ranks", "num_rollout_engines", "num_cpus_per_rank", "num_rollout",
               "rollout_batch_size", "rollout_max_response_len", "micro_batch_size",
-              "stream_optimizer_state_bucket_numel", "offload_train_disk_chunk_mb", "save_interval"):
+              "stream_optimizer_state_bucket_numel", "stream_optimizer_state_chunk_mb",
+              "offload_train_disk_chunk_mb", "save_interval"):
         at_least(n, 1)
     if a.n_samples_per_prompt < 2:
         raise _err(
@@ -187,6 +181,12 @@ def _check_streaming(a: argparse.Namespace) -> None:
             raise _err("--stream-optimizer-state-host-cache-mb caches streamed optimizer state, but "
                        f"{_STREAM} is off.", ("--stream-optimizer-state-host-cache-mb", _STREAM),
                        f"add {_STREAM} (with --offload-train-target=disk) or drop the host cache.")
+        if a.stream_optimizer_state_chunk_mb != _PARSER_DEFAULTS["stream_optimizer_state_chunk_mb"]:
+            raise _err(f"--stream-optimizer-state-chunk-mb {a.stream_optimizer_state_chunk_mb} sizes the streamed "
+                       f"optimizer state's transfers, but {_STREAM} is off.",
+                       ("--stream-optimizer-state-chunk-mb", _STREAM),
+                       f"add {_STREAM} (with --offload-train-target=disk) or drop --stream-optimizer-state-chunk-mb; "
+                       "the trainer offload's chunk is --offload-train-disk-chunk-mb.")
         return
     if a.colocate and a.offload_train is False:
         raise _err(
@@ -311,8 +311,12 @@ def _resolve_model_source(a: argparse.Namespace, env: Environment) -> str:
     return "smollm2" if smollm2_available(has_module=env.has_module) else "tiny"
 
 
-def validate_args(args: argparse.Namespace, env: Environment | None = None) -> argparse.Namespace:
-    """Check ``args`` and return a new, resolved namespace (see the module docstring).
+def _group(cls: type, a: argparse.Namespace):
+    return cls(**{f.name: getattr(a, f.name) for f in dataclasses.fields(cls)})
+
+
+def validate_args(args: argparse.Namespace, env: Environment | None = None) -> RunConfig:
+    """Check ``args`` and return the run's frozen :class:`RunConfig` (see the module docstring).
 
     Raises :class:`ArgumentError` (a ``ValueError``) for the first violated rule; its message names the
     flags involved and ends with ``Fix: ...``. The input namespace is not modified.
@@ -335,18 +339,15 @@ def validate_args(args: argparse.Namespace, env: Environment | None = None) -> a
         a.offload_train_target = "cpu"
     if a.model_dtype is None:
         a.model_dtype = "bf16" if env.cuda_available() else "fp32"
-    a.model_source = _resolve_model_source(a, env)
+    model_source = _resolve_model_source(a, env)
     if a.lr is None:
-        a.lr = DEFAULT_LR_TINY if a.model_source == "tiny" else DEFAULT_LR_PRETRAINED
-    if a.offload_train_disk_dir is None:
-        a.offload_train_disk_dir = env.default_disk_root()
-        a.offload_train_disk_dir_is_default = True
-    else:
-        a.offload_train_disk_dir_is_default = bool(getattr(a, "offload_train_disk_dir_is_default", False))
-    a.offload_train_disk_dir = os.path.abspath(a.offload_train_disk_dir)
-    root = a.offload_train_disk_dir
-    a.stream_optimizer_state_dir = os.path.join(root, "optimizer_state")
-    a.offload_train_trainer_dir = os.path.join(root, "trainer")
-    a.rollout_offload_dir = os.path.join(root, "rollout")
-    a.validated = True
-    return a
+        a.lr = DEFAULT_LR_TINY if model_source == "tiny" else DEFAULT_LR_PRETRAINED
+    run_id = env.run_id or new_run_id()
+    root_is_default = a.offload_train_disk_dir is None
+    a.offload_train_disk_dir = default_root(run_id, env.scratch_root) if root_is_default else os.path.abspath(
+        a.offload_train_disk_dir)
+    run_dir = os.path.abspath(a.save or os.path.join("runs", run_id))
+    a.metrics_file = os.path.abspath(a.metrics_file or os.path.join(run_dir, "metrics.jsonl"))
+    paths = RunPaths(root=a.offload_train_disk_dir, run_dir=run_dir, root_is_default=root_is_default)
+    groups = {title: _group(cls, a) for title, cls in CONFIG_GROUPS}
+    return RunConfig(**groups, paths=paths, model_source=model_source)

@@ -1,10 +1,10 @@
 """The actor factory: one train actor per rank, each with its own environment, plus the rollout engines.
 
-Every train actor gets a ``runtime_env`` of its own (:func:`miles.ray.layout.rank_env`): its
-``cell<i>_rank<j>`` directory (``MILES_RANK_DIR`` = ``TMS_DISK_BACKUP_DIR``) and, on GPU with trainer
-offload, torch_memory_saver's ``LD_PRELOAD`` hook and ``TMS_INIT_*`` variables. The actor wipes its
-directory when it starts and removes it when it exits; the driver removes any left behind by an actor
-that died (:func:`remove_rank_dirs`).
+Every train actor gets a ``runtime_env`` of its own (:func:`miles.ray.layout.rank_env`: on GPU with
+trainer offload, torch_memory_saver's ``LD_PRELOAD`` hook and ``TMS_*`` variables) and its
+``cell<i>_rank<j>`` directory as a constructor argument. The actor wipes its directory when it starts
+and removes it when it exits; the driver removes any left behind by an actor that died
+(:func:`remove_rank_dirs`).
 """
 
 from __future__ import annotations
@@ -12,17 +12,19 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from miles.backends.base import BACKENDS
+from miles.config import RunConfig
+
 from . import layout
-from .train_actor import FAULT_ENV, TrainActor
+from .train_actor import TrainActor
 
 logger = logging.getLogger(__name__)
 
-_FORWARDED_ENV = (FAULT_ENV, "MILES_CACHE_DIR", "HF_HOME", "TRANSFORMERS_OFFLINE", "HF_HUB_OFFLINE")
+_FORWARDED_ENV = ("MILES_CACHE_DIR", "HF_HOME", "TRANSFORMERS_OFFLINE", "HF_HUB_OFFLINE")
 
 
 def _project_root() -> str:
@@ -32,8 +34,8 @@ def _project_root() -> str:
 
 
 def base_env() -> dict[str, str]:
-    """What every actor needs besides its rank's variables: the project on PYTHONPATH, and the few
-    driver variables that matter in actors (model cache, test fault injection)."""
+    """What every actor needs besides its rank's variables: the project (and the driver's PYTHONPATH)
+    on PYTHONPATH, and the few driver variables that matter in actors (model cache, offline mode)."""
     root = _project_root()
     path = os.environ.get("PYTHONPATH", "")
     env = {"PYTHONPATH": root + (os.pathsep + path if path else ""), "HF_HUB_OFFLINE": "1",
@@ -44,54 +46,53 @@ def base_env() -> dict[str, str]:
     return env
 
 
-def make_train_actors(args: Any, pg, use_gpu: bool, cell: int = 0) -> list:
-    n = layout.num_train_ranks(args)
-    tms = layout.tms_preload_library() if use_gpu and layout.offload_enabled(args) else None
-    if use_gpu and layout.offload_enabled(args) and tms is None:
+def make_train_actors(cfg: RunConfig, pg, use_gpu: bool, cell: int = 0) -> list:
+    n = cfg.cluster.num_train_ranks
+    offload = cfg.offload.offload_train
+    tms = layout.tms_preload_library() if use_gpu and offload else None
+    if use_gpu and offload and tms is None:
         logger.warning("torch_memory_saver is not installed: GPU trainer offload falls back to the storage "
                        "offloader (pip install 'miles[gpu]' for torch_memory_saver)")
-    res = layout.train_actor_resources(args, use_gpu)
+    res = layout.train_actor_resources(cfg, use_gpu)
+    backend = BACKENDS[cfg.training.train_backend]  # resolved here so the actor imports what the driver chose
     remote_cls = ray.remote(TrainActor)
     actors = []
     for rank in range(n):
-        env = {**base_env(), **layout.rank_env(args, cell, rank, use_gpu=use_gpu, tms_library=tms)}
+        env = {**base_env(), **layout.rank_env(cfg, cell, rank, use_gpu=use_gpu, tms_library=tms)}
         actor = remote_cls.options(
             num_cpus=res["num_cpus"], num_gpus=res["num_gpus"], max_restarts=0, max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=rank),
             runtime_env={"env_vars": env},
-        ).remote(args, cell, rank, n)
+        ).remote(cfg, cell, rank, n, backend=backend, rank_dir=layout.rank_dir(cfg, cell, rank))
         actors.append(actor)
-    if layout.uses_rank_dirs(args):
+    if cfg.uses_rank_dirs:
         logger.info("train ranks: per-rank directories %s (wiped at start, removed at exit)",
-                    ", ".join(rank_dirs(args, cell)))
+                    ", ".join(rank_dirs(cfg, cell)))
     return actors
 
 
-def rank_dirs(args: Any, cell: int = 0) -> list[str]:
-    if not layout.uses_rank_dirs(args):
+def rank_dirs(cfg: RunConfig, cell: int = 0) -> list[str]:
+    if not cfg.uses_rank_dirs:
         return []
-    return [layout.rank_dir(args, cell, r) for r in range(layout.num_train_ranks(args))]
+    return [cfg.paths.rank_dir(cell, r) for r in range(cfg.cluster.num_train_ranks)]
 
 
-def remove_rank_dirs(args: Any, cell: int = 0) -> list[str]:
+def remove_rank_dirs(cfg: RunConfig, cell: int = 0) -> list[str]:
     """Driver-side backstop: remove what an actor could not (it crashed or was killed): its per-rank
-    directory and its streamed-state directory, then the empty parents. Returns what was removed."""
+    directory, its streamed-state directory and the engines' backups, then the empty parents. Returns
+    what was removed."""
+    paths = cfg.paths
+    targets = list(rank_dirs(cfg, cell))
+    if cfg.optimizer.stream_optimizer_state_to_disk:  # the store's own per-rank folder name
+        targets += [os.path.join(paths.optimizer_state, f"rank{r:05d}") for r in range(cfg.cluster.num_train_ranks)]
+    targets += [paths.engine_dir(i) for i in range(cfg.cluster.num_rollout_engines)]
     removed = []
-    targets = list(rank_dirs(args, cell))
-    if getattr(args, "stream_optimizer_state_to_disk", False):
-        targets += [os.path.join(layout.optimizer_state_root(args), f"rank{r:05d}")
-                    for r in range(layout.num_train_ranks(args))]
-    rollout_root = getattr(args, "rollout_offload_dir", None)
-    if rollout_root:  # the embedded engines' release_memory backups (an engine that died keeps its file)
-        targets += [os.path.join(rollout_root, f"engine{i}") for i in range(layout.num_rollout_engines(args))]
     for d in targets:
         if os.path.exists(d):
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
-    # empty mechanism folders, then the root if this run chose it (validate_args' default root)
-    parents = [layout.trainer_root(args), layout.optimizer_state_root(args)] + ([rollout_root] if rollout_root else [])
-    if getattr(args, "offload_train_disk_dir_is_default", False):
-        parents.append(layout.offload_root(args))
+    # empty mechanism folders, then the root if this run chose it
+    parents = [paths.trainer, paths.optimizer_state, paths.rollout] + ([paths.root] if paths.root_is_default else [])
     for p in parents:
         try:
             os.rmdir(p)  # only if empty
@@ -100,17 +101,17 @@ def remove_rank_dirs(args: Any, cell: int = 0) -> list[str]:
     return removed
 
 
-def make_rollout_engines(args: Any, pg, use_gpu: bool, engine_cls) -> list:
+def make_rollout_engines(cfg: RunConfig, pg, use_gpu: bool, engine_cls) -> list:
     """One actor per rollout engine; with --colocate engine i shares train rank i's bundle."""
-    res = layout.rollout_engine_resources(args, use_gpu)
+    res = layout.rollout_engine_resources(cfg, use_gpu)
     remote_cls = ray.remote(engine_cls)
     engines = []
-    for i in range(layout.num_rollout_engines(args)):
-        env = {**base_env(), "MILES_ENGINE": str(i), "OMP_NUM_THREADS": str(max(1, int(layout.cpus_per_rank(args))))}
+    for i in range(cfg.cluster.num_rollout_engines):
+        env = {**base_env(), "MILES_ENGINE": str(i), "OMP_NUM_THREADS": str(cfg.cluster.num_cpus_per_rank)}
         engines.append(remote_cls.options(
             num_cpus=res["num_cpus"], num_gpus=res["num_gpus"], max_restarts=0, max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=layout.rollout_engine_placement(args, i)),
+                placement_group=pg, placement_group_bundle_index=layout.rollout_engine_placement(cfg, i)),
             runtime_env={"env_vars": env},
-        ).remote(args, i))
+        ).remote(cfg, i))
     return engines

@@ -7,10 +7,12 @@ otherwise. Bundles are packed onto as few nodes as possible (``PACK``).
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Optional
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
+
+from miles.config import RunConfig
 
 from . import layout
 
@@ -21,11 +23,11 @@ def cluster_has_gpus() -> bool:
     return float(ray.cluster_resources().get("GPU", 0)) > 0
 
 
-def create_placement_group(args: Any, use_gpu: Optional[bool] = None, timeout_s: float = 120.0):
+def create_placement_group(config: RunConfig, use_gpu: Optional[bool] = None, timeout_s: float = 120.0):
     """Create and wait for the placement group. Returns ``(pg, use_gpu, bundles)``."""
     if use_gpu is None:
         use_gpu = cluster_has_gpus()
-    bundles = layout.bundle_specs(args, use_gpu)
+    bundles = layout.bundle_specs(config, use_gpu)
     pg = placement_group(bundles, strategy="PACK", name="")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:

@@ -11,7 +11,10 @@ import logging
 import os
 from typing import Any, Optional, Sequence
 
-from . import actor_factory, layout
+from miles.config import RunConfig
+from miles.logging_setup import configure_logging
+
+from . import actor_factory
 from .errors import close_then_kill, wait_all
 
 logger = logging.getLogger(__name__)
@@ -20,21 +23,19 @@ logger = logging.getLogger(__name__)
 class RolloutEngineActor:
     """Ray actor around :class:`miles.rollout.embedded.EmbeddedRolloutEngine` (built inside the actor)."""
 
-    def __init__(self, args: Any, engine_id: int):
-        from .train_actor import configure_logging
-
-        configure_logging(getattr(args, "log_level", "INFO"))
+    def __init__(self, config: RunConfig, engine_id: int):
+        configure_logging(config.logging.log_level)
         import torch
 
-        torch.set_num_threads(max(1, int(layout.cpus_per_rank(args))))
+        torch.set_num_threads(config.cluster.num_cpus_per_rank)
         self.engine_id = engine_id
-        backend = getattr(args, "rollout_engine", "embedded")
+        backend = config.rollout.rollout_engine
         if backend != "embedded":
             raise NotImplementedError(f"--rollout-engine {backend} is not available in this build; "
                                       "use --rollout-engine embedded")
         from miles.rollout.embedded import EmbeddedRolloutEngine
 
-        self.engine = EmbeddedRolloutEngine(args, engine_id=engine_id)
+        self.engine = EmbeddedRolloutEngine(config, engine_id=engine_id)
 
     def info(self) -> dict[str, Any]:
         return {"engine": self.engine_id, "pid": os.getpid(), "description": self.engine.get_description(),
@@ -58,9 +59,9 @@ class RolloutEngineActor:
 
 
 class RolloutManager:
-    def __init__(self, args: Any, pg, use_gpu: bool):
-        self.args = args
-        self.engines = actor_factory.make_rollout_engines(args, pg, use_gpu, RolloutEngineActor)
+    def __init__(self, config: RunConfig, pg, use_gpu: bool):
+        self.config = config
+        self.engines = actor_factory.make_rollout_engines(config, pg, use_gpu, RolloutEngineActor)
         self.labels = [f"rollout engine {i}" for i in range(len(self.engines))]
         self.released = False
 

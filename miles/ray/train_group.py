@@ -11,7 +11,7 @@ import logging
 import socket
 from typing import Any
 
-import ray
+from miles.config import RunConfig
 
 from . import actor_factory
 from .errors import close_then_kill, wait_all
@@ -26,13 +26,13 @@ def free_port() -> int:
 
 
 class RayTrainGroup:
-    def __init__(self, args: Any, pg, use_gpu: bool, cell: int = 0):
-        self.args = args
+    def __init__(self, config: RunConfig, pg, use_gpu: bool, cell: int = 0):
+        self.config = config
         self.cell = cell
         self.use_gpu = use_gpu
-        self.actors = actor_factory.make_train_actors(args, pg, use_gpu, cell)
+        self.actors = actor_factory.make_train_actors(config, pg, use_gpu, cell)
         self.labels = [f"train actor cell{cell} rank {r}" for r in range(len(self.actors))]
-        self.rank_dirs = actor_factory.rank_dirs(args, cell)
+        self.rank_dirs = actor_factory.rank_dirs(config, cell)
         self.asleep = False
 
     @property

@@ -4,7 +4,7 @@ Public API::
 
     items = load_prompt_data(path)                  # list[PromptItem]; PromptDataError names file:line
     items = arithmetic_task(num_prompts=256, seed=0)
-    source = make_prompt_source(args)               # --prompt-data or the built-in task
+    source = make_prompt_source(config)             # --prompt-data or the built-in task
     batch = source.get_batch(rollout_id, batch_size)   # deterministic in (rollout_seed, rollout_id)
     text = format_prompt(tokenizer, item.prompt)    # chat template (with generation prompt) if any
     ids = encode_prompts(tokenizer, [item.prompt, ...])  # list[list[int]] for the rollout engine
@@ -15,7 +15,10 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:  # miles.config's validation imports this module to check --prompt-data
+    from miles.config import RunConfig
 
 __all__ = [
     "PromptItem",
@@ -124,11 +127,10 @@ class PromptSource:
         return out
 
 
-def make_prompt_source(args: Any) -> PromptSource:
-    """``--prompt-data`` (``args.prompt_data``) or the built-in arithmetic task, shuffled with
-    ``args.rollout_seed``."""
-    seed = getattr(args, "rollout_seed", 0)
-    path: Optional[str] = getattr(args, "prompt_data", None)
+def make_prompt_source(config: RunConfig) -> PromptSource:
+    """``--prompt-data`` or the built-in arithmetic task, shuffled with ``--rollout-seed``."""
+    seed = config.rollout.rollout_seed
+    path = config.rollout.prompt_data
     items = load_prompt_data(path) if path else arithmetic_task(seed=seed)
     return PromptSource(items, seed=seed)
 

@@ -3,16 +3,18 @@
 A plain class; as a Ray actor use ``ray.remote(EmbeddedRolloutEngine)`` (or
 :func:`miles.rollout.remote_engine_class`). Every public method takes and returns picklable values.
 
-    engine = EmbeddedRolloutEngine(args)                        # loads miles.models.load_policy(args)
+    engine = EmbeddedRolloutEngine(config)                      # loads miles.models.load_policy(config)
     samples = engine.generate(prompt_ids, SamplingParams(...))  # list[Sample], prompt-major
     engine.release_memory(); engine.resume_memory()             # sleep / wake (idempotent)
     engine.update_weights(state_dict_or_named_tensors)          # after each train step
     engine.close()
 
-Memory release: on CPU the weights' storages are written to ``<backup_dir>/weights.bin`` and resized
-to 0 bytes (the RAM is returned); on CUDA they are copied to host memory (``backup="cpu"``, default)
-or to the same file (``backup="disk"``) and freed. Resume restores them bit-exactly into the same
-storages (parameter objects are unchanged).
+Memory release uses the trainer's sleep/wake mechanism, :class:`miles.offload.StorageOffloader`: on
+CPU the weights' storages are written to ``<backup_dir>/offload.bin`` and resized to 0 bytes (the RAM
+is returned); on CUDA they are copied to host memory (``backup="cpu"``, default) or to the same file
+(``backup="disk"``) and freed. Resume restores them bit-exactly into the same storages (parameter
+objects are unchanged). A loaded checkpoint's storages (mmap'ed safetensors, tied embeddings) are made
+resizable once, at construction (:func:`miles.offload.make_resizable`).
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import shutil
 import tempfile
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
+from miles.config import RunConfig
+from miles.offload import StorageOffloader, make_resizable
 from miles.rollout.types import Sample, SamplingParams
+from miles_plugins.optimizers.streaming.config import DEFAULT_CHUNK_MB
 
 logger = logging.getLogger(__name__)
 
@@ -49,20 +53,20 @@ class EmbeddedRolloutEngine:
     """Generates samples with log-probs; can release/resume its memory and take new weights.
 
     Args:
-        args: the validated ``miles train`` namespace (used to load the model when ``model`` is None,
-            and for ``rollout_offload_dir`` / ``rollout_seed``). May be None when ``model`` and
+        config: the run's :class:`~miles.config.RunConfig` (loads the model when ``model`` is None; the
+            backup directory, transfer chunk and sampling seed). May be None when ``model`` and
             ``tokenizer`` are given.
         model, tokenizer: use these instead of loading (tests).
         device: default ``cuda`` when available, else ``cpu``.
         backup: ``"disk"`` or ``"cpu"`` (default: disk on CPU, cpu on CUDA).
-        backup_dir: where the disk backup goes (default ``<args.rollout_offload_dir>/engine<engine_id>``,
-            else a fresh temporary directory). Created on first release, removed by :meth:`close`.
+        backup_dir: where the disk backup goes (default ``config.paths.engine_dir(engine_id)``, else a
+            fresh temporary directory). Removed by :meth:`close` when this engine created it.
         max_batch_size: sequences generated together.
     """
 
     def __init__(
         self,
-        args: Any = None,
+        config: Optional[RunConfig] = None,
         *,
         model: Optional[torch.nn.Module] = None,
         tokenizer: Any = None,
@@ -75,42 +79,36 @@ class EmbeddedRolloutEngine:
     ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if model is None or tokenizer is None:
-            if args is None:
-                raise ValueError("EmbeddedRolloutEngine needs args or (model, tokenizer)")
+            if config is None:
+                raise ValueError("EmbeddedRolloutEngine needs a RunConfig or (model, tokenizer)")
             from miles.models import load_policy
 
-            model, tokenizer, description = load_policy(args, device=self.device)
+            model, tokenizer, description = load_policy(config, device=self.device)
         self.model = model.to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
+        make_resizable(self.model)  # release_memory resizes storages; a loaded checkpoint's cannot be
         self.tokenizer = tokenizer
         self.description = description or type(model).__name__
         self.engine_id = engine_id
         self.max_batch_size = max_batch_size
         self.backup = backup or ("disk" if self.device.type == "cpu" else "cpu")
-        if self.backup not in ("disk", "cpu"):
-            raise ValueError(f"backup must be 'disk' or 'cpu', got {self.backup!r}")
-        if backup_dir is None and args is not None and getattr(args, "rollout_offload_dir", None):
-            backup_dir = os.path.join(args.rollout_offload_dir, f"engine{engine_id}")
-        self._backup_dir = backup_dir
-        self._owns_backup_dir = False
-        self._released = False
-        self._host_backup: list[torch.Tensor] = []
+        if backup_dir is None and config is not None:
+            backup_dir = config.paths.engine_dir(engine_id)
+        # close() removes the directory this engine brings into being, not one that existed before
+        self._owns_backup_dir = backup_dir is None or not os.path.isdir(backup_dir)
+        if backup_dir is None and self.backup == "disk":
+            backup_dir = tempfile.mkdtemp(prefix=f"miles-rollout-engine{engine_id}-")
+        chunk_mb = config.offload.offload_train_disk_chunk_mb if config is not None else DEFAULT_CHUNK_MB
+        self._offloader = StorageOffloader(self.backup, backup_dir, chunk_mb)
+        # every weight and buffer, tied ones under each name (the offloader backs each storage up once)
+        self._tensors = [t for _, t in self.model.named_parameters(remove_duplicate=False)]
+        self._tensors += [t for _, t in self.model.named_buffers(remove_duplicate=False)]
         self.weight_version = 0
-        seed = getattr(args, "rollout_seed", 0) if args is not None else 0
+        seed = config.rollout.rollout_seed if config is not None else 0
         self._generator = torch.Generator(device=self.device).manual_seed(int(seed) * 7919 + engine_id)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.stop_token_ids = self._default_stop_ids()
-        # unique storages of all weights, in a fixed order (tied weights share one storage)
-        self._storages: list[tuple[torch.UntypedStorage, int]] = []
-        seen = set()
-        tensors = [p for _, p in self.model.named_parameters(remove_duplicate=False)]
-        tensors += [b for _, b in self.model.named_buffers(remove_duplicate=False)]
-        for t in tensors:
-            st = t.untyped_storage()
-            if st._cdata not in seen:
-                seen.add(st._cdata)
-                self._storages.append((st, st.nbytes()))
         # transformers >= 5.2x names the KV cache argument ``cache`` (``past_key_values`` is deprecated)
         import inspect
 
@@ -141,7 +139,7 @@ class EmbeddedRolloutEngine:
         return self.weight_version
 
     def is_memory_released(self) -> bool:
-        return self._released
+        return self._offloader.asleep
 
     def health(self) -> bool:
         return True
@@ -172,7 +170,7 @@ class EmbeddedRolloutEngine:
     ) -> list[Sample]:
         """Sample ``sampling.n`` responses per prompt (prompts: token-id lists, or strings encoded without
         added special tokens). Returns prompt-major :class:`Sample` objects with the engine's log-probs."""
-        if self._released:
+        if self._offloader.asleep:
             raise RuntimeError("rollout engine memory is released; call resume_memory() before generate()")
         sp = SamplingParams.coerce(sampling)
         if sp.n < 1 or sp.max_new_tokens < 1:
@@ -265,7 +263,7 @@ class EmbeddedRolloutEngine:
         """Copy new weights in place (names as in the model's ``state_dict``; a ``module.`` prefix is
         stripped; dtype/device converted). Partial updates are allowed; unknown names raise KeyError.
         Increments (or sets) ``weight_version``; returns the number of tensors copied."""
-        if self._released:
+        if self._offloader.asleep:
             raise RuntimeError("rollout engine memory is released; call resume_memory() before update_weights()")
         items = weights.items() if isinstance(weights, Mapping) else weights
         n = 0
@@ -287,86 +285,27 @@ class EmbeddedRolloutEngine:
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the engine's state dict (tests, debugging)."""
-        if self._released:
+        if self._offloader.asleep:
             raise RuntimeError("rollout engine memory is released")
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     # ---------------------------------------------------------------------------------- memory
 
-    def _backup_file(self) -> str:
-        if self._backup_dir is None:
-            self._backup_dir = tempfile.mkdtemp(prefix=f"miles-rollout-engine{self.engine_id}-")
-            self._owns_backup_dir = True
-        elif not os.path.isdir(self._backup_dir):
-            os.makedirs(self._backup_dir, exist_ok=True)
-            self._owns_backup_dir = True
-        return os.path.join(self._backup_dir, "weights.bin")
-
-    @staticmethod
-    def _bytes_view(st: torch.UntypedStorage) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
-
     def release_memory(self) -> dict:
         """Back up the weights and free their memory (idempotent). Returns ``{"released_bytes", "backup"}``."""
-        if self._released:
-            return {"released_bytes": 0, "backup": self.backup}
-        total = 0
-        if self.backup == "disk":
-            path = self._backup_file()
-            with open(path, "wb") as fh:
-                for st, nbytes in self._storages:
-                    # copy out (a numpy view would pin the storage as non-resizable)
-                    fh.write(memoryview(self._bytes_view(st).cpu().clone().numpy()))
-                    total += nbytes
-                fh.flush()
-                os.fsync(fh.fileno())
-        else:
-            pin = self.device.type == "cuda"
-            self._host_backup = []
-            for st, nbytes in self._storages:
-                host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-                host.copy_(self._bytes_view(st))
-                self._host_backup.append(host)
-                total += nbytes
-        for st, _ in self._storages:
-            st.resize_(0)
-        self._released = True
+        stats = self._offloader.sleep(self._tensors)
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        logger.info("rollout engine %d: released %.1f MiB of weights to %s", self.engine_id, total / 2**20,
-                    self._backup_dir if self.backup == "disk" else "host memory")
-        return {"released_bytes": total, "backup": self.backup}
+        if not stats.skipped:
+            logger.info("rollout engine %d: released %.1f MiB of weights to %s in %.2f s", self.engine_id,
+                        stats.bytes / 2**20, stats.path or "host memory", stats.seconds)
+        return {"released_bytes": stats.bytes, "backup": self.backup}
 
     def resume_memory(self) -> dict:
         """Restore the weights released by :meth:`release_memory` (idempotent). Returns ``{"resumed_bytes"}``."""
-        if not self._released:
-            return {"resumed_bytes": 0}
-        total = 0
-        if self.backup == "disk":
-            with open(self._backup_file(), "rb") as fh:
-                for st, nbytes in self._storages:
-                    st.resize_(nbytes)
-                    buf = torch.empty(nbytes, dtype=torch.uint8)
-                    if nbytes and fh.readinto(memoryview(buf.numpy())) != nbytes:
-                        raise IOError("rollout engine backup file is truncated")
-                    self._bytes_view(st).copy_(buf)
-                    total += nbytes
-        else:
-            for (st, nbytes), host in zip(self._storages, self._host_backup):
-                st.resize_(nbytes)
-                self._bytes_view(st).copy_(host)
-                total += nbytes
-            self._host_backup = []
-        self._released = False
-        return {"resumed_bytes": total}
+        return {"resumed_bytes": self._offloader.wake().bytes}
 
     def close(self) -> None:
-        """Drop the disk backup (the directory too when this engine created it)."""
-        self._host_backup = []
-        if self._backup_dir and os.path.isdir(self._backup_dir):
-            f = os.path.join(self._backup_dir, "weights.bin")
-            if os.path.exists(f) and not self._released:
-                os.remove(f)
-            if self._owns_backup_dir and not self._released:
-                shutil.rmtree(self._backup_dir, ignore_errors=True)
+        """Drop the backup (and the backup directory when this engine created it)."""
+        self._offloader.close(remove_directory=self._owns_backup_dir)

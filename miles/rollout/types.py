@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from miles.config import RunConfig
 
 __all__ = ["SamplingParams", "Sample"]
 
@@ -26,16 +29,17 @@ class SamplingParams:
     stop_token_ids: Optional[tuple[int, ...]] = None
 
     @classmethod
-    def from_args(cls, args: Any, rollout_id: int = 0) -> "SamplingParams":
+    def from_config(cls, config: "RunConfig", rollout_id: int = 0) -> "SamplingParams":
         """From ``--rollout-temperature/--rollout-top-p/--rollout-max-response-len/--n-samples-per-prompt``;
-        the seed is ``args.rollout_seed + rollout_id`` so every rollout samples differently but
+        the seed is ``--rollout-seed + rollout_id`` so every rollout samples differently but
         reproducibly."""
+        r = config.rollout
         return cls(
-            temperature=args.rollout_temperature,
-            top_p=args.rollout_top_p,
-            max_new_tokens=args.rollout_max_response_len,
-            seed=args.rollout_seed + rollout_id,
-            n=args.n_samples_per_prompt,
+            temperature=r.rollout_temperature,
+            top_p=r.rollout_top_p,
+            max_new_tokens=r.rollout_max_response_len,
+            seed=r.rollout_seed + rollout_id,
+            n=r.n_samples_per_prompt,
         )
 
     @classmethod

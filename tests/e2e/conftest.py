@@ -24,3 +24,16 @@ def ray_cluster():
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture()
+def failing_backend(monkeypatch):
+    """`--train-backend torch` builds tests/e2e/failing_backend.py's FailingTrainer in every train actor.
+
+    The registry entry is resolved in the driver and imported inside the actor, whose PYTHONPATH the
+    actor factory extends with the driver's (so the actor can import this test module)."""
+    from miles.backends import base
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    monkeypatch.setitem(base.BACKENDS, "torch", "failing_backend:FailingTrainer")
+    monkeypatch.setenv("PYTHONPATH", here + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))

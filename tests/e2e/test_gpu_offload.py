@@ -29,7 +29,7 @@ def test_colocated_gpu_run_with_tms_disk_offload(ray_cluster, tmp_path):
         "--num-rollout", "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
         "--rollout-max-response-len", "8", "--save", str(save), "--save-interval", "2",
         "--metrics-file", str(tmp_path / "gpu.jsonl")]))
-    rank_dir = layout.rank_dir(args, 0, 0)
+    rank_dir = args.paths.rank_dir(0, 0)
     seen = set()
     stop = threading.Event()
 

@@ -27,12 +27,11 @@ def _args(tmp, *extra):
 
 
 def test_one_train_rank_per_gpu_save_resume(ray_cluster, tmp_path):
-    from miles.ray import layout
     from miles.train import run
 
     save = tmp_path / "ckpt"
     args = _args(tmp_path, "--save", str(save), "--save-interval", "2", "--metrics-file", str(tmp_path / "m1.jsonl"))
-    rank_dirs = [layout.rank_dir(args, 0, r) for r in range(2)]
+    rank_dirs = [args.paths.rank_dir(0, r) for r in range(2)]
     with _DirWatcher(rank_dirs) as watch:
         summary = run(args)
     ranks = summary["train_ranks"]

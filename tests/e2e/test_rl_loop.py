@@ -67,14 +67,13 @@ def _records(path):
 
 
 def test_train_save_resume_streamed_state(ray_cluster, tmp_path):
-    from miles.ray import layout
     from miles.train import run
 
     t0 = time.perf_counter()
     save = tmp_path / "ckpt"
     args = _args(tmp_path, "--save", str(save), "--save-interval", "2",
                  "--metrics-file", str(tmp_path / "run1.jsonl"))
-    rank_dirs = [layout.rank_dir(args, 0, r) for r in range(2)]
+    rank_dirs = [args.paths.rank_dir(0, r) for r in range(2)]
     assert rank_dirs[0].endswith(os.path.join("offload", "trainer", "cell0_rank0"))
     with _DirWatcher(rank_dirs) as watch:
         summary = run(args)
@@ -84,7 +83,7 @@ def test_train_save_resume_streamed_state(ray_cluster, tmp_path):
     assert all(watch.seen.values()), watch.seen
     assert all("offload.bin" in files for files in watch.files_seen.values()), watch.files_seen
     assert not any(os.path.exists(d) for d in rank_dirs)
-    assert not os.path.exists(layout.optimizer_state_root(args)) or not os.listdir(layout.optimizer_state_root(args))
+    assert not os.path.exists(args.paths.optimizer_state) or not os.listdir(args.paths.optimizer_state)
 
     recs = _records(tmp_path / "run1.jsonl")
     assert [r["rollout_id"] for r in recs] == [0, 1, 2]
@@ -134,14 +133,12 @@ def test_train_save_resume_streamed_state(ray_cluster, tmp_path):
     print(f"\ne2e timing: run1 {run1_seconds:.1f}s, run2 {run2_seconds:.1f}s, run3 (DP 2->1) {run3_seconds:.1f}s")
 
 
-def test_actor_failure_stops_run_with_traceback(ray_cluster, tmp_path, monkeypatch, caplog):
-    from miles.ray import layout
-    from miles.ray.train_actor import FAULT_ENV
+def test_actor_failure_stops_run_with_traceback(ray_cluster, tmp_path, failing_backend, caplog):
     from miles.train import RunError, run
 
-    monkeypatch.setenv(FAULT_ENV, "train:1:1")  # rank 1 raises in the train call of rollout 1
+    # failing_backend: rank 1 raises in the train call of rollout 1
     args = _args(tmp_path, "--metrics-file", str(tmp_path / "fail.jsonl"))
-    rank_dirs = [layout.rank_dir(args, 0, r) for r in range(2)]
+    rank_dirs = [args.paths.rank_dir(0, r) for r in range(2)]
     t0 = time.perf_counter()
     with caplog.at_level(logging.ERROR, logger="miles"), pytest.raises(RunError) as err:
         run(args)
@@ -149,10 +146,10 @@ def test_actor_failure_stops_run_with_traceback(ray_cluster, tmp_path, monkeypat
     message = str(err.value)
     assert "injected fault" in message and "rank 1" in message
     # the actor's own traceback (frames of the remote call), not just the exception's repr
-    assert 'train_actor.py", line' in message and "_maybe_fail" in message
+    assert 'failing_backend.py", line' in message and "in train" in message
     assert "\x1b[" not in message
-    assert any("injected fault" in r.getMessage() and "traceback" in r.getMessage() and "_maybe_fail" in r.getMessage()
-               for r in caplog.records)
+    assert any("injected fault" in r.getMessage() and "traceback" in r.getMessage()
+               and "failing_backend.py" in r.getMessage() for r in caplog.records)
     assert [r["rollout_id"] for r in _records(tmp_path / "fail.jsonl")] == [0]  # stopped at rollout 1
     assert not any(os.path.exists(d) for d in rank_dirs)
     leftovers = [os.path.join(dp, f) for dp, _, fs in os.walk(tmp_path / "offload") for f in fs]

@@ -11,11 +11,12 @@ from miles.config import (
     CONFIG_GROUPS,
     ArgumentError,
     Environment,
+    RunConfig,
     build_parser,
-    config_from_args,
     parse_args,
     validate_args,
 )
+from miles_plugins.optimizers.streaming.config import DEFAULT_BUCKET_NUMEL, DEFAULT_CHUNK_MB, MOMENT_DTYPES
 
 
 @pytest.fixture()
@@ -57,6 +58,15 @@ CASES = [
     ([STREAM, DISK, "--offload-train"], None),
     ([STREAM, DISK, "--stream-optimizer-state-moment-dtype", "fp8e4m3"], None),
     ([STREAM, DISK, "--stream-optimizer-state-host-cache-mb", "4096"], None),
+    ([STREAM, DISK, "--stream-optimizer-state-chunk-mb", "8"], None),
+    ([STREAM, DISK, "--stream-optimizer-state-chunk-mb", "0"],
+     "--stream-optimizer-state-chunk-mb must be >= 1 (got 0). Fix: pass --stream-optimizer-state-chunk-mb >= 1."),
+    (["--stream-optimizer-state-chunk-mb", "8"],
+     "--stream-optimizer-state-chunk-mb 8 sizes the streamed optimizer state's transfers, but "
+     "--stream-optimizer-state-to-disk is off. Fix: add --stream-optimizer-state-to-disk (with "
+     "--offload-train-target=disk) or drop --stream-optimizer-state-chunk-mb; the trainer offload's chunk is "
+     "--offload-train-disk-chunk-mb."),
+    (["--eps-clip", "0"], None),
     (["--stream-optimizer-state-host-cache-mb", "4096"],
      "--stream-optimizer-state-host-cache-mb caches streamed optimizer state, but "
      "--stream-optimizer-state-to-disk is off. Fix: add --stream-optimizer-state-to-disk (with "
@@ -184,8 +194,7 @@ def test_validation_table(argv, expected, paths):
     argv = [a.format(**paths) for a in argv]
     args = parse_args(argv)
     if expected is None:
-        out = validate_args(args, env())
-        assert out.validated
+        assert isinstance(validate_args(args, env()), RunConfig)
     else:
         with pytest.raises(ArgumentError) as ei:
             validate_args(args, env())
@@ -239,7 +248,12 @@ def test_defaults_and_types():
     a = parse_args([])
     assert a.num_train_ranks == 1 and a.num_rollout_engines == 1 and a.num_cpus_per_rank == 1
     assert a.colocate is False and a.offload_train is None and a.offload_train_target is None
-    assert a.offload_train_disk_chunk_mb == 256 and a.stream_optimizer_state_bucket_numel == 200_000_000
+    # the store's knobs take their defaults and choices from the store's own config module
+    assert a.stream_optimizer_state_bucket_numel == DEFAULT_BUCKET_NUMEL
+    assert a.stream_optimizer_state_chunk_mb == DEFAULT_CHUNK_MB
+    assert a.offload_train_disk_chunk_mb == DEFAULT_CHUNK_MB
+    moment = next(x for x in build_parser()._actions if x.dest == "stream_optimizer_state_moment_dtype")
+    assert tuple(moment.choices) == MOMENT_DTYPES
     assert a.stream_optimizer_state_moment_dtype == "fp32" and a.optimizer == "adam"
     assert a.train_backend == "torch" and a.rollout_engine == "embedded"
     a = parse_args(["--offload-train"])
@@ -252,34 +266,53 @@ def test_defaults_and_types():
 
 def test_resolution():
     e = env()
-    a = validate_args(parse_args([]), e)
-    assert a.offload_train is False and a.offload_train_target == "cpu" and a.model_dtype == "fp32"
-    assert a.model_source == "tiny" and a.lr == pytest.approx(1e-2)
-    assert a.offload_train_disk_dir == os.path.abspath("/scratch/miles-run-RUN")
-    assert a.offload_train_disk_dir_is_default is True
-    assert a.stream_optimizer_state_dir == os.path.join(a.offload_train_disk_dir, "optimizer_state")
-    assert a.offload_train_trainer_dir == os.path.join(a.offload_train_disk_dir, "trainer")
-    assert a.rollout_offload_dir == os.path.join(a.offload_train_disk_dir, "rollout")
+    c = validate_args(parse_args([]), e)
+    assert c.offload.offload_train is False and c.offload.offload_train_target == "cpu"
+    assert c.model.model_dtype == "fp32" and c.model_source == "tiny" and c.optimizer.lr == pytest.approx(1e-2)
+    root = os.path.abspath("/scratch/miles-run-RUN")
+    assert c.offload.offload_train_disk_dir == c.paths.root == root and c.paths.root_is_default is True
+    assert c.paths.optimizer_state == os.path.join(root, "optimizer_state")
+    assert c.paths.trainer == os.path.join(root, "trainer")
+    assert c.paths.rollout == os.path.join(root, "rollout")
+    assert c.paths.rank_dir(1, 2) == os.path.join(root, "trainer", "cell1_rank2")
+    assert c.paths.engine_dir(3) == os.path.join(root, "rollout", "engine3")
+    assert c.paths.run_dir == os.path.abspath(os.path.join("runs", "RUN"))
+    assert c.logging.metrics_file == os.path.join(c.paths.run_dir, "metrics.jsonl")
     # tri-state: on under --colocate, on with disk target, explicit off kept
-    assert validate_args(parse_args(["--colocate"]), e).offload_train is True
-    assert validate_args(parse_args([DISK]), e).offload_train is True
-    assert validate_args(parse_args(["--colocate", "--no-offload-train"]), e).offload_train is False
+    assert validate_args(parse_args(["--colocate"]), e).offload.offload_train is True
+    assert validate_args(parse_args([DISK]), e).offload.offload_train is True
+    assert validate_args(parse_args(["--colocate", "--no-offload-train"]), e).offload.offload_train is False
     # the demo command line
     d = validate_args(parse_args([STREAM, DISK]), e)
-    assert d.offload_train is True and d.offload_train_target == "disk" and d.stream_optimizer_state_to_disk
-    # explicit values win
-    a = validate_args(parse_args(["--lr", "0.5", "--model-dtype", "bf16", "--offload-train-disk-dir", "rel"]), e)
-    assert a.lr == 0.5 and a.model_dtype == "bf16"
-    assert a.offload_train_disk_dir == os.path.abspath("rel") and a.offload_train_disk_dir_is_default is False
+    assert d.offload.offload_train is True and d.offload.offload_train_target == "disk"
+    assert d.optimizer.stream_optimizer_state_to_disk and d.uses_rank_dirs
+    # explicit values win; --save is the run dir
+    c = validate_args(parse_args(["--lr", "0.5", "--model-dtype", "bf16", "--offload-train-disk-dir", "rel",
+                                  "--save", "out", "--eps-clip", "0"]), e)
+    assert c.optimizer.lr == 0.5 and c.model.model_dtype == "bf16" and c.training.eps_clip == 0.0
+    assert c.paths.root == os.path.abspath("rel") and c.paths.root_is_default is False
+    assert c.paths.run_dir == os.path.abspath("out")
 
 
-def test_validate_is_pure_and_idempotent():
+def test_config_is_one_frozen_picklable_object():
+    import dataclasses
+    import pickle
+
     raw = parse_args([STREAM, DISK])
     before = dict(vars(raw))
-    once = validate_args(raw, env())
+    cfg = validate_args(raw, env())
     assert vars(raw) == before  # input untouched
-    twice = validate_args(once, env(run_id="OTHER"))
-    assert vars(twice) == vars(once)
+    assert pickle.loads(pickle.dumps(cfg)) == cfg  # Ray ships it to the actors
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.training.eps_clip = 0.3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.paths = None
+    # every group keeps the flag names as field names
+    for title, cls in CONFIG_GROUPS:
+        group = getattr(cfg, title)
+        assert type(group) is cls
+        assert all(getattr(group, f.name) is not None or f.default is None for f in dataclasses.fields(cls))
+    assert validate_args(raw, env()) == cfg  # same input, same environment: same config
 
 
 def test_model_source_smollm2_when_available(monkeypatch):
@@ -287,16 +320,9 @@ def test_model_source_smollm2_when_available(monkeypatch):
 
     monkeypatch.setattr(models, "smollm2_gguf_path", lambda: "/x/SmolLM2-135M-Instruct.Q4_1.gguf")
     a = validate_args(parse_args([]), env(modules={"gguf"}))
-    assert a.model_source == "smollm2" and a.lr == pytest.approx(5e-5)
+    assert a.model_source == "smollm2" and a.optimizer.lr == pytest.approx(5e-5)
     assert validate_args(parse_args([]), env()).model_source == "tiny"  # gguf missing
     assert validate_args(parse_args(["--tiny-model"]), env(modules={"gguf"})).model_source == "tiny"
-
-
-def test_config_from_args_round_trip():
-    a = parse_args(["--lr", "0.1", "--colocate"])
-    cfg = config_from_args(a)
-    assert cfg.optimizer.lr == 0.1 and cfg.cluster.colocate is True
-    assert isinstance(a, argparse.Namespace)
 
 
 def test_cli_help_and_errors(capsys):
@@ -316,3 +342,55 @@ def test_cli_help_and_errors(capsys):
     assert "Fix: add --offload-train-target=disk." in err
     with pytest.raises(SystemExit):
         cli.main(["nonsense"])
+
+
+def _run_main(argv) -> int:
+    from miles import cli
+
+    try:
+        return cli.main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def _bench_commands(capsys) -> list[str]:
+    """The `miles bench` subcommands, read off its usage line (``{stream,checkpoint}``)."""
+    import re
+
+    assert _run_main(["bench", "--help"]) in (0, None)
+    usage = capsys.readouterr().out
+    return re.search(r"\{([\w,-]+)\}", usage).group(1).split(",")
+
+
+def test_every_help_renders(capsys):
+    """`miles --help`, `miles train --help`, `miles bench --help` and each `miles bench <x> --help` print
+    their help and exit 0 (argparse %-formats help texts: a stray % used to crash `miles train --help`)."""
+    from miles import cli
+
+    argvs = [["--help"]] + [[s.name, "--help"] for s in cli.available_subcommands()]
+    if any(s.name == "bench" for s in cli.available_subcommands()):
+        argvs += [["bench", name, "--help"] for name in _bench_commands(capsys)]
+    assert ["train", "--help"] in argvs
+    for argv in argvs:
+        code = _run_main(argv)
+        out = capsys.readouterr().out
+        assert code in (0, None), (argv, code)
+        assert "usage:" in out, argv
+    _run_main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: 256)" in out and "55%" in out  # defaults shown; a literal percent sign survives
+
+
+def test_unknown_flag_suggests_the_closest(capsys):
+    from miles import cli
+
+    with pytest.raises(SystemExit) as ei:
+        parse_args(["--eps-clp", "0"])
+    assert ei.value.code == 2
+    assert "unrecognized arguments: --eps-clp 0 (--eps-clp: did you mean --eps-clip?)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--stream-optimizer-state-chunkmb=4"])
+    assert "did you mean --stream-optimizer-state-chunk-mb?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["trian"])
+    assert "did you mean train?" in capsys.readouterr().err

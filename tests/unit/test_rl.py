@@ -62,7 +62,7 @@ def test_missing_prompt_file(tmp_path):
         load_prompt_data(str(tmp_path / "nope.jsonl"))
 
 
-def test_builtin_task_and_source():
+def test_builtin_task_and_source(make_config):
     items = arithmetic_task(num_prompts=50, seed=3)
     assert items == arithmetic_task(num_prompts=50, seed=3)
     for it in items:
@@ -74,8 +74,7 @@ def test_builtin_task_and_source():
     first_epoch = [x for b in batches[:2] for x in b] + [batches[2][0]]
     assert sorted(x.prompt for x in first_epoch) == sorted(x.prompt for x in items[:5])
     assert src.get_batch(3, 2) == batches[3]  # deterministic
-    args = types.SimpleNamespace(prompt_data=None, rollout_seed=0)
-    assert len(make_prompt_source(args)) == 256
+    assert len(make_prompt_source(make_config("--rollout-seed", "0"))) == 256
 
 
 # ------------------------------------------------------------------------------------------ rewards

@@ -17,7 +17,7 @@ from miles.rollout.embedded import EmbeddedRolloutEngine
 @pytest.fixture(scope="module")
 def args(tmp_path_factory):
     root = tmp_path_factory.mktemp("disk")
-    a = parse_args(["--tiny-model", "--offload-train-disk-dir", str(root)])
+    a = parse_args(["--tiny-model", "--offload-train-disk-dir", str(root), "--metrics-file", str(root / "m.jsonl")])
     return validate_args(a, Environment(has_module=lambda m: False))
 
 
@@ -98,7 +98,7 @@ def test_release_resume_bit_exact(engine, prompts, args):
     assert info["released_bytes"] > 0 and engine.is_memory_released()
     assert engine.release_memory()["released_bytes"] == 0  # idempotent
     assert all(p.untyped_storage().nbytes() == 0 for p in engine.model.parameters())
-    assert os.path.isfile(os.path.join(args.rollout_offload_dir, "engine0", "weights.bin"))
+    assert os.path.isfile(os.path.join(args.paths.engine_dir(0), "offload.bin"))
     with pytest.raises(RuntimeError, match="resume_memory"):
         engine.generate(prompts, sp)
     assert engine.resume_memory()["resumed_bytes"] == info["released_bytes"]
@@ -135,11 +135,11 @@ def test_update_weights(engine, prompts):
     engine.resume_memory()
 
 
-def test_string_prompts_and_sampling_from_args(engine, args):
-    sp = SamplingParams.from_args(args, rollout_id=3)
+def test_string_prompts_and_sampling_from_config(engine, args):
+    sp = SamplingParams.from_config(args, rollout_id=3)
+    r = args.rollout
     assert (sp.temperature, sp.top_p, sp.max_new_tokens, sp.n, sp.seed) == (
-        args.rollout_temperature, args.rollout_top_p, args.rollout_max_response_len,
-        args.n_samples_per_prompt, args.rollout_seed + 3,
+        r.rollout_temperature, r.rollout_top_p, r.rollout_max_response_len, r.n_samples_per_prompt, r.rollout_seed + 3,
     )
     out = engine.generate(["1 + 1 =\nA:"], SamplingParams(max_new_tokens=3, n=2))
     assert len(out) == 2 and out[0].prompt_ids == engine.tokenizer("1 + 1 =\nA:")["input_ids"]
@@ -148,8 +148,38 @@ def test_string_prompts_and_sampling_from_args(engine, args):
 def test_close_removes_backup(args, prompts):
     eng = EmbeddedRolloutEngine(args, device="cpu", engine_id=5)
     eng.release_memory()
-    d = os.path.join(args.rollout_offload_dir, "engine5")
+    d = args.paths.engine_dir(5)
     assert os.path.isdir(d)
     eng.resume_memory()
     eng.close()
     assert not os.path.exists(d)
+
+
+def test_release_resume_with_the_default_models_storage_layout(tmp_path):
+    """The GGUF-loaded default model has non-resizable storages and tied embeddings; release_memory used
+    to fail on it with "Trying to resize storage that is not resizable"."""
+    from miles.models import build_tiny_model, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(tok, seed=0)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path / "hf")  # safetensors: loading mmaps them, like the converted GGUF
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert not loaded.model.embed_tokens.weight.untyped_storage().resizable()
+    assert loaded.lm_head.weight.untyped_storage()._cdata == loaded.model.embed_tokens.weight.untyped_storage()._cdata
+    for backup in ("disk", "cpu"):
+        eng = EmbeddedRolloutEngine(model=loaded, tokenizer=tok, device="cpu", backup=backup,
+                                    backup_dir=str(tmp_path / backup))
+        before = eng.get_weights()
+        sp = SamplingParams(max_new_tokens=4, seed=3, n=2)
+        out = eng.generate(["1 + 2 =\nA:"], sp)
+        assert eng.release_memory()["released_bytes"] > 0
+        eng.resume_memory()
+        assert all(torch.equal(before[k], v) for k, v in eng.get_weights().items())
+        assert [s.response_ids for s in eng.generate(["1 + 2 =\nA:"], sp)] == [s.response_ids for s in out]
+        tied = eng.model.lm_head.weight.untyped_storage()._cdata == eng.model.model.embed_tokens.weight.untyped_storage()._cdata
+        assert tied
+        eng.close()

@@ -21,7 +21,8 @@ def _port():
 
 def _args(tmp_path, *extra):
     return validate_args(parse_args(["--tiny-model", "--micro-batch-size", "2",
-                                     "--offload-train-disk-dir", str(tmp_path / "offload"), *extra]))
+                                     "--offload-train-disk-dir", str(tmp_path / "offload"),
+                                     "--metrics-file", str(tmp_path / "metrics.jsonl"), *extra]))
 
 
 def _samples():
@@ -207,3 +208,34 @@ def test_streamed_host_cache_is_used_and_changes_nothing(tmp_path, trainers):
     assert cached0 == 0
     assert 0 < cached64 <= read64  # the tiny model's state fits 64 MiB: at least some buckets hit the cache
     assert _same(params64, params0)
+
+
+def test_eps_clip_zero_reaches_the_loss(tmp_path, trainers, monkeypatch):
+    """A validated --eps-clip 0 is 0 in the loss (it used to become 0.2 through `x or 0.2`)."""
+    import miles.rl.loss as loss
+
+    seen = []
+    real = loss.policy_gradient_loss
+
+    def spy(*a, **k):
+        seen.append(k["eps_clip"])
+        return real(*a, **k)
+
+    monkeypatch.setattr(loss, "policy_gradient_loss", spy)
+    t = TorchTrainer(_args(tmp_path, "--eps-clip", "0", "--rollout-temperature", "0.5"), rank=0, world_size=1)
+    trainers.append(t)
+    t.init(_port())
+    samples, adv = _samples()
+    t.train(0, samples, adv)
+    assert seen and all(e == 0.0 for e in seen)
+
+
+def test_store_gets_its_own_chunk_flag(tmp_path):
+    from miles.backends.torch_backend.trainer import store_config
+
+    cfg = _args(tmp_path, "--stream-optimizer-state-to-disk", "--offload-train-target=disk",
+                "--stream-optimizer-state-chunk-mb", "8", "--offload-train-disk-chunk-mb", "32",
+                "--stream-optimizer-state-moment-dtype", "bf16")
+    sc = store_config(cfg, rank=3)
+    assert sc.chunk_mb == 8 and sc.moment_dtype == "bf16" and sc.rank == 3
+    assert sc.dir == cfg.paths.optimizer_state

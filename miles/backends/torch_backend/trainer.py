@@ -25,43 +25,38 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from miles.backends.base import TrainBackend, remove_rank_dir
+from miles.config import RunConfig
+from miles.models import torch_dtype
 from miles.offload import make_offloader, make_resizable
-from miles.ray import layout
 
 logger = logging.getLogger(__name__)
-GB = 1e9
 
 
-def _resolve_dtype(name: Optional[str], device: torch.device) -> torch.dtype:
-    if name in (None, ""):
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-            "fp16": torch.float16, "float16": torch.float16}[name]
+def loss_arguments(config: RunConfig) -> dict[str, float]:
+    """The policy-gradient loss's knobs from the config, exactly as given (``--eps-clip 0`` is 0)."""
+    return {"eps_clip": config.training.eps_clip, "temperature": config.rollout.rollout_temperature}
 
 
-class TorchTrainer:
-    """One data-parallel rank of the torch backend."""
+class TorchTrainer(TrainBackend):
+    """One data-parallel rank of the torch backend (the :class:`TrainBackend` contract)."""
 
-    def __init__(self, args: Any, *, rank: int, world_size: int, cell: int = 0,
+    def __init__(self, config: RunConfig, *, rank: int, world_size: int, cell: int = 0,
                  rank_dir: Optional[str] = None):
-        self.args = args
-        self.rank = rank
-        self.world_size = world_size
-        self.cell = cell
-        self.rank_dir = rank_dir
+        super().__init__(config, rank=rank, world_size=world_size, cell=cell, rank_dir=rank_dir)
         self.model = None
         self.tokenizer = None
         self.optimizer = None
         self.store = None
         self.offloader = None
         self.device = torch.device("cpu")
+        self._info: dict[str, Any] = {}
         self._closed = False
 
     # ---- setup --------------------------------------------------------------------------------
     def init(self, master_port: int) -> dict[str, Any]:
-        args = self.args
-        threads = max(1, int(float(getattr(args, "num_cpus_per_rank", 1) or 1)))
-        torch.set_num_threads(threads)
+        config = self.config
+        torch.set_num_threads(config.cluster.num_cpus_per_rank)
         if torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -71,7 +66,7 @@ class TorchTrainer:
                                     timeout=datetime.timedelta(minutes=30))
         self._prepare_rank_dir()
 
-        seed = int(getattr(args, "seed", 1234))
+        seed = config.training.seed
         random.seed(seed)
         torch.manual_seed(seed)
 
@@ -84,8 +79,8 @@ class TorchTrainer:
         except Exception:
             pass
 
-        model, tokenizer, description = load_policy(args)
-        dtype = _resolve_dtype(getattr(args, "model_dtype", None), self.device)
+        model, tokenizer, description = load_policy(config)
+        dtype = torch_dtype(config.model.model_dtype)
         model = model.to(device=self.device, dtype=dtype)
         make_resizable(model)  # sleep resizes storages; mmap'ed checkpoint tensors cannot be resized
         model.train()
@@ -93,22 +88,25 @@ class TorchTrainer:
             model.config.use_cache = False
         self.model, self.tokenizer, self.description = model, tokenizer, description
         self.optimizer = self._build_optimizer()
-        if getattr(args, "stream_optimizer_state_to_disk", False):
+        if config.optimizer.stream_optimizer_state_to_disk:
             self.store = self._build_store()
-        if layout.offload_enabled(args):
-            target = layout.offload_target(args)
-            directory = self.rank_dir
-            if target == "disk" and directory is None:
-                raise RuntimeError("--offload-train-target=disk needs the rank directory (MILES_RANK_DIR)")
-            self.offloader = make_offloader(target, directory, layout.chunk_mb(args), self.device.type)
-        num_params = sum(p.numel() for p in model.parameters())
-        info = {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "backend": backend,
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # set per actor by Ray
-                "num_params": num_params, "dtype": str(dtype).replace("torch.", ""),
-                "description": description, "rank_dir": self.rank_dir,
-                "offload": type(self.offloader).__name__ if self.offloader else None,
-                "store": self._store_info()}
-        return info
+        offload = config.offload
+        if offload.offload_train:
+            if offload.offload_train_target == "disk" and self.rank_dir is None:
+                raise RuntimeError("--offload-train-target=disk needs the rank directory: build the trainer with "
+                                   "rank_dir=config.paths.rank_dir(cell, rank)")
+            self.offloader = make_offloader(offload.offload_train_target, self.rank_dir,
+                                            offload.offload_train_disk_chunk_mb, self.device.type)
+        self._info = {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "backend": backend,
+                      "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # set per actor by Ray
+                      "num_params": sum(p.numel() for p in model.parameters()),
+                      "dtype": str(dtype).replace("torch.", ""), "description": description,
+                      "rank_dir": self.rank_dir, "offload": type(self.offloader).__name__ if self.offloader else None,
+                      "store": self._store_info()}
+        return self.info()
+
+    def info(self) -> dict[str, Any]:
+        return dict(self._info)
 
     def _prepare_rank_dir(self) -> None:
         if not self.rank_dir:
@@ -125,40 +123,28 @@ class TorchTrainer:
             if not p.requires_grad:
                 continue
             (no_decay if p.dim() < 2 or name.endswith(".bias") else decay).append(p)
-        wd = float(getattr(self.args, "weight_decay", 0.0) or 0.0)
+        wd = self.config.optimizer.weight_decay
         groups = [{"params": decay, "weight_decay": wd}]
         if no_decay:
             groups.append({"params": no_decay, "weight_decay": 0.0})
         return [g for g in groups if g["params"]]
 
-    def _lr(self) -> float:
-        lr = getattr(self.args, "lr", None)
-        return float(lr) if lr is not None else 1e-5
-
     def _build_optimizer(self):
-        args = self.args
-        name = (getattr(args, "optimizer", "adam") or "adam").lower()
-        if name in ("adam", "adamw"):
+        opt = self.config.optimizer
+        if opt.optimizer == "adam":
             from .sharded_optimizer import ShardedMixedPrecisionAdam
 
             return ShardedMixedPrecisionAdam(
-                self._param_groups(), lr=self._lr(),
-                betas=(float(getattr(args, "adam_beta1", 0.9)), float(getattr(args, "adam_beta2", 0.999))),
-                eps=float(getattr(args, "adam_eps", 1e-8)), optimizer_cls=torch.optim.AdamW)
-        if name == "sgd":
-            return _DataParallelSGD(self._param_groups(), lr=self._lr(), world_size=self.world_size)
-        raise ValueError(f"the torch backend supports --optimizer adam or sgd, got {name!r}")
+                self._param_groups(), lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
+                optimizer_cls=torch.optim.AdamW)
+        if opt.optimizer == "sgd":
+            return _DataParallelSGD(self._param_groups(), lr=opt.lr, world_size=self.world_size)
+        raise ValueError(f"the torch backend supports --optimizer adam or sgd, got {opt.optimizer!r}")
 
     def _build_store(self):
-        args = self.args
         from miles_plugins.optimizers.nvme_stream import stream_optimizer_state
 
-        return stream_optimizer_state(
-            self.optimizer, dir=layout.optimizer_state_root(args), chunk_mb=layout.chunk_mb(args),
-            moment_dtype=getattr(args, "stream_optimizer_state_moment_dtype", "fp32") or "fp32",
-            bucket_numel=int(getattr(args, "stream_optimizer_state_bucket_numel", 200_000_000) or 200_000_000),
-            host_cache_mb=int(getattr(args, "stream_optimizer_state_host_cache_mb", 0) or 0),
-            rank=self.rank)
+        return stream_optimizer_state(self.optimizer, config=store_config(self.config, self.rank))
 
     def _store_info(self) -> Optional[dict[str, Any]]:
         if self.store is None:
@@ -169,7 +155,7 @@ class TorchTrainer:
 
     # ---- training -----------------------------------------------------------------------------
     def _micro_batches(self, n: int) -> Iterator[slice]:
-        mbs = max(1, int(getattr(self.args, "micro_batch_size", 1) or 1))
+        mbs = self.config.training.micro_batch_size
         for i in range(0, n, mbs):
             yield slice(i, min(n, i + mbs))
 
@@ -191,10 +177,9 @@ class TorchTrainer:
         from miles.rl.loss import collate_samples, forward_logprobs, policy_gradient_loss
 
         start = time.perf_counter()
-        args, model, opt = self.args, self.model, self.optimizer
-        eps_clip = float(getattr(args, "eps_clip", 0.2) or 0.2)
-        temperature = float(getattr(args, "rollout_temperature", 1.0) or 1.0)
-        pad_id = int(getattr(self.tokenizer, "pad_token_id", 0) or 0)
+        model, opt = self.model, self.optimizer
+        loss_args = loss_arguments(self.config)
+        pad_id = self.tokenizer.pad_token_id  # load_policy guarantees one
         local_tokens = float(sum(len(s.response_ids) for s in samples))
         global_tokens, global_samples = self._all_reduce([local_tokens, float(len(samples))])
         num_tokens = max(1.0, global_tokens) / self.world_size
@@ -207,9 +192,9 @@ class TorchTrainer:
         for sl in self._micro_batches(len(samples)):
             batch = collate_samples(samples[sl], pad_id, advantages[sl])
             batch = {k: v.to(self.device) for k, v in batch.items()}
-            logp = forward_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature)
+            logp = forward_logprobs(model, batch["input_ids"], batch["attention_mask"], loss_args["temperature"])
             loss, m = policy_gradient_loss(logp, batch["rollout_logprobs"], batch["advantages"], batch["loss_mask"],
-                                           eps_clip=eps_clip, num_tokens=num_tokens)
+                                           eps_clip=loss_args["eps_clip"], num_tokens=num_tokens)
             loss.backward()
             with torch.no_grad():
                 mask = batch["loss_mask"]
@@ -250,7 +235,7 @@ class TorchTrainer:
     @torch.no_grad()
     def _optimizer_step(self) -> float:
         opt = self.optimizer
-        clip = float(getattr(self.args, "clip_grad", 0.0) or 0.0)
+        clip = self.config.optimizer.clip_grad
         if not hasattr(opt, "reduce_grads"):  # the SGD fallback
             return opt.step(clip)
         opt.reduce_grads()
@@ -362,12 +347,15 @@ class TorchTrainer:
         remove_rank_dir(self.rank_dir, self.rank)
 
 
-def remove_rank_dir(rank_dir: Optional[str], rank: int) -> bool:
-    if not rank_dir or not os.path.exists(rank_dir):
-        return False
-    shutil.rmtree(rank_dir, ignore_errors=True)
-    logger.info("rank %d: removed per-rank directory %s", rank, rank_dir)
-    return True
+def store_config(config: RunConfig, rank: int):
+    """The store's :class:`StreamConfig` from the run's config (the store's own defaults for the rest)."""
+    from miles_plugins.optimizers.nvme_stream import StreamConfig
+
+    opt = config.optimizer
+    return StreamConfig(dir=config.paths.optimizer_state, chunk_mb=opt.stream_optimizer_state_chunk_mb,
+                        moment_dtype=opt.stream_optimizer_state_moment_dtype,
+                        bucket_numel=opt.stream_optimizer_state_bucket_numel,
+                        host_cache_mb=opt.stream_optimizer_state_host_cache_mb, rank=rank)
 
 
 def _stats_dict(stats) -> dict[str, Any]:
