@@ -12,7 +12,7 @@ Interface, per segment of a bucket (`numel` elements, `values` logically concate
     encode(values)                 device tensors to write back to back (never modifies `values`)
     name, describe()               what a checkpoint manifest records
     rng_state(), set_rng_state(s)  where the stochastic-rounding noise stands, per device ({} for
-                                   deterministic codecs); checkpoints record it (codec_rng.py)
+                                   deterministic codecs); checkpoints record it (checkpoint/rng.py)
 
 Formats (`moment_dtype`). Bytes per param per step, each direction, with streamed fp32 masters
 (B = BLOCK_SIZE = 256; subtract 4 when the params are themselves the fp32 masters):
@@ -55,7 +55,7 @@ weight matrix, 'elem' = 8 decades of scale inside every block; full table in doc
     0.0033 -> 0.0042, stochastic 0.0046 -> 0.0061), so fp16 rounds to nearest. The noise comes from
     one seeded generator per segment codec and device: runs are reproducible given the same order of
     encodes. A checkpoint records the generators' states and the next step's bucket order
-    (codec_rng.py), so a resumed run draws the same noise as an uninterrupted one.
+    (checkpoint/rng.py), so a resumed run draws the same noise as an uninterrupted one.
   * Block size 256: err 0.207 / 0.213 / 0.217 / 0.217 for 32 / 128 / 256 / 512 ('rows'; 0.602 at
     2048, where a block spans rows of different scale), for 0.25 / 0.06 / 0.03 / 0.016 B/param of scales.
 Training a small LM 200 steps through the store (docs/benchmarks.md): final loss within 0.05% of fp32

@@ -437,7 +437,7 @@ class NVMeOptimizerStateStore:
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save_to(self, checkpoint_base: str, wait: bool = True) -> dict | None:
-        """Write the state to `<base>/nvme_opt_state/<relative_dir>/` (format: checkpoint.py), atomically.
+        """Write the state to `<base>/nvme_opt_state/<relative_dir>/` (format: checkpoint/save_load.py), atomically.
 
         wait=False returns once the state is snapshotted; the files are copied in the background and
         the next step waits only for buckets it overwrites before they are copied. Call

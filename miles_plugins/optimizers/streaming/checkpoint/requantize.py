@@ -18,7 +18,7 @@ moments in the new layout gives: for fp16 (nearest rounding) the same bytes; for
 same scales and payloads within one code of each other, so each value is within one quantization step
 of the new block's grid (tests/unit/test_checkpoint_narrow.py). fp32 and bf16 segments reshard by byte
 copies and stay bit-exact. The encodes draw noise from the store's generators; the load then restarts
-them from their seeds (codec_rng.py).
+them from their seeds (rng.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ filled from the saved pieces that overlap it, segment by segment:
                new layout moves them; and wherever the saved format is not this store's (moment_dtype
                changed since the save). The saved range is decoded to fp32 and the live segment encoded
                again (requantize.py): exact into fp32, one rounding into a narrower format.
-The same plan serves a load onto the saved layout with another moment_dtype (checkpoint.py).
+The same plan serves a load onto the saved layout with another moment_dtype (save_load.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ segment codec and device, and a step encodes its buckets in an order that altern
 resumed run draws the same noise as an uninterrupted one only if the checkpoint restores both: the
 generators' states at the snapshot, and the direction in which the next step walks the buckets.
 
-Record (checkpoint.py writes and verifies the file like every other one):
+Record (save_load.py writes and verifies the file like every other one):
   manifest  "next_bucket_order": "ascending" | "descending" (every checkpoint)
             "codec_rng": {file, file_bytes, crc32 (zlib), devices {segment: [device, ...]}}, only when a
             codec of the store rounds stochastically

@@ -15,7 +15,7 @@ Format, version 1. `store.save_to(base)` writes one directory per store, named b
       resident     {file, file_bytes, crc32} of resident_adam.pt, when the binding keeps a small resident
                    Adam (store.resident_adam: Megatron's native-fp32 params): its torch state_dict
       next_bucket_order, codec_rng   the next step's bucket order and {file, file_bytes, crc32, devices}
-                   of codec_rng.pt, the stochastic-rounding generators' states (codec_rng.py; absent in
+                   of codec_rng.pt, the stochastic-rounding generators' states (rng.py; absent in
                    checkpoints written before them, and codec_rng when no codec rounds stochastically)
       manifest_crc32  crc32 of the rest (json, sorted keys)
 
@@ -31,7 +31,7 @@ about to overwrite. wait=False returns after the snapshot; wait_for_save() retur
 
 Load checks format, mains and codecs, then restores the same layout (copying each file back, its
 crc32 checked on the way, and the generators' states: bit-identical resume for every moment_dtype) or
-reshards: it reads the manifests of this store identity on every rank (`rank*/opt{instance}_{uid}`),
+reshards: it reads the manifests of this store identity on every rank (`rank*/opt{instance}_{part}`),
 checks each named param range is covered exactly once, verifies the files it uses and copies element
 ranges into place (fp32, bf16: bytes, bit-exact; fp16, fp8: decoded and re-quantized in the new
 blocks, requantize.py; the noise restarts from the seeds). Moments saved in another format than the

@@ -18,7 +18,7 @@ from typing import Callable
 from .hostio import pread_into, pwrite_all
 
 
-# ---- checkpoint files (checkpoint.py decides what to copy; these move the bytes) --------------------
+# ---- checkpoint files (checkpoint/ decides what to copy; these move the bytes) --------------------
 COPY_CHUNK_BYTES = 16 << 20
 _FICLONE = 0x40049409  # ioctl: share a file's extents (btrfs, XFS with reflink, bcachefs)
 

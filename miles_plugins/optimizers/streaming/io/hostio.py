@@ -1,6 +1,6 @@
 """File and host-memory primitives under the I/O engines: positional vectored reads and writes,
-O_DIRECT descriptors, tensor bytes as buffers, aligned (pinned) host buffers. No policy: what to move when is the engines' business (engine.py,
-sync.py); only the stager and the engines use this module.
+O_DIRECT descriptors, tensor bytes as buffers, aligned (pinned) host buffers. No policy: what to move
+when is the engines' business (engine.py, sync.py); only io/ uses this module (others through the stager).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from ..config import IO_ENGINES
 from ..errors import StoreConfigError
 from ..layout import align_up  # noqa: F401 - miles/bench/floor.py
 from .engine import make_engine
-from .fileops import (  # noqa: F401 - checkpoint.py, reshard.py, requantize.py use them through the stager
+from .fileops import (  # noqa: F401 - checkpoint/ uses them through the stager
     open_read, open_new, close_fd, reflink, copy_with_crc, file_size, read_file,
     read_at, write_at, write_file_durable, fsync_dir, make_dirs, publish_dir, remove_tree, glob_paths)
 from .hostio import (  # noqa: F401 - requantize.py moves bytes, miles/bench/floor.py times the disk, through them
@@ -68,7 +68,7 @@ class BucketFile:
     fd: int
     nbytes: int
     # Called before any write to this file: a checkpoint taken in the background copies the file's
-    # current bytes first (checkpoint.py). Every write path of any I/O engine must call it.
+    # current bytes first (checkpoint/save_load.py). Every write path of any I/O engine must call it.
     before_write: Callable[[], None] | None = None
     dfd: int = -1  # O_DIRECT descriptor of the same file, opened by the pipelined engine on first use
 
