@@ -34,6 +34,8 @@ class Subcommand:
 SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand("train", "Train a policy with RL (see `miles train --help`).", "miles.cli:train_main"),
     Subcommand("bench", "Benchmarks (see `miles bench --help`).", "miles.bench.cli:main", requires="miles.bench"),
+    Subcommand("plan", "Size a run before launching it: memory per rank, buckets, disk, step-time floor "
+               "(see `miles plan --help`).", "miles.sizing.cli:main", requires="miles.sizing"),
 )
 
 

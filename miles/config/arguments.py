@@ -113,10 +113,14 @@ class TrainingConfig:
     """The training backend and its batch shape."""
 
     train_backend: str = knob(
-        "torch", "Training backend: torch (transformers model, CPU or GPU). megatron is rejected by miles train for "
-        "now: the store's Megatron binding is a library API (see docs/advanced/disk-offload.md).",
+        "torch", "Training backend: torch (transformers model, data parallel with a ZeRO-1 sharded optimizer; "
+        "CPU or GPU) or megatron (megatron-core GPTModel with DDP and the distributed optimizer; CUDA, Python "
+        ">= 3.12, the megatron extra; see docs/advanced/megatron.md).",
         choices=("torch", "megatron"),
     )
+    expert_model_parallel_size: int = knob(
+        1, "Expert parallelism of a MoE model (megatron backend): experts are split over this many train ranks; "
+        "it must divide --num-train-ranks.", metavar="N")
     micro_batch_size: int = knob(4, "Samples per forward/backward on one rank (gradient accumulation over the rest).")
     seed: int = knob(1234, "Seed of model initialization (tiny model) and training.")
     eps_clip: float = knob(0.2, "PPO-style clip range of the importance ratio against the rollout log-probs.")

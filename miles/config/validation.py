@@ -238,32 +238,54 @@ def _check_model(a: argparse.Namespace, env: Environment) -> None:
 
 
 def _check_backend(a: argparse.Namespace, env: Environment) -> None:
-    if a.train_backend == "megatron":
-        if tuple(env.python_version) < (3, 12):
-            v = ".".join(map(str, env.python_version))
-            raise _err(f"--train-backend megatron needs Python >= 3.12 (megatron-core does not install on "
-                       f"Python {v}).", ("--train-backend",), "use --train-backend torch, or Python >= 3.12 "
-                       "with the megatron extra on a CUDA machine.")
-        if not env.cuda_available():
-            raise _err("--train-backend megatron needs CUDA (megatron-core hard-codes CUDA) and none is "
-                       "available.", ("--train-backend",), "use --train-backend torch on this machine.")
-        if not env.has_module("megatron.core"):
-            raise _err("--train-backend megatron: megatron-core is not installed.", ("--train-backend",),
-                       "pip install the megatron extra (pip install 'miles[megatron]').")
-        raise _err("--train-backend megatron: `miles train` does not drive megatron-core models yet; the "
-                   "store's Megatron binding is a library API (stream_optimizer_state on a megatron-core "
-                   "DistributedOptimizer or ChainedOptimizer).", ("--train-backend",),
-                   "use --train-backend torch with miles train.")
     for attr, flag in _NOT_IMPLEMENTED:
         if getattr(a, attr):
-            raise _err(f"{flag} is accepted for compatibility with miles/Megatron command lines but is not "
-                       "implemented by the torch backend.", (flag,), f"drop {flag}.")
+            raise _err(f"{flag} is accepted for compatibility with miles/Megatron command lines but no backend "
+                       "here implements it.", (flag,), f"drop {flag}.")
+    ep = a.expert_model_parallel_size
+    if ep < 1 or a.num_train_ranks % ep:
+        raise _err(f"--expert-model-parallel-size {ep} must be >= 1 and divide --num-train-ranks "
+                   f"{a.num_train_ranks}.", ("--expert-model-parallel-size", "--num-train-ranks"),
+                   "pick an expert-parallel size that divides the number of train ranks.")
+    if a.train_backend == "megatron":
+        _check_megatron(a, env)
+        return
+    if ep > 1:
+        raise _err(f"--expert-model-parallel-size {ep} needs --train-backend megatron: the torch backend "
+                   "replicates every expert on every rank.", ("--expert-model-parallel-size", "--train-backend"),
+                   "add --train-backend megatron or drop --expert-model-parallel-size.")
     for attr, flag in (("fp8_param", "--fp8-param"),
                        ("use_precision_aware_optimizer", "--use-precision-aware-optimizer"),
                        ("optimizer_cpu_offload", "--optimizer-cpu-offload")):
         if getattr(a, attr):
             raise _err(f"{flag} is a megatron-core feature; --train-backend {a.train_backend} does not "
-                       "support it.", (flag, "--train-backend"), f"drop {flag}.")
+                       "support it.", (flag, "--train-backend"), f"add --train-backend megatron or drop {flag}.")
+
+
+def _check_megatron(a: argparse.Namespace, env: Environment) -> None:
+    """What the megatron backend needs from the machine, and its own flags judged on their merits."""
+    if tuple(env.python_version) < (3, 12):
+        v = ".".join(map(str, env.python_version))
+        raise _err(f"--train-backend megatron needs Python >= 3.12 (megatron-core does not install on "
+                   f"Python {v}).", ("--train-backend",), "use --train-backend torch, or Python >= 3.12 "
+                   "with the megatron extra on a CUDA machine.")
+    if not env.cuda_available():
+        raise _err("--train-backend megatron needs CUDA (megatron-core hard-codes CUDA) and none is "
+                   "available.", ("--train-backend",), "use --train-backend torch on this machine.")
+    if not env.has_module("megatron.core"):
+        raise _err("--train-backend megatron: megatron-core is not installed.", ("--train-backend",),
+                   "pip install the megatron extra (pip install 'miles[megatron]').")
+    if a.fp8_param:
+        raise _err("--fp8-param: the megatron backend builds bf16 params (fp8 params need Transformer Engine's "
+                   "fp8 recipe, which it does not set up).", ("--fp8-param", "--train-backend"), "drop --fp8-param.")
+    if a.use_precision_aware_optimizer and not env.has_module("transformer_engine"):
+        raise _err("--use-precision-aware-optimizer needs Transformer Engine's FusedAdam, and transformer_engine "
+                   "is not importable.", ("--use-precision-aware-optimizer",),
+                   "install Transformer Engine or drop --use-precision-aware-optimizer.")
+    if a.model_dtype == "fp32" and a.stream_optimizer_state_to_disk:
+        raise _err(f"{_STREAM} with --train-backend megatron needs bf16 params: the store streams the fp32 "
+                   "masters of low-precision params, and fp32 params have none.", (_STREAM, "--model-dtype"),
+                   "pass --model-dtype bf16 (the default on CUDA).")
 
 
 def _check_rollout(a: argparse.Namespace, env: Environment) -> None:

@@ -58,10 +58,12 @@ class RayTrainGroup:
         return wait_all(refs, f"train (rollout {rollout_id})", self.labels)
 
     def export_weights(self):
-        """An ObjectRef to the full weights from rank 0 (every rank holds them after the step)."""
-        ref = self.actors[0].export_weights.remote()
-        wait_all([ref], "export_weights", self.labels[:1])
-        return ref
+        """An ObjectRef to the full HF-layout weights from rank 0. With expert parallelism every rank
+        holds only its experts and the export gathers them (a collective), so every rank is called."""
+        actors = self.actors if self.config.training.expert_model_parallel_size > 1 else self.actors[:1]
+        refs = [a.export_weights.remote() for a in actors]
+        wait_all(refs, "export_weights", self.labels[:len(refs)])
+        return refs[0]
 
     def save(self, base: str, wait: bool = True) -> list[dict[str, Any]]:
         return self._all("save", base, wait)

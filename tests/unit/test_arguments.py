@@ -135,14 +135,20 @@ CASES = [
      "--train-backend megatron needs Python >= 3.12 (megatron-core does not install on Python 3.11). Fix: "
      "use --train-backend torch, or Python >= 3.12 with the megatron extra on a CUDA machine."),
     (["--fp8-param"],
-     "--fp8-param is a megatron-core feature; --train-backend torch does not support it. Fix: drop "
-     "--fp8-param."),
+     "--fp8-param is a megatron-core feature; --train-backend torch does not support it. Fix: add "
+     "--train-backend megatron or drop --fp8-param."),
     (["--optimizer-cpu-offload"],
      "--optimizer-cpu-offload is a megatron-core feature; --train-backend torch does not support it. Fix: "
-     "drop --optimizer-cpu-offload."),
+     "add --train-backend megatron or drop --optimizer-cpu-offload."),
     (["--reset-optimizer-states"],
-     "--reset-optimizer-states is accepted for compatibility with miles/Megatron command lines but is not "
-     "implemented by the torch backend. Fix: drop --reset-optimizer-states."),
+     "--reset-optimizer-states is accepted for compatibility with miles/Megatron command lines but no "
+     "backend here implements it. Fix: drop --reset-optimizer-states."),
+    (["--expert-model-parallel-size", "2", "--num-train-ranks", "2"],
+     "--expert-model-parallel-size 2 needs --train-backend megatron: the torch backend replicates every "
+     "expert on every rank. Fix: add --train-backend megatron or drop --expert-model-parallel-size."),
+    (["--expert-model-parallel-size", "2", "--num-train-ranks", "3", "--rollout-batch-size", "3"],
+     "--expert-model-parallel-size 2 must be >= 1 and divide --num-train-ranks 3. Fix: pick an "
+     "expert-parallel size that divides the number of train ranks."),
     (["--rollout-engine", "sglang"],
      "--rollout-engine sglang: sglang is not importable here (it needs a CUDA machine with sglang "
      "installed). Fix: use --rollout-engine embedded."),
@@ -209,8 +215,33 @@ def test_megatron_needs_cuda_and_package():
         validate_args(args, env(python_version=(3, 12)))
     with pytest.raises(ArgumentError, match="megatron-core is not installed"):
         validate_args(args, env(python_version=(3, 12), cuda_available=lambda: True))
-    with pytest.raises(ArgumentError, match="does not drive megatron-core models yet"):
-        validate_args(args, env(python_version=(3, 12), cuda_available=lambda: True, modules={"megatron.core"}))
+    cfg = validate_args(args, env(python_version=(3, 12), cuda_available=lambda: True, modules={"megatron.core"}))
+    assert cfg.training.train_backend == "megatron" and cfg.model.model_dtype == "bf16"
+
+
+def _gpu_megatron_env(*extra_modules):
+    return env(python_version=(3, 12), cuda_available=lambda: True, modules={"megatron.core", *extra_modules})
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--fp8-param"], "builds bf16 params"),
+    (["--use-precision-aware-optimizer"], "needs Transformer Engine's FusedAdam"),
+    ([STREAM, DISK, "--model-dtype", "fp32"], "needs bf16 params"),
+    ([STREAM, DISK, "--optimizer-cpu-offload"], "both own the optimizer state"),
+    ([STREAM, DISK, "--use-precision-aware-optimizer"], "keeps its own state layout"),
+])
+def test_megatron_only_flags_judged_on_their_merits(argv, match):
+    with pytest.raises(ArgumentError, match=match):
+        validate_args(parse_args(["--train-backend", "megatron", *argv]), _gpu_megatron_env())
+
+
+def test_megatron_accepts_its_own_features():
+    ok = [["--optimizer-cpu-offload"], [STREAM, DISK, "--colocate"],
+          ["--expert-model-parallel-size", "2", "--num-train-ranks", "2"]]
+    for argv in ok:
+        validate_args(parse_args(["--train-backend", "megatron", *argv]), _gpu_megatron_env())
+    validate_args(parse_args(["--train-backend", "megatron", "--use-precision-aware-optimizer"]),
+                  _gpu_megatron_env("transformer_engine"))
 
 
 def test_sglang_rejected_even_when_importable():

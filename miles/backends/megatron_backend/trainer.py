@@ -42,11 +42,6 @@ logger = logging.getLogger(__name__)
 _EXTRA_STATE = "_extra_state"  # Transformer Engine metadata in state dicts, not a weight
 
 
-def expert_parallel_size(config: RunConfig) -> int:
-    """``--expert-model-parallel-size`` (1 until the flag exists in the training group)."""
-    return int(getattr(config.training, "expert_model_parallel_size", 1) or 1)
-
-
 class MegatronTrainer(TrainBackend):
     """One data-parallel rank of the megatron backend."""
 
@@ -63,7 +58,7 @@ class MegatronTrainer(TrainBackend):
         self.offloader = None
         self.uses_te_spec = False
         self.hf_moe_layout: Optional[str] = None
-        self.ep_size = expert_parallel_size(config)
+        self.ep_size = config.training.expert_model_parallel_size
         self.ep_rank = 0
         self._model_view: Optional[HFModelView] = None
         self._info: dict[str, Any] = {}
