@@ -11,6 +11,7 @@ Public API::
     convert_smollm2(gguf_path=None, cache_root=None) -> str   # HF folder, converted once and cached
     build_tiny_tokenizer() -> PreTrainedTokenizerFast           # char-level, built offline
     build_tiny_model(tokenizer, seed=0, dtype=torch.float32) -> LlamaForCausalLM
+    write_random_model(folder, preset, seed=0)    # random-init HF folder of a real architecture (RANDOM_MODEL_PRESETS)
 
 Which model (``config.model_source``, resolved by ``validate_args``):
 
@@ -57,6 +58,8 @@ __all__ = [
     "build_tiny_model",
     "TINY_MODEL_CONFIG",
     "torch_dtype",
+    "RANDOM_MODEL_PRESETS",
+    "write_random_model",
 ]
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
@@ -328,3 +331,49 @@ def load_policy(config: RunConfig, device: Any = "cpu", log: bool = True):
         n = sum(p.numel() for p in model.parameters())
         logger.info("policy model: %s, %.1fM params, %s", src.description, n / 1e6, dtype)
     return model, tokenizer, src.description
+
+
+# ------------------------------------------------------------------------------------- random models
+
+# Random-init models of real architectures, for smoke runs and benchmarks on machines without weights.
+RANDOM_MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    # Llama family, ~1.06B params (TinyLlama's shape with the char tokenizer's vocabulary).
+    "llama-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+                     num_attention_heads=32, num_key_value_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # Qwen3-MoE layout, 8 experts (top-2), ~0.23B params.
+    "qwen3-moe-8e": dict(model_type="qwen3_moe", hidden_size=1024, intermediate_size=2048, moe_intermediate_size=1024,
+                         num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                         mlp_only_layers=[], rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # Tiny versions of both, for tests.
+    "llama-tiny": dict(model_type="llama", **TINY_MODEL_CONFIG),
+    "qwen3-moe-tiny": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                           mlp_only_layers=[], rms_norm_eps=1e-6, tie_word_embeddings=False),
+}
+
+
+def write_random_model(folder: str, preset: str, seed: int = 0, dtype: str = "bf16") -> str:
+    """Write a random-init HF model folder (config.json, safetensors, the char tokenizer) for `preset`.
+
+    `miles train --hf-checkpoint <folder>` then trains it like any HF checkpoint."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if preset not in RANDOM_MODEL_PRESETS:
+        raise ValueError(f"unknown random model preset {preset!r}; choose one of {sorted(RANDOM_MODEL_PRESETS)}")
+    spec = dict(RANDOM_MODEL_PRESETS[preset])
+    tokenizer = build_tiny_tokenizer()
+    spec.setdefault("max_position_embeddings", 1024)
+    config = AutoConfig.for_model(spec.pop("model_type"), vocab_size=len(tokenizer),
+                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id, **spec)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    model.to(torch_dtype(dtype)).save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    n = sum(p.numel() for p in model.parameters())
+    logger.info("wrote random %s (%.2fB params, seed %d) to %s", preset, n / 1e9, seed, folder)
+    return folder
