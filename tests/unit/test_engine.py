@@ -15,6 +15,7 @@ import torch
 from miles.backends.torch_backend.sharded_optimizer import ShardedMixedPrecisionAdam
 from miles_plugins.optimizers.nvme_stream import stream_optimizer_state
 from miles_plugins.optimizers.streaming.io import engine as engine_mod
+from miles_plugins.optimizers.streaming.io import stager as stager_mod
 from miles_plugins.optimizers.streaming.io.stager import Stager, StoreConfigError, check_host_cache_budget
 
 SIZES = ((37, 29), (1000,), (3,), (4099,), (257, 31), (5000,), (12345,), (7,))
@@ -219,11 +220,11 @@ def test_o_direct_refused_falls_back_with_a_log_line(tmp_path, monkeypatch, capl
     def refuse(*args, **kwargs):
         raise OSError(errno.EINVAL, "Invalid argument")
     if where == "open":
-        monkeypatch.setattr(engine_mod, "open_direct", refuse)
+        monkeypatch.setattr(stager_mod, "open_direct", refuse)
     else:  # the open succeeds, the first direct transfer is refused (some filesystems do that)
         real_read, real_write = engine_mod.pread_into, engine_mod.pwrite_all
         direct_fds = set()
-        real_open = engine_mod.open_direct
+        real_open = stager_mod.open_direct
 
         def open_direct(path):
             fd = real_open(path)
@@ -236,7 +237,7 @@ def test_o_direct_refused_falls_back_with_a_log_line(tmp_path, monkeypatch, capl
                     refuse()
                 return real(fd, buffers, offset)
             return io
-        monkeypatch.setattr(engine_mod, "open_direct", open_direct)
+        monkeypatch.setattr(stager_mod, "open_direct", open_direct)
         monkeypatch.setattr(engine_mod, "pread_into", gate(real_read))
         monkeypatch.setattr(engine_mod, "pwrite_all", gate(real_write))
     ref, ref_hist = run(tmp_path, "sync", io_engine="sync", steps=3)
@@ -307,7 +308,7 @@ def test_chunking_packs_small_shards_and_pads_for_o_direct(tmp_path):
     for name, kwargs in (("sync", dict(io_engine="sync")), ("pipe", dict(io_threads=3)),
                          ("buffered", dict(direct_io=False))):
         stager = Stager(torch.device("cpu"), chunk_bytes=8192, **kwargs)
-        path = stager.prepare_directory(str(tmp_path), name, size)
+        path = stager.prepare_directory(str(tmp_path), name, size).directory
         f = stager.create_file(os.path.join(path, "b.bin"), size)
         with open(f.path, "r+b") as fh:
             fh.write(b"\xff" * size)
@@ -340,7 +341,7 @@ def test_closing_a_file_forgets_it_and_frees_its_host_image(tmp_path):
     otherwise."""
     size = 4 * 4096
     stager = Stager(torch.device("cpu"), chunk_bytes=8192, host_cache_bytes=size)
-    path = stager.prepare_directory(str(tmp_path), "d", 2 * size)
+    path = stager.prepare_directory(str(tmp_path), "d", 2 * size).directory
     data = torch.arange(size // 4, dtype=torch.float32)
     first = stager.create_file(os.path.join(path, "a.bin"), size)
     stager.write(first, 0, [data])

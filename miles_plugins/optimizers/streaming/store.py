@@ -121,6 +121,7 @@ class NVMeOptimizerStateStore:
         self.last_save: dict | None = None
         self._closed = True  # until the files exist
         self.path: str | None = None
+        self.directory_lock = None  # held from before the wipe until close: one live store per directory
         self.buckets: list[Bucket] = []
         # One codec per segment: exp_avg_sq may be stored differently from exp_avg (codec.py says why).
         self.codecs = {MAIN: Fp32Codec(), **make_moment_codecs(config.moment_dtype)}
@@ -143,7 +144,8 @@ class NVMeOptimizerStateStore:
         self._closed = False
         _LIVE_STORES.add(self)
         try:
-            self.path = self.stager.prepare_directory(config.dir, self.relative_dir, sum(file_bytes))
+            self.directory_lock = self.stager.prepare_directory(config.dir, self.relative_dir, sum(file_bytes))
+            self.path = self.directory_lock.directory
             self.stager.expect_files(max(file_bytes, default=0))
             for i, (plan, nbytes) in enumerate(zip(plans, file_bytes)):
                 file = self.stager.create_file(os.path.join(self.path, bucket_filename(i)), nbytes)
@@ -487,8 +489,8 @@ class NVMeOptimizerStateStore:
         self._release_pipeline()
         for bucket in self.buckets:
             self.stager.close_file(bucket.file)
-        if self.path is not None:  # None: construction failed before the directory was prepared
-            self.stager.remove_directory(self.path)
+        if self.directory_lock is not None:  # None: construction failed before the directory was locked
+            self.stager.remove_directory(self.directory_lock)
         self.stager.close()
         _LIVE_STORES.discard(self)
 

@@ -36,8 +36,9 @@ calls `file.before_write()` first (a background checkpoint copies the file's byt
 Errors raised in a worker are kept on the ticket and raised by whoever waits on it; tasks that depend
 on a failed ticket fail too.
 
-The file primitives are called through this module's names (pread_into, pwrite_all, open_direct):
-tests replace them here to inject I/O errors and refuse O_DIRECT.
+The file primitives are called through this module's names (pread_into, pwrite_all): tests replace
+them here to inject I/O errors. O_DIRECT descriptors are opened with the file (stager.create_file), never
+here: tests replace `stager.open_direct` to refuse O_DIRECT.
 """
 
 from __future__ import annotations
@@ -52,8 +53,7 @@ import torch
 from ..config import IO_ENGINES
 from ..layout import ALIGN_BYTES, align_up
 from .hostcache import FileState, HostCache
-from .hostio import (NO_DIRECT, HostMemory, StagingPool, cut_into_chunks, host_buffer,
-                     open_direct, pread_into, pwrite_all)
+from .hostio import NO_DIRECT, HostMemory, StagingPool, cut_into_chunks, host_buffer, pread_into, pwrite_all
 from .sync import SyncEngine
 from .tickets import Deferred, IOCounters, Ticket, Workers, overlap
 
@@ -126,17 +126,13 @@ class PipelinedEngine:
         self.cache.release(state)
 
     def _dfd(self, file) -> int:
-        """The file's O_DIRECT descriptor (opened on first use), or -1 where direct I/O is off."""
+        """The file's O_DIRECT descriptor (opened with the file, never by path here), or -1 where direct
+        I/O is off or the filesystem refused it (logged once)."""
         if not self.direct:
             return -1
-        if getattr(file, "dfd", -1) >= 0:
-            return file.dfd
-        try:
-            file.dfd = open_direct(file.path)
-        except OSError as e:
-            if e.errno not in NO_DIRECT:
-                raise
-            self._direct_unsupported(file.path, e)
+        if file.dfd < 0:
+            refusal = file.direct_refusal or OSError(0, "the file has no O_DIRECT descriptor")
+            self._direct_unsupported(file.path, refusal)
             return -1
         if not self._direct_reported:
             self._direct_reported = True

@@ -30,6 +30,7 @@ from .fileops import (  # noqa: F401 - checkpoint/ uses them through the stager
     read_at, write_at, write_file_durable, fsync_dir, make_dirs, publish_dir, remove_tree, glob_paths)
 from .hostio import (  # noqa: F401 - requantize.py moves bytes, miles/bench/floor.py times the disk, through them
     NO_DIRECT, HostMemory, as_bytes, drop_page_cache, host_buffer, open_direct, pread_into, pwrite_all)
+from .ownership import LOCK_FILE, DirectoryInUseError, DirectoryLock  # noqa: F401 - the store names the error
 from .tickets import IOCounters, Ticket  # noqa: F401
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,8 @@ class BucketFile:
     # Called before any write to this file: a checkpoint taken in the background copies the file's
     # current bytes first (checkpoint/save_load.py). Every write path of any I/O engine must call it.
     before_write: Callable[[], None] | None = None
-    dfd: int = -1  # O_DIRECT descriptor of the same file, opened by the pipelined engine on first use
+    dfd: int = -1  # O_DIRECT descriptor of the same file (create_file), -1 where the filesystem refuses it
+    direct_refusal: OSError | None = None  # why there is no O_DIRECT descriptor (the engine logs its fallback)
 
 
 class Stager:
@@ -123,11 +125,13 @@ class Stager:
 
     # ---- directories --------------------------------------------------------------------------
     @staticmethod
-    def prepare_directory(root: str, relative_dir: str, required_bytes: int) -> str:
-        """Validate the root and free space, then wipe and recreate `<root>/<relative_dir>`.
+    def prepare_directory(root: str, relative_dir: str, required_bytes: int) -> DirectoryLock:
+        """Validate the root and free space, lock `<root>/<relative_dir>` for this process and empty it.
 
-        Nothing is deleted or created before every check has passed, and nothing outside the store's
-        own directory is ever touched.
+        Returns the held lock (its `directory` is the store's path); `remove_directory` releases it.
+        Nothing is deleted before every check has passed and the lock is held (another live process
+        using the directory gets DirectoryInUseError naming it), and nothing outside the store's own
+        directory is ever touched.
         """
         root = os.path.abspath(root)
         if not os.path.isdir(root):
@@ -144,6 +148,7 @@ class Stager:
         elif not os.access(root, os.W_OK | os.X_OK):
             raise StoreConfigError(f"optimizer-state root {root!r} is not writable; choose a writable directory")
         path = os.path.join(root, relative_dir)
+        _refuse_links(root, path)
         probe = root if os.path.isdir(root) else os.path.dirname(root)
         reclaimable = _tree_bytes(path)
         free = shutil.disk_usage(probe).free + reclaimable
@@ -152,31 +157,43 @@ class Stager:
                 f"not enough free space for the optimizer state under {root!r}: need {required_bytes / 2**30:.2f} GiB, "
                 f"{free / 2**30:.2f} GiB available; free space, choose another directory, or use narrower "
                 "moments (moment_dtype='bf16')")
-        if os.path.lexists(path):
-            logger.info("removing leftover optimizer-state directory %s", path)
-            shutil.rmtree(path)
-        os.makedirs(path)
-        return path
+        os.makedirs(path, exist_ok=True)
+        lock = DirectoryLock.acquire(path, f"optimizer-state store {relative_dir}", "optimizer-state directory")
+        try:
+            _empty_directory(path)
+        except BaseException:
+            lock.release()
+            raise
+        return lock
 
     @staticmethod
-    def remove_directory(path: str) -> None:
-        shutil.rmtree(path, ignore_errors=True)
-        parent = os.path.dirname(path)
-        try:  # the rank folder goes too once its last store is gone
-            os.rmdir(parent)
-        except OSError:
-            pass
+    def remove_directory(lock: DirectoryLock) -> None:
+        """Remove the store's files, then its lock, then the directory (and the rank folder once its last
+        store is gone). A directory another process has locked meanwhile is left to it."""
+        path = lock.directory
+        _empty_directory(path)
+        lock.release()
+        for directory in (path, os.path.dirname(path)):
+            try:
+                os.rmdir(directory)
+            except OSError:
+                pass
 
     # ---- files --------------------------------------------------------------------------------
     @staticmethod
     def create_file(path: str, nbytes: int) -> BucketFile:
+        """Create and preallocate `path`, and open both its descriptors now: buffered, and O_DIRECT where
+        the filesystem allows. They are never re-resolved by path, so a file replaced behind the store's
+        back (another process recreating the directory) is never read or written in its place."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        file = BucketFile(path, fd, nbytes)
         try:
             _preallocate(fd, nbytes, path)
+            file.dfd, file.direct_refusal = _open_direct_twin(fd, path)
         except BaseException:
-            os.close(fd)
+            Stager.close_descriptors(file)
             raise
-        return BucketFile(path, fd, nbytes)
+        return file
 
     def close_file(self, file: BucketFile) -> None:
         """Close a bucket file (its requests in flight end first and the engine forgets it)."""
@@ -295,6 +312,47 @@ def _tree_bytes(path: str) -> int:
             except OSError:
                 pass
     return total
+
+
+def _refuse_links(root: str, path: str) -> None:
+    """The store empties and removes its directories: refuse any that is a symbolic link (the root itself
+    may be one: it is only read through), before anything is touched."""
+    relative = os.path.relpath(path, root).split(os.sep)
+    for depth in range(1, len(relative) + 1):
+        candidate = os.path.join(root, *relative[:depth])
+        if os.path.islink(candidate):
+            raise StoreConfigError(
+                f"optimizer-state directory {candidate!r} is a symbolic link (to {os.readlink(candidate)!r}); the "
+                "store empties and removes its own directories, so they must be real ones: remove the link, or "
+                "pass a dir whose rank folders are not links")
+
+
+def _empty_directory(path: str) -> None:
+    """Remove everything in `path` but its lock file (the lock must outlive the wipe)."""
+    with os.scandir(path) as entries:
+        for entry in entries:
+            if entry.name == LOCK_FILE:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+
+
+def _open_direct_twin(fd: int, path: str) -> tuple[int, OSError | None]:
+    """An O_DIRECT descriptor of the file `fd` has open, checked to be the same file; (-1, why) where the
+    filesystem refuses O_DIRECT."""
+    try:
+        dfd = open_direct(path)
+    except OSError as e:
+        if e.errno not in NO_DIRECT:
+            raise
+        return -1, e
+    if not os.path.samestat(os.fstat(fd), os.fstat(dfd)):
+        os.close(dfd)
+        raise OSError(errno.ESTALE, f"{path} was replaced while the store opened it: another process is "
+                                    "writing into this directory")
+    return dfd, None
 
 
 def _preallocate(fd: int, nbytes: int, path: str) -> None:

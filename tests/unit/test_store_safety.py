@@ -1,0 +1,99 @@
+"""Safety of the store's disk (issue 13): one owner per directory, descriptors that never follow a path,
+no torn state published, a live integrity check, and the smaller findings. Each test reproduces a finding."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+from miles_plugins.optimizers.nvme_stream import DirectoryInUseError, StoreConfigError, stream_optimizer_state
+from miles_plugins.optimizers.streaming.io import engine as engine_mod
+from miles_plugins.optimizers.streaming.io.ownership import LOCK_FILE
+
+from test_store import make_adamw, make_params, run_steps
+
+BUCKET = 4096 + 100
+
+
+def _assert_matches_resident(tmp_path, steps=6, **kwargs):
+    ref_params, params = make_params(), make_params()
+    ref, opt = make_adamw(ref_params), make_adamw(params)
+    store = stream_optimizer_state(opt, dir=str(tmp_path), bucket_numel=BUCKET, **kwargs)
+    run_steps([(ref, ref_params), (opt, params)], steps=steps)
+    assert all(torch.equal(a, b) for a, b in zip(ref_params, params))
+    return store
+
+
+# ---- 1. one owner per store directory; descriptors opened once ------------------------------------
+HOLDER = textwrap.dedent("""
+    import sys, torch
+    from miles_plugins.optimizers.nvme_stream import stream_optimizer_state
+    p = torch.nn.Parameter(torch.randn(5000))
+    store = stream_optimizer_state(torch.optim.AdamW([p]), dir=sys.argv[1], rank=0, bucket_numel=1000)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    store.close()
+""")
+
+
+def test_second_process_on_the_same_store_directory_is_refused_naming_the_first(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(DirectoryInUseError, match=rf"rank00000/opt0_0 is in use by pid {holder.pid} .*another directory"):
+            stream_optimizer_state(torch.optim.AdamW(make_params()), dir=str(tmp_path), rank=0, bucket_numel=BUCKET)
+        # the refused store touched nothing: the holder's files are all there
+        assert len([n for n in os.listdir(tmp_path / "rank00000" / "opt0_0") if n.endswith(".bin")]) == 5
+    finally:
+        holder.communicate("\n", timeout=60)
+    assert holder.returncode == 0
+    assert not os.path.exists(tmp_path / "rank00000")  # the holder removed its directory, lock included
+    _assert_matches_resident(tmp_path).close()
+
+
+def test_lock_survives_the_wipe_and_close_removes_it(tmp_path):
+    leftover = tmp_path / "rank00000" / "opt0_0"
+    leftover.mkdir(parents=True)
+    (leftover / "bucket00000.bin").write_bytes(b"old run")
+    store = stream_optimizer_state(torch.optim.AdamW(make_params()), dir=str(tmp_path), bucket_numel=BUCKET)
+    assert (leftover / LOCK_FILE).exists() and store.directory_lock.held
+    store.close()
+    assert not os.path.exists(tmp_path / "rank00000")
+
+
+def test_descriptors_are_opened_at_creation_and_never_follow_the_path(tmp_path):
+    """A file replaced at its path after construction (another run recreating the directory) is
+    neither read nor written: the store keeps its own files' descriptors."""
+    ref_params, params = make_params(), make_params()
+    ref, opt = make_adamw(ref_params), make_adamw(params)
+    store = stream_optimizer_state(opt, dir=str(tmp_path), bucket_numel=BUCKET, direct_io=None)
+    if all(b.file.direct_refusal is not None for b in store.buckets):
+        pytest.skip(f"{tmp_path} does not support O_DIRECT")
+    assert all(b.file.dfd >= 0 and os.path.samestat(os.fstat(b.file.fd), os.fstat(b.file.dfd)) for b in store.buckets)
+    garbage = b"\x7f" * store.buckets[0].file.nbytes
+    for b in store.buckets:
+        os.unlink(b.file.path)
+        with open(b.file.path, "wb") as f:
+            f.write(garbage[:b.file.nbytes])
+    run_steps([(ref, ref_params), (opt, params)], steps=6)
+    assert all(torch.equal(a, b) for a, b in zip(ref_params, params))
+    for b in store.buckets:
+        with open(b.file.path, "rb") as f:
+            assert f.read() == garbage[:b.file.nbytes], f"{b.file.path} was written through its path"
+    store.close()
+
+
+def test_store_directory_that_is_a_symlink_is_refused_naming_it(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    root = tmp_path / "root"
+    root.mkdir()
+    os.symlink(elsewhere, root / "rank00000")
+    with pytest.raises(StoreConfigError, match=rf"{root / 'rank00000'}.* is a symbolic link"):
+        stream_optimizer_state(torch.optim.AdamW(make_params()), dir=str(root), bucket_numel=BUCKET)
+    assert os.listdir(elsewhere) == []
