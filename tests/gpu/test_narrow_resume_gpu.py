@@ -15,12 +15,12 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "unit"))
 
-from test_checkpoint import (  # noqa: E402,F401  (_restarted_process_uids: autouse fixture)
-    _restarted_process_uids, assert_same, build, fresh_uids, load, save, state, train)
+from test_checkpoint import (  # noqa: E402,F401  (_restarted_process: autouse fixture)
+    _restarted_process, assert_same, build, load, restart, save, state, train)
 
 
 def _leg(kind, root, moment_dtype, steps, base=None, load_from=None):
-    fresh_uids()
+    restart()
     params, opt, store = build(kind, root, device="cuda", moment_dtype=moment_dtype)
     if load_from is not None:
         assert load(params, opt, store, load_from) is True
@@ -52,13 +52,13 @@ def test_narrow_resume_on_cuda_is_bit_identical(tmp_path, kind, moment_dtype):
 def test_resume_with_another_moment_dtype_and_bucket_size_on_cuda(tmp_path, saved_dtype, load_dtype):
     """The conversion path (requantize.py) on device buffers: decode the saved moments, encode them in
     the live store's format and its other buckets; masters and steps exact, widening to fp32 exact."""
-    fresh_uids()
+    restart()
     params, opt, store = build("plain", tmp_path / "live", device="cuda", moment_dtype=saved_dtype)
     train(params, opt, range(3))
     saved = state(store, params)
     save(params, store, str(tmp_path / "ck"))
     store.close()
-    fresh_uids()
+    restart()
     params, opt, store = build("plain", tmp_path / "live", device="cuda", moment_dtype=load_dtype, bucket_numel=3000)
     assert load(params, opt, store, str(tmp_path / "ck")) is True
     got = state(store, params)

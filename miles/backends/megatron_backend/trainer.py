@@ -20,15 +20,14 @@ import datetime
 import logging
 import os
 import random
-import shutil
 import time
 from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from miles.backends.base import TrainBackend, remove_rank_dir
-from miles.backends.torch_backend.trainer import loss_arguments, store_arguments
+from miles.backends.base import TrainBackend
+from miles.backends.torch_backend.trainer import loss_arguments, store_config
 from miles.config import RunConfig
 from miles.models import torch_dtype
 from miles.offload import make_offloader, tms_active
@@ -89,7 +88,7 @@ class MegatronTrainer(TrainBackend):
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                                                      expert_model_parallel_size=self.ep_size)
         self.ep_rank = parallel_state.get_expert_model_parallel_rank()
-        _prepare_rank_dir(self.rank_dir, self.rank)
+        self.claim_rank_dir()
         seed = config.training.seed
         random.seed(seed)
         torch.manual_seed(seed)
@@ -106,7 +105,8 @@ class MegatronTrainer(TrainBackend):
                 raise RuntimeError("--offload-train-target=disk needs the rank directory: build the trainer with "
                                    "rank_dir=config.paths.rank_dir(cell, rank)")
             self.offloader = make_offloader(offload.offload_train_target, self.rank_dir,
-                                            offload.offload_train_disk_chunk_mb, "cuda")
+                                            offload.offload_train_disk_chunk_mb, "cuda",
+                                            run_id=config.run_id, lock=self.rank_dir_lock)
 
         hf_state, description = self._load_hf_policy()
         with self._pausable_allocations():  # params, grad buffers, mains: all inside the offloadable region
@@ -115,7 +115,7 @@ class MegatronTrainer(TrainBackend):
         if config.optimizer.stream_optimizer_state_to_disk:
             from miles_plugins.optimizers.nvme_stream import stream_optimizer_state
 
-            self.store = StoreSet(stream_optimizer_state(self.optimizer, **store_arguments(config, self.rank)))
+            self.store = StoreSet(stream_optimizer_state(self.optimizer, config=store_config(config, self.rank)))
         self._model_view = HFModelView(self.hf_config, self._load_hf_state)
         self._info = {"rank": self.rank, "pid": os.getpid(), "device": str(device), "backend": "nccl",
                       "train_backend": "megatron", "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -388,18 +388,7 @@ class MegatronTrainer(TrainBackend):
             pass
         if dist.is_initialized():
             dist.destroy_process_group()
-        remove_rank_dir(self.rank_dir, self.rank)
-
-
-def _prepare_rank_dir(rank_dir: Optional[str], rank: int) -> None:
-    """Wipe and recreate this rank's private directory (the torch backend does the same at init)."""
-    if not rank_dir:
-        return
-    existed = os.path.exists(rank_dir)
-    shutil.rmtree(rank_dir, ignore_errors=True)
-    os.makedirs(rank_dir, exist_ok=True)
-    logger.info("rank %d: per-rank directory %s %s (removed at exit)", rank, rank_dir,
-                "wiped and recreated" if existed else "created")
+        self.release_rank_dir()
 
 
 def _stats_dict(stats) -> dict[str, Any]:
