@@ -23,14 +23,14 @@ import torch
 
 from .streaming.bind.torch_adam import bind_plain_adam, bind_sharded_adam
 from .streaming.config import DEFAULT_BUCKET_NUMEL, DEFAULT_CHUNK_MB, MOMENT_DTYPES, StreamConfig, check_config
-from .streaming.errors import CheckpointError, StoreConfigError
+from .streaming.errors import CheckpointError, StoreConfigError, StorePoisonedError
 from .streaming.io.ownership import DirectoryInUseError
 from .streaming.layout import STREAMED_DIR
 from .streaming.plan import plan_buckets
 from .streaming.store import NVMeOptimizerStateStore, StepStats, StoreStats
 
 __all__ = ["stream_optimizer_state", "NVMeOptimizerStateStore", "StreamConfig", "StoreConfigError", "CheckpointError",
-           "DirectoryInUseError",
+           "DirectoryInUseError", "StorePoisonedError",
            "StoreStats", "StepStats", "plan_buckets", "DEFAULT_BUCKET_NUMEL", "DEFAULT_CHUNK_MB", "MOMENT_DTYPES",
            "STREAMED_DIR"]
 _FIELDS = tuple(f.name for f in dataclasses.fields(StreamConfig))

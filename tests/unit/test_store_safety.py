@@ -97,3 +97,61 @@ def test_store_directory_that_is_a_symlink_is_refused_naming_it(tmp_path):
     with pytest.raises(StoreConfigError, match=rf"{root / 'rank00000'}.* is a symbolic link"):
         stream_optimizer_state(torch.optim.AdamW(make_params()), dir=str(root), bucket_numel=BUCKET)
     assert os.listdir(elsewhere) == []
+
+
+# ---- 3. a step lands every bucket or poisons the store ---------------------------------------------
+def _grads(params, step):
+    g = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+def _fail_writes_after(monkeypatch, module, calls):
+    """The `calls`-th positional write from now on, and every later one, fails with EIO (a dying disk)."""
+    real, seen = module.pwrite_all, [0]
+
+    def pwrite_all(fd, buffers, offset):
+        seen[0] += 1
+        if seen[0] > calls:
+            raise OSError(5, "Input/output error (injected)")
+        return real(fd, buffers, offset)
+    monkeypatch.setattr(module, "pwrite_all", pwrite_all)
+    return lambda: monkeypatch.setattr(module, "pwrite_all", real)
+
+
+@pytest.mark.parametrize("io_engine", ["pipelined", "sync"])
+def test_io_error_mid_step_poisons_the_store_until_load_from_recovers(tmp_path, monkeypatch, io_engine):
+    from miles_plugins.optimizers.nvme_stream import StorePoisonedError
+    from miles_plugins.optimizers.streaming.io import sync as sync_mod
+    ref_params, params = make_params(), make_params()
+    ref, opt = make_adamw(ref_params), make_adamw(params)
+    store = stream_optimizer_state(opt, dir=str(tmp_path / "live"), bucket_numel=BUCKET, io_engine=io_engine)
+    for k in range(6):
+        _grads(ref_params, k)
+        ref.step()
+    for k in range(3):
+        _grads(params, k)
+        opt.step()
+    store.save_to(str(tmp_path / "ckpt"))
+    saved_params = [p.detach().clone() for p in params]
+    heal = _fail_writes_after(monkeypatch, engine_mod if io_engine == "pipelined" else sync_mod, calls=3)
+    _grads(params, 3)
+    with pytest.raises(OSError, match="injected"):
+        opt.step()
+        store.flush()  # write-behind: the failure may surface only when the writes are waited for
+    heal()
+    assert store.poisoned_by is not None
+    for refused in (opt.step, lambda: store.save_to(str(tmp_path / "torn"))):
+        with pytest.raises(StorePoisonedError, match=r"mix of two steps.*store.load_from\(<last checkpoint>\)"):
+            refused()
+    assert not os.path.exists(tmp_path / "torn" / "nvme_opt_state")  # the torn state was never published
+    with torch.no_grad():  # the recovery: model weights from the checkpoint, then the optimizer state
+        for p, saved in zip(params, saved_params):
+            p.copy_(saved)
+    assert store.load_from(str(tmp_path / "ckpt")) is True
+    assert store.poisoned_by is None
+    for k in range(3, 6):
+        _grads(params, k)
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(ref_params, params))
+    store.close()

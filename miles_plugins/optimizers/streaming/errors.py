@@ -1,4 +1,4 @@
-"""The store's two exceptions, one home each: every module raises these, the public API re-exports them."""
+"""The store's exceptions, one home each: every module raises these, the public API re-exports them."""
 
 
 class StoreConfigError(ValueError):
@@ -7,3 +7,7 @@ class StoreConfigError(ValueError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint of streamed state is incomplete, corrupt, or does not fit this store."""
+
+
+class StorePoisonedError(RuntimeError):
+    """A step failed part way: the bucket files hold a mix of two steps. Only `load_from` recovers."""

@@ -22,11 +22,20 @@ any time (depth reading ahead, one updating, depth held by their write-backs), e
 codecs). Between steps at most 2 * depth (prefetched + write-behind). Host memory on top: the engine's
 staging (`staging_bytes`) and the optional host cache (`host_cache_bytes`). The Adam kernel's own
 temporaries are not state and not counted. io_engine="sync" is depth 0: one bucket, no write-behind.
+
+Failure semantics (both engines; docs/dev/contracts.md): a step either lands every bucket or poisons
+the store. Any error while a step runs, and any I/O error of its write-behind found later (the next
+step, prefetch, flush, save), leaves some buckets a step ahead of others, so the store is poisoned:
+`step`, `prefetch`, `flush` and `save_to` raise StorePoisonedError (saying how to recover) instead of
+stepping on or publishing that torn state. `load_from(last checkpoint)` recovers: it rebuilds the I/O
+engine, restores the state and clears the poison (restore the model weights first, as for any resume).
+`close` always works.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import logging
 import os
@@ -41,7 +50,7 @@ from .checkpoint import save_load as checkpoint
 from .bucket import Bucket, StreamEntry
 from .codec import Fp32Codec, make_moment_codecs
 from .config import StreamConfig, check_config
-from .errors import StoreConfigError
+from .errors import StoreConfigError, StorePoisonedError
 from .io.stager import Stager
 from .layout import EXP_AVG, EXP_AVG_SQ, MAIN, bucket_filename, bucket_layout, store_identity, store_relative_dir
 from .plan import plan_buckets
@@ -119,6 +128,7 @@ class NVMeOptimizerStateStore:
         self._step_read = self._step_reused = self._step_peak = 0
         self._save_job = None
         self.last_save: dict | None = None
+        self.poisoned_by: BaseException | None = None  # the failure that left a torn state (see the module doc)
         self._closed = True  # until the files exist
         self.path: str | None = None
         self.directory_lock = None  # held from before the wipe until close: one live store per directory
@@ -333,8 +343,9 @@ class NVMeOptimizerStateStore:
         be idle (call it before forward/backward). Starts up to `depth` reads, skipping buckets that
         need no disk read (still resident from their write-back, or in the host cache); they stay
         resident until the step consumes them (or flush()). Returns the number of reads started."""
-        self._check_open()
-        self.stager.check()
+        self._check_usable()
+        with self._poisons_on_failure("a previous step's write-behind"):
+            self.stager.check()
         if self.depth == 0:
             return 0
         self._release_written(self.depth)
@@ -355,9 +366,10 @@ class NVMeOptimizerStateStore:
         """Wait until every write-back is in the files and release everything the pipeline holds
         (write-behind and prefetched buckets). Saves and loads drain on their own; call this before
         handing the device memory to someone else (sleep, offload) or to measure a step end to end."""
-        self._check_open()
+        self._check_usable()
         try:
-            self.stager.wait_all()
+            with self._poisons_on_failure("a previous step's write-behind"):
+                self.stager.wait_all()
         finally:
             self._release_pipeline()
 
@@ -378,8 +390,9 @@ class NVMeOptimizerStateStore:
 
     @torch.no_grad()
     def step(self) -> StepStats:
-        self._check_open()
-        self.stager.check()
+        self._check_usable()
+        with self._poisons_on_failure("a previous step's write-behind"):
+            self.stager.check()
         start = time.perf_counter()
         written0 = self.stager.counters.bytes_written
         prefetched = len(self._fetching)
@@ -403,7 +416,8 @@ class NVMeOptimizerStateStore:
                 for bucket in self.buckets:
                     self.stager.wait_writes(bucket.file)
             self.stager.check()
-        except BaseException:
+        except BaseException as e:
+            self._poison(e, f"step {self.stats.steps + 1}")
             self._abort()
             raise
         wall = time.perf_counter() - start
@@ -431,8 +445,10 @@ class NVMeOptimizerStateStore:
 
     @torch.no_grad()
     def refresh_main_from_model_params(self) -> None:
-        """After the model weights were replaced (checkpoint load): mains <- model params."""
+        """After the model weights were replaced (checkpoint load): mains <- model params. Allowed on a
+        poisoned store (the recovery restores the model weights, then calls load_from)."""
         self._check_open()
+        self._recover_io()
         self.flush()  # no write-back in flight may land over the refreshed mains; prefetched mains are stale
         for bucket in self.buckets if self.streams_main else ():
             bucket.refresh_main(self.stager)
@@ -445,8 +461,10 @@ class NVMeOptimizerStateStore:
         the next step waits only for buckets it overwrites before they are copied. Call
         `wait_for_save()` before treating the checkpoint as complete. Returns the save's stats when waited.
         """
-        self._check_open()
+        self._check_usable()
         self.wait_for_save()
+        with self._poisons_on_failure("a previous step's write-behind"):
+            self.stager.wait_all()  # a torn state must never be published
         self._save_job = checkpoint.SaveJob(self, checkpoint_base)
         return self.wait_for_save() if wait else None
 
@@ -466,10 +484,57 @@ class NVMeOptimizerStateStore:
         the checkpoint has no streamed state (logged; the optimizer starts fresh). Call it after the
         model weights and any `refresh_main_from_model_params()`: it overwrites the mains. The same
         layout resumes bit-identically for every moment_dtype (the rounding noise's generators are
-        restored); resharded fp16/fp8 moments are re-quantized once (checkpoint.py)."""
+        restored); resharded fp16/fp8 moments are re-quantized once (checkpoint.py).
+
+        On a poisoned store (a step failed part way) this is the recovery: the I/O engine is rebuilt and
+        a successful load clears the poison; a checkpoint without streamed state (False) leaves it."""
         self._check_open()
         self.wait_for_save()
-        return checkpoint.load(self, checkpoint_base)
+        self._recover_io()
+        loaded = checkpoint.load(self, checkpoint_base)
+        if loaded and self.poisoned_by is not None:
+            logger.warning("optimizer-state store %s recovered from %s: the state is the checkpoint's",
+                           self.relative_dir, checkpoint_base)
+            self.poisoned_by = None
+        return loaded
+
+    # ---- failures -----------------------------------------------------------------------------
+    def _poison(self, error: BaseException, during: str) -> None:
+        if self.poisoned_by is None:
+            self.poisoned_by = error
+            logger.error("optimizer-state store %s is poisoned: %s failed part way (%r); its buckets hold a mix "
+                         "of two steps until load_from restores a checkpoint", self.relative_dir, during, error)
+
+    @contextlib.contextmanager
+    def _poisons_on_failure(self, during: str):
+        try:
+            yield
+        except BaseException as e:
+            self._poison(e, during)
+            raise
+
+    def _check_usable(self) -> None:
+        """Open and not poisoned: raise StorePoisonedError saying how to recover otherwise."""
+        self._check_open()
+        if self.poisoned_by is not None:
+            raise StorePoisonedError(
+                f"the optimizer-state store {self.relative_dir} under {self.config.dir} is unusable: a step failed "
+                f"part way ({self.poisoned_by!r}), so its buckets hold a mix of two steps and may be neither "
+                "stepped nor saved. Recover: restore the model weights and call store.load_from(<last "
+                "checkpoint>) (it rebuilds the I/O engine), or restart from the last checkpoint."
+            ) from self.poisoned_by
+
+    def _recover_io(self) -> None:
+        """On a poisoned store: drop what the pipeline holds and replace the failed I/O engine by a fresh
+        one with the same settings (same files, same descriptors)."""
+        if self.poisoned_by is None:
+            return
+        self.stager.wait_all(raise_errors=False)
+        self._release_pipeline()
+        self.stager.set_engine(self.config.io_engine, io_threads=self.config.io_threads,
+                               direct_io=self.config.direct_io, host_cache_bytes=self.config.host_cache_mb * MiB,
+                               discard_errors=True)
+        self._update_io_stats()
 
     # ---- lifetime -----------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -284,15 +284,16 @@ class Stager:
                 drop_page_cache(file.fd)
 
     def set_engine(self, io_engine: str, io_threads: int = 2, direct_io: bool | None = None,
-                   host_cache_bytes: int = 0) -> None:
+                   host_cache_bytes: int = 0, discard_errors: bool = False) -> None:
         """Replace the engine (nothing may be in flight: drain first). Benchmarks and A/B runs switch
-        engines on the same files this way."""
+        engines on the same files this way. discard_errors: the old engine failed and the store recovers
+        (load_from on a poisoned store): its error is dropped with it instead of raised."""
         if io_engine not in IO_ENGINES:
             raise StoreConfigError(f"io_engine must be one of {IO_ENGINES}, got {io_engine!r}")
         if host_cache_bytes:
             check_host_cache_budget(host_cache_bytes, available_host_memory())
         old = self.engine
-        old.wait_all()
+        old.wait_all(raise_errors=not discard_errors)
         self.engine = make_engine(io_engine, self.device, self.chunk_bytes, threads=io_threads, direct=direct_io,
                                   host_cache_bytes=host_cache_bytes)
         self.engine.expect_files(getattr(old, "_expected_file_bytes", self.chunk_bytes))
