@@ -104,12 +104,36 @@ def read_meta(base: str) -> dict[str, Any]:
 
 
 def _atomic_write(path: str, text: str) -> None:
+    _remove_abandoned_temporaries(path)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _remove_abandoned_temporaries(path: str) -> None:
+    """A writer killed between write and rename leaves ``<path>.tmp<pid>`` behind for good: remove those
+    whose pid is dead on this host. A live pid is another process's write in progress: left alone."""
+    directory, prefix = os.path.split(path)
+    prefix += ".tmp"
+    for name in os.listdir(directory or "."):
+        pid = name[len(prefix):]
+        if name.startswith(prefix) and pid.isdigit() and not _pid_alive(int(pid)):
+            os.unlink(os.path.join(directory, name))
+            logger.info("removed %s, left by process %s, which is no longer running", os.path.join(directory, name),
+                        pid)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
 
 
 # ---- rank side ------------------------------------------------------------------------------------

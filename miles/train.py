@@ -17,12 +17,20 @@ Operator output goes through ``logging``: a tqdm progress bar over rollouts, one
 (``--metrics-file``, default ``<run dir>/metrics.jsonl``, created when the first record is written) and TensorBoard scalars when TensorBoard is
 installed, and a summary at the end that says where the checkpoints are. A failing Ray actor stops
 the run with the actor's traceback (:class:`RunError`); temporary directories are removed either way.
+
+Ownership of the disk: the driver locks the run root before Ray starts and holds it to the end (a
+second run on the same root stops at once with exit code 2, naming the first); every directory the
+run makes is marked as made by its run id, and teardown removes only those (one warning lists what else
+it found under the root). SIGTERM and SIGINT stop the loop, run the same teardown, print one line and
+exit with 128 + the signal number.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import sys
 import time
 from typing import Any, Optional
 
@@ -30,6 +38,13 @@ from miles import checkpoint
 from miles.config import RunConfig
 from miles.logging_setup import configure_logging
 from miles.metrics import MetricsSink, format_rollout_line, log_summary, rollout_record
+from miles_plugins.optimizers.streaming.io.ownership import (
+    DirectoryInUseError,
+    DirectoryLock,
+    claim_directory,
+    make_directory,
+    sweep,
+)
 from miles_plugins.optimizers.streaming.units import GB
 
 logger = logging.getLogger("miles.train")
@@ -37,6 +52,56 @@ logger = logging.getLogger("miles.train")
 
 class RunError(RuntimeError):
     """The run stopped because an actor failed; the message carries the actor's traceback."""
+
+
+class RunInterrupted(BaseException):
+    """SIGTERM or SIGINT arrived: the loop stops, teardown runs, the process exits 128 + signum.
+
+    A BaseException (like KeyboardInterrupt) so that no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _StopOnSignal:
+    """While installed, the first SIGTERM/SIGINT raises :class:`RunInterrupted` in the main thread; later
+    ones are ignored so that teardown can finish. ``ray.init`` replaces the driver's SIGTERM handler:
+    call :meth:`install` again after it."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: Optional[int] = None
+        self._previous = {}
+
+    def install(self) -> None:
+        for signum in self.SIGNALS:
+            previous = signal.signal(signum, self._handle)
+            self._previous.setdefault(signum, previous)
+
+    def restore(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            return  # already stopping
+        self.received = signum
+        raise RunInterrupted(signum)
+
+
+def claim_run_root(config: RunConfig) -> DirectoryLock:
+    """Lock the run root for this run (made if missing) and make the mechanisms' folders under it.
+
+    Raises :class:`DirectoryInUseError` naming the run that holds the root. The folders are made here,
+    marked with this run's id, so that teardown knows them as this run's and removes them."""
+    paths = config.paths
+    lock = claim_directory(paths.root, config.run_id, "run root (--offload-train-disk-dir)")
+    for folder in (paths.trainer, paths.optimizer_state, paths.rollout):
+        make_directory(folder, config.run_id)
+    return lock
 
 
 # ---- small helpers ----------------------------------------------------------------------------------
@@ -99,27 +164,75 @@ def _init_ray() -> bool:
 
 # ---- the loop -----------------------------------------------------------------------------------------
 def run(config: RunConfig) -> dict[str, Any]:
-    """Run the RL loop; returns a summary dict (also logged). Raises :class:`RunError` when an actor fails."""
+    """Run the RL loop; returns a summary dict (also logged). Raises :class:`RunError` when an actor fails.
+
+    Exits the process (``SystemExit``) in two cases, each with one line on stderr: the run root is held by
+    another run (exit code 2, nothing started), or SIGTERM/SIGINT arrived (128 + the signal number, after
+    teardown)."""
     configure_logging(config.logging.log_level)
+    try:
+        root_lock = claim_run_root(config)
+    except DirectoryInUseError as e:
+        print(f"miles train: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    stop = _StopOnSignal()
+    stop.install()
+    summary: dict[str, Any] = {"run_dir": config.paths.run_dir, "metrics_file": config.logging.metrics_file,
+                               "checkpoints": [], "latest_checkpoint": None, "records": []}
+    try:
+        return _run_holding_root(config, stop, summary)
+    except RunInterrupted as e:
+        interrupted = e
+    finally:
+        stop.restore()
+        removed = remove_run_directories(config)
+        root_lock.release()
+    print(interrupted_line(interrupted.signum, summary, removed), file=sys.stderr)
+    raise SystemExit(128 + interrupted.signum) from None
+
+
+def remove_run_directories(config: RunConfig) -> int:
+    """The driver's backstop, after the actors are gone: remove every directory under the run root that
+    this run made (what an actor that crashed or was killed could not), the root included when the run
+    made it; warn once about everything else found there. Returns how many directories were removed."""
+    result = sweep(config.paths.root, config.run_id)
+    if result.removed:
+        logger.info("removed %d director%s this run made under %s", len(result.removed),
+                    "y" if len(result.removed) == 1 else "ies", config.paths.root)
+    if result.left:
+        logger.warning("left under %s what this run did not make (or another run holds): %s", config.paths.root,
+                       "; ".join(result.left))
+    return len(result.removed)
+
+
+def interrupted_line(signum: int, summary: dict[str, Any], removed: int) -> str:
+    """The one line an interrupted run prints: which signal, how far it got, what is safe to resume from."""
+    records = summary["records"]
+    # rollouts are counted from 1 here, as in the per-rollout log line ("rollout 3/10")
+    progress = f"after rollout {records[-1]['rollout_id'] + 1}" if records else "before the first rollout completed"
+    latest = summary["latest_checkpoint"] or summary.get("loaded_checkpoint")
+    resume = f"checkpoint {latest} is the last complete one" if latest else "no checkpoint was saved"
+    return (f"miles train: interrupted by {signal.Signals(signum).name} {progress}; removed {removed} "
+            f"director{'y' if removed == 1 else 'ies'}, {resume}")
+
+
+def _run_holding_root(config: RunConfig, stop: _StopOnSignal, summary: dict[str, Any]) -> dict[str, Any]:
     from miles.models import load_tokenizer, prepare_policy
-    from miles.ray import actor_factory
     from miles.ray.errors import ActorFailure
     from miles.ray.placement_group import create_placement_group, remove
     from miles.ray.rollout_manager import RolloutManager
     from miles.ray.train_group import RayTrainGroup
 
     t_run = time.perf_counter()
-    rdir = config.paths.run_dir
     metrics_path = config.logging.metrics_file
     source = prepare_policy(config)  # one-time model conversion happens here, not in every actor
     tokenizer = load_tokenizer(config)
     from miles.rl import make_prompt_source
 
     started_ray = _init_ray()
+    stop.install()  # ray.init replaced the SIGTERM handler
     pg = train_group = rollout = sink = None
     failure: Optional[BaseException] = None
-    summary: dict[str, Any] = {"run_dir": rdir, "metrics_file": metrics_path, "checkpoints": [],
-                               "latest_checkpoint": None, "records": []}
     try:
         pg, use_gpu, bundles = create_placement_group(config)
         train_group = RayTrainGroup(config, pg, use_gpu)
@@ -181,8 +294,7 @@ def run(config: RunConfig) -> dict[str, Any]:
         failure = e
         raise
     finally:
-        _teardown(config, train_group, rollout, pg, sink, started_ray, failed=failure is not None,
-                  remove_pg=remove, actor_factory=actor_factory)
+        _teardown(train_group, rollout, pg, sink, started_ray, failed=failure is not None, remove_pg=remove)
     summary["seconds"] = time.perf_counter() - t_run
     if failure is not None:
         raise RunError(f"run stopped: {failure}") from failure
@@ -296,7 +408,7 @@ def _publish(config: RunConfig, train_group, pending: dict[str, Any], summary: d
                 "" if waited else " (optimizer state copied in the background during the next rollout)")
 
 
-def _teardown(config: RunConfig, train_group, rollout, pg, sink, started_ray, failed, remove_pg, actor_factory) -> None:
+def _teardown(train_group, rollout, pg, sink, started_ray, failed, remove_pg) -> None:
     import ray
 
     grace = 5.0 if failed else 60.0  # a failed run may have ranks stuck in a collective: do not wait long
@@ -306,12 +418,6 @@ def _teardown(config: RunConfig, train_group, rollout, pg, sink, started_ray, fa
         rollout.shutdown(timeout_s=grace)
     if pg is not None:
         remove_pg(pg)
-    leftovers = actor_factory.remove_rank_dirs(config)
-    dirs = actor_factory.rank_dirs(config)
-    if leftovers:
-        logger.info("removed directories the actors left behind: %s", ", ".join(leftovers))
-    if dirs:
-        logger.info("per-rank directories removed: %s", ", ".join(d for d in dirs if not os.path.exists(d)))
     if sink is not None:
         sink.close()
     if started_ray:

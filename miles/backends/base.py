@@ -13,6 +13,10 @@ Lifecycle, as :class:`miles.ray.train_actor.TrainActor` calls it::
     trainer.save(base, wait); trainer.finish_save(); trainer.load(base, load_optimizer)
     trainer.sleep(); trainer.wake()             # idempotent; dicts of offload stats
     trainer.shutdown()                          # closes files, removes rank_dir; idempotent
+
+The rank directory is held under a :class:`~miles_plugins.optimizers.streaming.io.ownership.DirectoryLock`
+from init to shutdown (:meth:`TrainBackend.claim_rank_dir` / :meth:`TrainBackend.release_rank_dir`),
+so two actors, or two runs, never write into one; shutdown removes it only if this run made it.
 """
 
 from __future__ import annotations
@@ -20,11 +24,10 @@ from __future__ import annotations
 import abc
 import importlib
 import logging
-import os
-import shutil
 from typing import Any, Optional
 
 from miles.config import RunConfig
+from miles_plugins.optimizers.streaming.io.ownership import DirectoryLock, claim_directory, remove_created
 
 logger = logging.getLogger(__name__)
 
@@ -45,21 +48,13 @@ def resolve_backend(spec: str) -> type["TrainBackend"]:
     return cls
 
 
-def remove_rank_dir(rank_dir: Optional[str], rank: int) -> bool:
-    """Remove a rank's private directory (at shutdown, or at process exit as a backstop)."""
-    if not rank_dir or not os.path.exists(rank_dir):
-        return False
-    shutil.rmtree(rank_dir, ignore_errors=True)
-    logger.info("rank %d: removed per-rank directory %s", rank, rank_dir)
-    return True
-
-
 class TrainBackend(abc.ABC):
     """One data-parallel rank of a training backend.
 
     ``config``: the run's :class:`~miles.config.RunConfig`. ``rank``/``world_size``: this rank among the
     train actors of cell ``cell``. ``rank_dir``: this rank's private directory (``cell<i>_rank<j>``;
-    None when no disk mechanism is on); the backend wipes it at init and removes it at shutdown.
+    None when no disk mechanism is on); the backend claims it at init (:meth:`claim_rank_dir`) and
+    releases it at shutdown (:meth:`release_rank_dir`).
     """
 
     def __init__(self, config: RunConfig, *, rank: int, world_size: int, cell: int = 0,
@@ -69,6 +64,29 @@ class TrainBackend(abc.ABC):
         self.world_size = world_size
         self.cell = cell
         self.rank_dir = rank_dir
+        self.rank_dir_lock: Optional[DirectoryLock] = None
+
+    def claim_rank_dir(self) -> None:
+        """Make the rank directory if missing (marked as this run's) and lock it for this process.
+
+        A directory that already exists is used as it is, not wiped: it was not made by this run, so
+        whatever is in it is someone else's (a second run on the same root is refused by the lock)."""
+        if not self.rank_dir:
+            return
+        self.rank_dir_lock = claim_directory(self.rank_dir, self.config.run_id, f"rank {self.rank} directory")
+        logger.info("rank %d: per-rank directory %s locked (removed at exit if this run made it)", self.rank,
+                    self.rank_dir)
+
+    def release_rank_dir(self) -> None:
+        """Remove the rank directory if this run made it, then drop the lock (idempotent; also at exit)."""
+        if self.rank_dir_lock is None or not self.rank_dir_lock.held:
+            return
+        left = remove_created(self.rank_dir, self.config.run_id)
+        self.rank_dir_lock.release()
+        if left:
+            logger.info("rank %d: per-rank directory left in place: %s", self.rank, left)
+        else:
+            logger.info("rank %d: removed per-rank directory %s", self.rank, self.rank_dir)
 
     @abc.abstractmethod
     def init(self, master_port: int) -> dict[str, Any]:

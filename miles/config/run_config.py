@@ -35,6 +35,8 @@ class RunConfig:
 
     ``model_source``: what ``miles.models.load_policy`` loads (one of :data:`MODEL_SOURCES`).
     ``paths``: the run's directory tree (:class:`miles.config.paths.RunPaths`).
+    ``run_id``: names this run in the ownership records of the directories it locks and makes
+    (``<YYYYmmdd-HHMMSS>-<pid>`` of the driver, the same id as the default root's and run dir's name).
     """
 
     cluster: ClusterConfig
@@ -47,6 +49,7 @@ class RunConfig:
     logging: LoggingConfig
     paths: RunPaths
     model_source: str
+    run_id: str
 
     @property
     def uses_rank_dirs(self) -> bool:

@@ -372,4 +372,4 @@ def validate_args(args: argparse.Namespace, env: Environment | None = None) -> R
     a.metrics_file = os.path.abspath(a.metrics_file or os.path.join(run_dir, "metrics.jsonl"))
     paths = RunPaths(root=a.offload_train_disk_dir, run_dir=run_dir, root_is_default=root_is_default)
     groups = {title: _group(cls, a) for title, cls in CONFIG_GROUPS}
-    return RunConfig(**groups, paths=paths, model_source=model_source)
+    return RunConfig(**groups, paths=paths, model_source=model_source, run_id=run_id)

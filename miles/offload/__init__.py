@@ -18,9 +18,10 @@ __all__ = ["OffloadStats", "StorageOffloader", "TmsOffloader", "make_resizable",
            "unique_storages"]
 
 
-def make_offloader(target: str, directory, chunk_mb: int, device_type: str):
+def make_offloader(target: str, directory, chunk_mb: int, device_type: str, *, run_id=None, lock=None):
     """The offloader for this process: torch_memory_saver on GPU when the actor was launched with its
-    hook, otherwise the storage offloader (works for CPU and CUDA tensors alike)."""
+    hook, otherwise the storage offloader (works for CPU and CUDA tensors alike). ``run_id`` / ``lock``:
+    see :class:`StorageOffloader` (torch_memory_saver writes into the directory its caller holds)."""
     if device_type == "cuda" and tms_active():
         return TmsOffloader(target, directory)
-    return StorageOffloader(target, directory, chunk_mb)
+    return StorageOffloader(target, directory, chunk_mb, run_id=run_id, lock=lock)

@@ -7,6 +7,11 @@ bytes back. Every tensor and view keeps pointing at the same storage object, so 
 state and views into them (e.g. a sharded optimizer's ``model_view``) are valid again after wake, with
 bit-identical contents.
 
+The disk target owns its directory while it exists: it makes the directory if missing (marked as this
+run's), holds :class:`~miles_plugins.optimizers.streaming.io.ownership.DirectoryLock` on it, and
+``close(remove_directory=True)`` removes it only if this run made it. A second offloader on the same
+directory is refused: two of them would each truncate the other's file and wake with its bytes.
+
 Storages that are already empty are skipped: the streamed optimizer state (its mains and moments live
 in the store's bucket files, their storage resized to 0 between steps) needs no backup. Both calls are
 idempotent: sleeping while asleep or waking while awake does nothing.
@@ -17,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -25,6 +29,12 @@ from typing import Iterable, Optional
 import torch
 
 from miles_plugins.optimizers.streaming.config import DEFAULT_CHUNK_MB
+from miles_plugins.optimizers.streaming.io.ownership import (
+    DirectoryLock,
+    claim_directory,
+    process_run_id,
+    remove_created,
+)
 from miles_plugins.optimizers.streaming.units import GB
 
 logger = logging.getLogger(__name__)
@@ -103,15 +113,29 @@ def make_resizable(module: torch.nn.Module) -> int:
 
 
 class StorageOffloader:
-    """Sleep/wake a set of tensors by storage. See the module docstring."""
+    """Sleep/wake a set of tensors by storage. See the module docstring.
 
-    def __init__(self, target: str, directory: Optional[str] = None, chunk_mb: int = DEFAULT_CHUNK_MB):
+    ``run_id`` names the run in the directory's lock and marker (default: this process). ``lock``: a
+    lock the caller already holds on ``directory`` (a train actor's on its rank directory), used instead
+    of taking one; the caller releases it."""
+
+    def __init__(self, target: str, directory: Optional[str] = None, chunk_mb: int = DEFAULT_CHUNK_MB, *,
+                 run_id: Optional[str] = None, lock: Optional[DirectoryLock] = None):
         if target not in TARGETS:
             raise ValueError(f"offload target must be one of {TARGETS}, got {target!r}")
         if target == "disk" and not directory:
             raise ValueError("the disk offload target needs a directory")
         self.target = target
         self.directory = directory
+        self.run_id = run_id or process_run_id()
+        self._own_lock: Optional[DirectoryLock] = None
+        if target == "disk":
+            if lock is None:
+                self._own_lock = claim_directory(directory, self.run_id, "offload directory")
+            elif not lock.held or os.path.abspath(lock.directory) != os.path.abspath(directory):
+                raise ValueError(f"the lock passed for offload directory {directory} is "
+                                 f"{'on ' + lock.directory if lock.held else 'released'}: pass a held lock on "
+                                 "that directory, or none to let the offloader take one")
         self.chunk_bytes = max(1, int(chunk_mb)) * 2**20
         self._saved: list[_Saved] = []
         self._asleep = False
@@ -164,7 +188,6 @@ class StorageOffloader:
         return self._staging[:nbytes]
 
     def _write_all(self, saved: list[_Saved]) -> None:
-        os.makedirs(self.directory, exist_ok=True)
         path = self.path
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
@@ -226,14 +249,20 @@ class StorageOffloader:
 
     # ---- lifetime -----------------------------------------------------------------------------
     def close(self, remove_directory: bool = False) -> None:
-        """Drop any backup (a trainer being torn down while asleep does not wake)."""
+        """Drop any backup (a trainer being torn down while asleep does not wake) and the directory lock
+        this offloader took; ``remove_directory``: also remove the directory if this run made it."""
         self._saved = []
         self._asleep = False
         self._staging = None
-        if self.target == "disk":
-            _unlink(self.path)
-            if remove_directory and self.directory:
-                shutil.rmtree(self.directory, ignore_errors=True)
+        if self.target != "disk":
+            return
+        _unlink(self.path)
+        if remove_directory:
+            left = remove_created(self.directory, self.run_id)
+            if left:
+                logger.info("offload directory left in place: %s", left)
+        if self._own_lock is not None:
+            self._own_lock.release()
 
 
 def _host_bytes(storage: torch.UntypedStorage, lo: int, hi: int) -> memoryview:

@@ -2,16 +2,15 @@
 
 Every train actor gets a ``runtime_env`` of its own (:func:`miles.ray.layout.rank_env`: on GPU with
 trainer offload, torch_memory_saver's ``LD_PRELOAD`` hook and ``TMS_*`` variables) and its
-``cell<i>_rank<j>`` directory as a constructor argument. The actor wipes its directory when it starts
-and removes it when it exits; the driver removes any left behind by an actor that died
-(:func:`remove_rank_dirs`).
+``cell<i>_rank<j>`` directory as a constructor argument. The actor makes and locks its directory when
+it starts and removes it when it exits, if this run made it; the driver's backstop
+(``miles.train``) removes what an actor that died left, and only what this run made.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -66,7 +65,8 @@ def make_train_actors(cfg: RunConfig, pg, use_gpu: bool, cell: int = 0) -> list:
         ).remote(cfg, cell, rank, n, backend=backend, rank_dir=layout.rank_dir(cfg, cell, rank))
         actors.append(actor)
     if cfg.uses_rank_dirs:
-        logger.info("train ranks: per-rank directories %s (wiped at start, removed at exit)",
+        logger.info("train ranks: per-rank directories %s (locked while in use, removed at exit if this run "
+                    "made them)",
                     ", ".join(rank_dirs(cfg, cell)))
     return actors
 
@@ -75,30 +75,6 @@ def rank_dirs(cfg: RunConfig, cell: int = 0) -> list[str]:
     if not cfg.uses_rank_dirs:
         return []
     return [cfg.paths.rank_dir(cell, r) for r in range(cfg.cluster.num_train_ranks)]
-
-
-def remove_rank_dirs(cfg: RunConfig, cell: int = 0) -> list[str]:
-    """Driver-side backstop: remove what an actor could not (it crashed or was killed): its per-rank
-    directory, its streamed-state directory and the engines' backups, then the empty parents. Returns
-    what was removed."""
-    paths = cfg.paths
-    targets = list(rank_dirs(cfg, cell))
-    if cfg.optimizer.stream_optimizer_state_to_disk:  # the store's own per-rank folder name
-        targets += [os.path.join(paths.optimizer_state, f"rank{r:05d}") for r in range(cfg.cluster.num_train_ranks)]
-    targets += [paths.engine_dir(i) for i in range(cfg.cluster.num_rollout_engines)]
-    removed = []
-    for d in targets:
-        if os.path.exists(d):
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-    # empty mechanism folders, then the root if this run chose it
-    parents = [paths.trainer, paths.optimizer_state, paths.rollout] + ([paths.root] if paths.root_is_default else [])
-    for p in parents:
-        try:
-            os.rmdir(p)  # only if empty
-        except OSError:
-            pass
-    return removed
 
 
 def make_rollout_engines(cfg: RunConfig, pg, use_gpu: bool, engine_cls) -> list:

@@ -28,9 +28,8 @@ class TrainActor:
         atexit.register(self._at_exit)
 
     def _at_exit(self) -> None:  # the process goes away without shutdown(): still reclaim the disk
-        from miles.backends.base import remove_rank_dir
-
-        remove_rank_dir(self.rank_dir, self.rank)
+        if self.trainer is not None:
+            self.trainer.release_rank_dir()
 
     def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "rank": self.rank, "cell": self.cell, "rank_dir": self.rank_dir,
@@ -68,6 +67,4 @@ class TrainActor:
     def shutdown(self) -> bool:
         if self.trainer is not None:
             self.trainer.shutdown()
-        else:
-            self._at_exit()
         return True

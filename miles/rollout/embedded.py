@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
+import shutil
 import tempfile
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
@@ -95,12 +95,14 @@ class EmbeddedRolloutEngine:
         self.backup = backup or ("disk" if self.device.type == "cpu" else "cpu")
         if backup_dir is None and config is not None:
             backup_dir = config.paths.engine_dir(engine_id)
-        # close() removes the directory this engine brings into being, not one that existed before
-        self._owns_backup_dir = backup_dir is None or not os.path.isdir(backup_dir)
+        # without a run's config, a private temporary directory (removed at close); with one, the engine's
+        # directory, locked by the offloader and removed at close only if this run made it
+        self._temp_backup_dir = None
         if backup_dir is None and self.backup == "disk":
-            backup_dir = tempfile.mkdtemp(prefix=f"miles-rollout-engine{engine_id}-")
+            backup_dir = self._temp_backup_dir = tempfile.mkdtemp(prefix=f"miles-rollout-engine{engine_id}-")
         chunk_mb = config.offload.offload_train_disk_chunk_mb if config is not None else DEFAULT_CHUNK_MB
-        self._offloader = StorageOffloader(self.backup, backup_dir, chunk_mb)
+        self._offloader = StorageOffloader(self.backup, backup_dir, chunk_mb,
+                                           run_id=config.run_id if config is not None else None)
         # every weight and buffer, tied ones under each name (the offloader backs each storage up once)
         self._tensors = [t for _, t in self.model.named_parameters(remove_duplicate=False)]
         self._tensors += [t for _, t in self.model.named_buffers(remove_duplicate=False)]
@@ -307,5 +309,7 @@ class EmbeddedRolloutEngine:
         return {"resumed_bytes": self._offloader.wake().bytes}
 
     def close(self) -> None:
-        """Drop the backup (and the backup directory when this engine created it)."""
-        self._offloader.close(remove_directory=self._owns_backup_dir)
+        """Drop the backup (and the backup directory when this run created it)."""
+        self._offloader.close(remove_directory=self._temp_backup_dir is None)
+        if self._temp_backup_dir is not None:
+            shutil.rmtree(self._temp_backup_dir, ignore_errors=True)

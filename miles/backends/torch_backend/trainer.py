@@ -18,14 +18,13 @@ import logging
 import math
 import os
 import random
-import shutil
 import time
 from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from miles.backends.base import TrainBackend, remove_rank_dir
+from miles.backends.base import TrainBackend
 from miles.config import RunConfig
 from miles.models import torch_dtype
 from miles.offload import make_offloader, make_resizable
@@ -64,7 +63,7 @@ class TorchTrainer(TrainBackend):
             dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{master_port}",
                                     rank=self.rank, world_size=self.world_size,
                                     timeout=datetime.timedelta(minutes=30))
-        self._prepare_rank_dir()
+        self.claim_rank_dir()
 
         seed = config.training.seed
         random.seed(seed)
@@ -96,7 +95,8 @@ class TorchTrainer(TrainBackend):
                 raise RuntimeError("--offload-train-target=disk needs the rank directory: build the trainer with "
                                    "rank_dir=config.paths.rank_dir(cell, rank)")
             self.offloader = make_offloader(offload.offload_train_target, self.rank_dir,
-                                            offload.offload_train_disk_chunk_mb, self.device.type)
+                                            offload.offload_train_disk_chunk_mb, self.device.type,
+                                            run_id=config.run_id, lock=self.rank_dir_lock)
         self._info = {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "backend": backend,
                       "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # set per actor by Ray
                       "num_params": sum(p.numel() for p in model.parameters()),
@@ -107,15 +107,6 @@ class TorchTrainer(TrainBackend):
 
     def info(self) -> dict[str, Any]:
         return dict(self._info)
-
-    def _prepare_rank_dir(self) -> None:
-        if not self.rank_dir:
-            return
-        existed = os.path.exists(self.rank_dir)
-        shutil.rmtree(self.rank_dir, ignore_errors=True)
-        os.makedirs(self.rank_dir, exist_ok=True)
-        logger.info("rank %d: per-rank directory %s %s (removed at exit)", self.rank, self.rank_dir,
-                    "wiped and recreated" if existed else "created")
 
     def _param_groups(self) -> list[dict[str, Any]]:
         decay, no_decay = [], []
@@ -344,7 +335,7 @@ class TorchTrainer(TrainBackend):
                 dist.destroy_process_group()
             except Exception:
                 pass
-        remove_rank_dir(self.rank_dir, self.rank)
+        self.release_rank_dir()
 
 
 def store_config(config: RunConfig, rank: int):

@@ -10,6 +10,8 @@ a teardown that removes "whatever is there" deletes other people's data. So:
 - `make_directory(path, run_id)` creates a directory and records in `<path>/.miles-created` that this
   run created it; `remove_created(path, run_id)` removes a directory only when that record names this
   run, and otherwise leaves it and reports why. Teardown deletes nothing it did not create.
+- `sweep(root, run_id)` is a run's last cleanup of a whole tree: it removes every directory this run
+  made (and what the run wrote in them) and reports everything else it found, so one warning can list it.
 """
 
 from __future__ import annotations
@@ -135,12 +137,20 @@ class DirectoryLock:
         self._fd = -1
 
 
+def process_run_id() -> str:
+    """A run id for a process that was given none: ``<host>-<pid>``."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
 def make_directory(path: str, run_id: str) -> bool:
-    """Create `path` (and missing parents) and mark it as this run's; True when this call created it.
+    """Create `path` and mark it as this run's; True when this call created it. Missing parents are
+    made and marked the same way, so a teardown can remove them too once they are empty.
 
     An existing directory is left unmarked: this run did not make it, so its teardown leaves it."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        make_directory(parent, run_id)
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         os.mkdir(path)
     except FileExistsError:
         return False
@@ -172,3 +182,66 @@ def remove_created(path: str, run_id: str) -> str | None:
         return f"{path} (in use by {lock.describe()})"
     shutil.rmtree(path)
     return None
+
+
+def claim_directory(path: str, run_id: str, what: str = "directory") -> DirectoryLock:
+    """Make `path` if it is missing (marked as this run's) and lock it; raises DirectoryInUseError."""
+    make_directory(path, run_id)
+    return DirectoryLock.acquire(path, run_id, what)
+
+
+@dataclass
+class Sweep:
+    """What `sweep` did: directories removed, and entries left because this run did not make them."""
+
+    removed: list[str]
+    left: list[str]
+
+
+_BOOKKEEPING = (LOCK_FILE, CREATED_FILE)
+
+
+def sweep(root: str, run_id: str) -> Sweep:
+    """Remove what run `run_id` made under `root` (root included), leave and report everything else.
+
+    A directory is this run's when its marker names the run, or when it has no marker and lies inside
+    one of the run's directories (folders a run makes with plain makedirs). A directory marked by another
+    run, or locked by another run, is left whole and reported as one entry; in a directory that existed
+    before the run, each file is left and reported."""
+    result = Sweep([], [])
+    if os.path.isdir(root) and not os.path.islink(root):
+        _sweep(os.path.abspath(root), run_id, inside_ours=False, result=result)
+    return result
+
+
+def _foreign_reason(path: str, run_id: str) -> str | None:
+    for name, how in ((CREATED_FILE, "made by"), (LOCK_FILE, "in use by")):
+        record = read_record(os.path.join(path, name))
+        if record is not None and record.run_id != run_id:
+            return f"{path} ({how} {record.describe()})"
+    return None
+
+
+def _sweep(path: str, run_id: str, inside_ours: bool, result: Sweep) -> bool:
+    """Sweep one directory; True when it is gone."""
+    foreign = _foreign_reason(path, run_id)
+    if foreign is not None:
+        result.left.append(foreign)
+        return False
+    ours = created_by(path, run_id) or (inside_ours and not os.path.exists(os.path.join(path, CREATED_FILE)))
+    for entry in sorted(os.scandir(path), key=lambda e: e.name):
+        if entry.name in _BOOKKEEPING:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            _sweep(entry.path, run_id, ours, result)
+        elif ours:
+            os.unlink(entry.path)
+        else:
+            result.left.append(entry.path)
+    if not ours:
+        return False
+    if any(e.name not in _BOOKKEEPING for e in os.scandir(path)):
+        return False  # something foreign inside (already reported): the directory stays
+    shutil.rmtree(path)
+    result.removed.append(path)
+    return True
