@@ -5,7 +5,18 @@
 that a malformed line is reported before any actor starts). It returns ONE frozen
 :class:`~miles.config.run_config.RunConfig` with every tri-state and environment-dependent default
 resolved, or raises exactly one :class:`ArgumentError` naming the conflicting flags and the fix. It
-starts nothing and creates nothing.
+starts nothing and creates nothing (writability is probed with an anonymous temporary file).
+
+Besides flag combinations it rejects, before any actor starts:
+
+- a flag that would change nothing in the chosen configuration, naming what would make it count
+  (:mod:`miles.config.effective_flags`; "given" means "differs from the parser default");
+- a directory the run writes (``--offload-train-disk-dir`` when something writes there, ``--save``,
+  the metrics file's folder, ``--tensorboard-dir``) that is a file, sits under a file, or is not
+  writable;
+- a filesystem with less free space than the run will write there, computed from the model size
+  (:mod:`miles.config.disk_budget`: streamed state, trainer offload, rollout engine backup, and the
+  checkpoint copy when ``--save`` is on the same filesystem).
 
 Resolved values (``None`` after parsing -> concrete in the config):
 
@@ -26,12 +37,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 import os
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from miles.config.arguments import CONFIG_GROUPS
+from miles.config.disk_budget import GIB, disk_budget, model_params
+from miles.config.effective_flags import first_ineffective_flag
 from miles.config.paths import RunPaths, default_root, new_run_id
 from miles.config.run_config import RunConfig
 
@@ -41,7 +57,6 @@ DEFAULT_LR_PRETRAINED = 5e-5
 DEFAULT_LR_TINY = 1e-2
 
 _STREAM = "--stream-optimizer-state-to-disk"
-_PARSER_DEFAULTS = {f.name: f.default for _, cls in CONFIG_GROUPS for f in dataclasses.fields(cls)}
 
 
 class ArgumentError(ValueError):
@@ -81,6 +96,29 @@ def _check_prompt_data(path: str) -> Optional[str]:
     return None
 
 
+def _dir_writable(directory: str) -> bool:
+    """Can this process create files in the existing ``directory``? Probed with an anonymous temporary
+    file (gone when closed), because permission bits lie for root and for /proc or /sys."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            return True
+    except OSError:
+        return False
+
+
+def _disk_free_bytes(path: str) -> int:
+    return shutil.disk_usage(path).free
+
+
+def _filesystem_id(path: str) -> int:
+    return os.stat(path).st_dev
+
+
+def _read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
 @dataclass
 class Environment:
     """What validation may look at besides the args. Tests pass a fixed one.
@@ -95,6 +133,11 @@ class Environment:
     is_dir: Callable[[str], bool] = os.path.isdir
     is_file: Callable[[str], bool] = os.path.isfile
     check_prompt_data: Callable[[str], Optional[str]] = _check_prompt_data  # None if the file parses
+    # the three below are asked only about paths that exist (the nearest existing parent of a directory)
+    dir_writable: Callable[[str], bool] = _dir_writable
+    disk_free_bytes: Callable[[str], int] = _disk_free_bytes
+    filesystem_id: Callable[[str], int] = _filesystem_id  # equal ids: the same filesystem
+    read_json: Callable[[str], dict] = _read_json  # --hf-checkpoint's config.json, for the model size
     scratch_root: Optional[str] = None  # None: $SCRATCH or the system temp dir
     run_id: Optional[str] = None  # None: "<YYYYmmdd-HHMMSS>-<pid>" (miles.config.paths.new_run_id)
 
@@ -177,16 +220,6 @@ def _check_streaming(a: argparse.Namespace) -> None:
         raise _err(f"--stream-optimizer-state-host-cache-mb must be >= 0 (got {a.stream_optimizer_state_host_cache_mb}).",
                    ("--stream-optimizer-state-host-cache-mb",), "pass 0 (no host cache) or a budget in MiB.")
     if not a.stream_optimizer_state_to_disk:
-        if a.stream_optimizer_state_host_cache_mb:
-            raise _err("--stream-optimizer-state-host-cache-mb caches streamed optimizer state, but "
-                       f"{_STREAM} is off.", ("--stream-optimizer-state-host-cache-mb", _STREAM),
-                       f"add {_STREAM} (with --offload-train-target=disk) or drop the host cache.")
-        if a.stream_optimizer_state_chunk_mb != _PARSER_DEFAULTS["stream_optimizer_state_chunk_mb"]:
-            raise _err(f"--stream-optimizer-state-chunk-mb {a.stream_optimizer_state_chunk_mb} sizes the streamed "
-                       f"optimizer state's transfers, but {_STREAM} is off.",
-                       ("--stream-optimizer-state-chunk-mb", _STREAM),
-                       f"add {_STREAM} (with --offload-train-target=disk) or drop --stream-optimizer-state-chunk-mb; "
-                       "the trainer offload's chunk is --offload-train-disk-chunk-mb.")
         return
     if a.colocate and a.offload_train is False:
         raise _err(
@@ -214,13 +247,13 @@ def _check_streaming(a: argparse.Namespace) -> None:
         )
 
 
-def _check_offload(a: argparse.Namespace) -> None:
-    if a.offload_train_target == "disk" and a.offload_train is False:
-        raise _err(
-            "--offload-train-target=disk needs trainer offload, but --no-offload-train turns it off.",
-            ("--offload-train-target", "--no-offload-train"),
-            "drop --no-offload-train or --offload-train-target=disk.",
-        )
+
+
+def _check_flags_take_effect(a: argparse.Namespace, env: Environment) -> None:
+    found = first_ineffective_flag(a, has_tensorboard=env.has_module("tensorboard"))
+    if found:
+        flag, message, fix = found
+        raise _err(message, (flag,), fix)
 
 
 def _check_model(a: argparse.Namespace, env: Environment) -> None:
@@ -320,6 +353,79 @@ def _check_checkpoint(a: argparse.Namespace, env: Environment) -> None:
                    "pass an existing checkpoint directory, or drop --load to start fresh.")
 
 
+# ------------------------------------------------------------------------------------------ disk
+
+
+def _nearest_existing(path: str, env: Environment) -> str:
+    while not env.path_exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _label(flag: str, path: str, is_default: bool) -> str:
+    return f"{path} (the default of {flag})" if is_default else f"{flag} {path}"
+
+
+def _check_directory(flag: str, path: str, env: Environment, is_default: bool = False) -> str:
+    """``path`` is a writable directory or can be created as one; returns its nearest existing part."""
+    where = _label(flag, path, is_default)
+    if env.path_exists(path) and not env.is_dir(path):
+        raise _err(f"{where} is a file, not a directory.", (flag,),
+                   f"pass a directory for {flag} (it is created when missing).")
+    existing = _nearest_existing(path, env)
+    if not env.is_dir(existing):
+        raise _err(f"{where} cannot be created: {existing} is a file.", (flag,),
+                   f"pass a directory for {flag} whose parents are directories.")
+    if not env.dir_writable(existing):
+        raise _err(f"{where} is not writable: files cannot be created in {existing}.", (flag,),
+                   f"pass a directory on a writable local disk for {flag} (e.g. under $SCRATCH or /tmp).")
+    return existing
+
+
+def _check_free(flag: str, where: str, existing: str, need: int, what: str, params: int, env: Environment) -> None:
+    free = env.disk_free_bytes(existing)
+    if need > free:
+        raise _err(f"{where}: the run needs about {need / GIB:.2f} GiB there ({what}, for {params / 1e6:.1f}M "
+                   f"params) and its filesystem has {free / GIB:.2f} GiB free.", (flag,),
+                   f"free space, pass {flag} on a larger disk, or shrink the run (e.g. "
+                   "--stream-optimizer-state-moment-dtype fp8e4m3); `miles plan` sizes a run.")
+
+
+def _model_param_count(a: argparse.Namespace, env: Environment, model_source: str) -> Optional[int]:
+    hf_config = None
+    if model_source == "hf_checkpoint":
+        try:
+            hf_config = env.read_json(os.path.join(a.hf_checkpoint, "config.json"))
+        except (OSError, ValueError):
+            return None  # the model loader reports an unreadable config.json with its own words
+    return model_params(model_source, hf_config)
+
+
+def _check_disk(a: argparse.Namespace, env: Environment, model_source: str, root_is_default: bool) -> None:
+    """Every directory the run writes is usable, and its filesystem holds what the run will write there
+    (:mod:`miles.config.disk_budget`); ``a`` is resolved (absolute paths, offload_train set)."""
+    root_flag = "--offload-train-disk-dir"
+    writes_root = (a.stream_optimizer_state_to_disk or a.colocate
+                   or (a.offload_train and a.offload_train_target == "disk"))
+    root = _check_directory(root_flag, a.offload_train_disk_dir, env, root_is_default) if writes_root else None
+    save = _check_directory("--save", os.path.abspath(a.save), env) if a.save else None
+    _check_directory("--metrics-file", os.path.dirname(a.metrics_file), env)
+    if a.tensorboard_dir:
+        _check_directory("--tensorboard-dir", os.path.abspath(a.tensorboard_dir), env)
+
+    params = _model_param_count(a, env, model_source)
+    if params is None:
+        return
+    budget = disk_budget(a, params, cuda=bool(a.colocate) and env.cuda_available())
+    save_with_root = bool(root and save) and env.filesystem_id(save) == env.filesystem_id(root)
+    if root:
+        need = budget.scratch + (budget.checkpoint if save_with_root else 0)
+        _check_free(root_flag, _label(root_flag, a.offload_train_disk_dir, root_is_default), root, need,
+                    budget.describe(save_with_root), params, env)
+    if save and not save_with_root:
+        _check_free("--save", f"--save {a.save}", save, budget.checkpoint, "one checkpoint", params, env)
+
+
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -349,7 +455,7 @@ def validate_args(args: argparse.Namespace, env: Environment | None = None) -> R
     _check_ranges(a)
     _check_model(a, env)
     _check_streaming(a)
-    _check_offload(a)
+    _check_flags_take_effect(a, env)
     _check_backend(a, env)
     _check_rollout(a, env)
     _check_checkpoint(a, env)
@@ -370,6 +476,7 @@ def validate_args(args: argparse.Namespace, env: Environment | None = None) -> R
         a.offload_train_disk_dir)
     run_dir = os.path.abspath(a.save or os.path.join("runs", run_id))
     a.metrics_file = os.path.abspath(a.metrics_file or os.path.join(run_dir, "metrics.jsonl"))
+    _check_disk(a, env, model_source, root_is_default)
     paths = RunPaths(root=a.offload_train_disk_dir, run_dir=run_dir, root_is_default=root_is_default)
     groups = {title: _group(cls, a) for title, cls in CONFIG_GROUPS}
     return RunConfig(**groups, paths=paths, model_source=model_source, run_id=run_id)

@@ -62,15 +62,12 @@ CASES = [
     ([STREAM, DISK, "--stream-optimizer-state-chunk-mb", "0"],
      "--stream-optimizer-state-chunk-mb must be >= 1 (got 0). Fix: pass --stream-optimizer-state-chunk-mb >= 1."),
     (["--stream-optimizer-state-chunk-mb", "8"],
-     "--stream-optimizer-state-chunk-mb 8 sizes the streamed optimizer state's transfers, but "
-     "--stream-optimizer-state-to-disk is off. Fix: add --stream-optimizer-state-to-disk (with "
-     "--offload-train-target=disk) or drop --stream-optimizer-state-chunk-mb; the trainer offload's chunk is "
-     "--offload-train-disk-chunk-mb."),
+     "--stream-optimizer-state-chunk-mb 8 has no effect: --stream-optimizer-state-to-disk is off. Fix: add "
+     "--stream-optimizer-state-to-disk --offload-train-target=disk, or drop --stream-optimizer-state-chunk-mb."),
     (["--eps-clip", "0"], None),
     (["--stream-optimizer-state-host-cache-mb", "4096"],
-     "--stream-optimizer-state-host-cache-mb caches streamed optimizer state, but "
-     "--stream-optimizer-state-to-disk is off. Fix: add --stream-optimizer-state-to-disk (with "
-     "--offload-train-target=disk) or drop the host cache."),
+     "--stream-optimizer-state-host-cache-mb 4096 has no effect: --stream-optimizer-state-to-disk is off. Fix: "
+     "add --stream-optimizer-state-to-disk --offload-train-target=disk, or drop --stream-optimizer-state-host-cache-mb."),
     ([STREAM, DISK, "--stream-optimizer-state-host-cache-mb", "-1"],
      "--stream-optimizer-state-host-cache-mb must be >= 0 (got -1). Fix: pass 0 (no host cache) or a budget "
      "in MiB."),
@@ -125,11 +122,11 @@ CASES = [
      "or drop --stream-optimizer-state-to-disk."),
     # --- trainer offload
     ([DISK, "--no-offload-train"],
-     "--offload-train-target=disk needs trainer offload, but --no-offload-train turns it off. Fix: drop "
-     "--no-offload-train or --offload-train-target=disk."),
+     "--offload-train-target disk has no effect: --no-offload-train turns trainer offload off. Fix: drop "
+     "--no-offload-train, or drop --offload-train-target."),
     ([STREAM, DISK, "--no-offload-train"],
-     "--offload-train-target=disk needs trainer offload, but --no-offload-train turns it off. Fix: drop "
-     "--no-offload-train or --offload-train-target=disk."),
+     "--offload-train-target disk has no effect: --no-offload-train turns trainer offload off. Fix: drop "
+     "--no-offload-train, or drop --offload-train-target."),
     # --- backends / engines
     (["--train-backend", "megatron"],
      "--train-backend megatron needs Python >= 3.12 (megatron-core does not install on Python 3.11). Fix: "
@@ -318,7 +315,7 @@ def test_resolution():
     assert d.offload.offload_train is True and d.offload.offload_train_target == "disk"
     assert d.optimizer.stream_optimizer_state_to_disk and d.uses_rank_dirs
     # explicit values win; --save is the run dir
-    c = validate_args(parse_args(["--lr", "0.5", "--model-dtype", "bf16", "--offload-train-disk-dir", "rel",
+    c = validate_args(parse_args([STREAM, DISK, "--lr", "0.5", "--model-dtype", "bf16", "--offload-train-disk-dir", "rel",
                                   "--save", "out", "--eps-clip", "0"]), e)
     assert c.optimizer.lr == 0.5 and c.model.model_dtype == "bf16" and c.training.eps_clip == 0.0
     assert c.paths.root == os.path.abspath("rel") and c.paths.root_is_default is False

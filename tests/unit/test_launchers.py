@@ -93,7 +93,8 @@ def gpu_machine() -> Environment:
     """Validation as on a GPU node with everything installed and the launcher's paths present."""
     return dataclasses.replace(Environment(), python_version=(3, 12), cuda_available=lambda: True,
                                has_module=lambda name: True, path_exists=lambda p: True, is_dir=lambda p: True,
-                               is_file=lambda p: True, check_prompt_data=lambda p: None)
+                               is_file=lambda p: True, check_prompt_data=lambda p: None,
+                               dir_writable=lambda p: True, disk_free_bytes=lambda p: 1 << 60)
 
 
 def test_there_are_launchers_for_both_reference_models():

@@ -13,8 +13,9 @@ STREAM_DISK = ("--stream-optimizer-state-to-disk", "--offload-train-target", "di
 
 
 def _cfg(*argv, colocate=True):
+    disk_chunk = ["--offload-train-disk-chunk-mb", "64"] if "disk" in argv else []  # rejected where it changes nothing
     base = ["--num-train-ranks", "2", "--offload-train-disk-dir", "/scratch/run",
-            "--offload-train-disk-chunk-mb", "64", "--metrics-file", "/scratch/m.jsonl"] + ["--colocate"] * colocate
+            *disk_chunk, "--metrics-file", "/scratch/m.jsonl"] + ["--colocate"] * colocate
     return validate_args(parse_args(base + list(argv)), Environment(has_module=lambda m: False,
                                                                      cuda_available=lambda: False))
 

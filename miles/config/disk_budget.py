@@ -1,0 +1,95 @@
+"""What one run writes to disk, computed from the model size before anything starts.
+
+Pure functions over the parsed flags and a parameter count; :func:`miles.config.validation.validate_args`
+compares the result with the free space of the filesystems holding ``--offload-train-disk-dir`` and
+``--save``. Every term is an upper estimate for all ranks and engines on one machine:
+
+- ``state``: the streamed optimizer state (``--stream-optimizer-state-to-disk``): fp32 masters plus the
+  two moments as the store's own codecs encode them (12 B/param with fp32 moments, about 6 with fp8).
+  ZeRO-1 shards it over the ranks, so the total does not grow with ``--num-train-ranks``.
+- ``trainer_offload``: trainer offload to disk: every rank's weights (model dtype), plus the in-memory
+  optimizer state (12 B/param, sharded) when it does not stream.
+- ``rollout_backup``: under ``--colocate`` on CPU each rollout engine writes its weights to disk while
+  the trainer runs (on CUDA the backup goes to host memory).
+- ``checkpoint``: one checkpoint (weights + optimizer state), counted where ``--save`` lives.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+GIB = 2**30
+FP32_BYTES = 4
+# fp32 master + two fp32 moments: the in-memory Adam state per parameter
+RESIDENT_ADAM_BYTES = 12
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+
+# SmolLM2-135M-Instruct (the embedded default): its config.json counted by miles.sizing.model_params
+# (tied embeddings). A constant because the HF folder exists only after the first run converts it.
+SMOLLM2_PARAMS = 134_515_008
+
+
+@dataclass(frozen=True)
+class DiskBudget:
+    """Bytes a run writes, by mechanism (0 when the mechanism is off)."""
+
+    state: int = 0
+    trainer_offload: int = 0
+    rollout_backup: int = 0
+    checkpoint: int = 0
+
+    @property
+    def scratch(self) -> int:
+        """Everything under ``--offload-train-disk-dir``."""
+        return self.state + self.trainer_offload + self.rollout_backup
+
+    def describe(self, with_checkpoint: bool) -> str:
+        """``1.61 GiB streamed state + 0.54 GiB trainer offload + ...`` (the non-zero terms)."""
+        terms = [(self.state, "streamed optimizer state"), (self.trainer_offload, "trainer offload"),
+                 (self.rollout_backup, "rollout engine backup")]
+        if with_checkpoint:
+            terms.append((self.checkpoint, "checkpoint copy"))
+        return " + ".join(f"{n / GIB:.2f} GiB {what}" for n, what in terms if n) or "nothing"
+
+
+def model_params(model_source: str, hf_config: dict | None) -> int | None:
+    """Parameters of the policy: from ``--hf-checkpoint``'s config.json, the embedded default's count, or
+    the tiny model's config. None when the config describes an architecture the counter does not know
+    (the free-space check is then skipped rather than guessed)."""
+    from miles.sizing.model_params import ModelConfigError, model_tensors
+
+    if model_source == "smollm2":
+        return SMOLLM2_PARAMS
+    if model_source == "tiny":
+        from miles.models import TINY_MODEL_CONFIG
+
+        # the tiny char vocabulary is under 128 tokens; the counter pads any vocabulary to 128
+        return model_tensors({**TINY_MODEL_CONFIG, "vocab_size": 128}).total()
+    try:
+        return model_tensors(hf_config or {}).total()
+    except (ModelConfigError, KeyError, TypeError, ValueError):
+        return None
+
+
+def streamed_state_bytes(params: int, moment_dtype: str) -> int:
+    """fp32 masters + both moments in ``moment_dtype``, as the store's codecs encode them."""
+    from miles_plugins.optimizers.streaming.codec import make_moment_codecs
+
+    moments = sum(codec.encoded_nbytes(params) for codec in make_moment_codecs(moment_dtype).values())
+    return FP32_BYTES * params + moments
+
+
+def disk_budget(a: argparse.Namespace, params: int, cuda: bool) -> DiskBudget:
+    """The run's :class:`DiskBudget` for the resolved flags ``a`` (offload_train and model_dtype set)."""
+    streaming = a.stream_optimizer_state_to_disk
+    optimizer_state = (streamed_state_bytes(params, a.stream_optimizer_state_moment_dtype) if streaming
+                       else RESIDENT_ADAM_BYTES * params)
+    weights = params * DTYPE_BYTES[a.model_dtype]
+    disk_offload = a.offload_train and a.offload_train_target == "disk"
+    return DiskBudget(
+        state=optimizer_state if streaming else 0,
+        trainer_offload=(weights * a.num_train_ranks + (0 if streaming else optimizer_state)) if disk_offload else 0,
+        rollout_backup=weights * a.num_rollout_engines if a.colocate and not cuda else 0,
+        checkpoint=weights + optimizer_state if a.save else 0,
+    )

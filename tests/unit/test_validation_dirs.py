@@ -1,0 +1,169 @@
+"""Validation before Ray starts: the run's directories, the free space they need (from the model size), and
+flags that would change nothing. Every case builds its paths under tmp_path; disk probes are injected."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from miles.config import ArgumentError, Environment, parse_args, validate_args
+from miles.config.disk_budget import SMOLLM2_PARAMS, DiskBudget, disk_budget, model_params, streamed_state_bytes
+
+DEMO = ["--stream-optimizer-state-to-disk", "--offload-train-target=disk"]
+GIB = 2**30
+
+
+def env(tmp_path, **kw) -> Environment:
+    base = dict(cuda_available=lambda: False, has_module=lambda m: False, scratch_root=str(tmp_path / "scratch"),
+                run_id="test")
+    return Environment(**{**base, **kw})
+
+
+def validate(tmp_path, *argv, **env_kw):
+    argv = list(argv) + ["--metrics-file", str(tmp_path / "metrics.jsonl")]
+    return validate_args(parse_args(argv), env(tmp_path, **env_kw))
+
+
+def error(tmp_path, *argv, **env_kw) -> str:
+    with pytest.raises(ArgumentError) as ei:
+        validate(tmp_path, *argv, **env_kw)
+    return str(ei.value)
+
+
+# ---- directories ---------------------------------------------------------------------------------------
+
+
+def test_disk_dir_that_is_a_file_fails_in_validation(tmp_path):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    assert error(tmp_path, *DEMO, "--offload-train-disk-dir", str(f)) == (
+        f"--offload-train-disk-dir {f} is a file, not a directory. Fix: pass a directory for "
+        "--offload-train-disk-dir (it is created when missing).")
+
+
+def test_disk_dir_under_a_file_fails(tmp_path):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    msg = error(tmp_path, *DEMO, "--offload-train-disk-dir", str(f / "sub"))
+    assert msg.startswith(f"--offload-train-disk-dir {f / 'sub'} cannot be created: {f} is a file.")
+
+
+def test_disk_dir_under_proc_fails_with_the_real_probe(tmp_path):
+    msg = error(tmp_path, *DEMO, "--offload-train-disk-dir", "/proc/miles-test")
+    assert msg.startswith("--offload-train-disk-dir /proc/miles-test is not writable: files cannot be created in /proc.")
+    assert not os.path.exists("/proc/miles-test")
+
+
+def test_save_dir_that_is_a_file_fails(tmp_path):
+    f = tmp_path / "ckpt"
+    f.write_text("x")
+    assert error(tmp_path, "--tiny-model", "--save", str(f)).startswith(f"--save {f} is a file, not a directory.")
+
+
+def test_missing_directories_are_fine_and_not_created(tmp_path):
+    root, save = tmp_path / "new" / "root", tmp_path / "new" / "ckpt"
+    cfg = validate(tmp_path, *DEMO, "--tiny-model", "--offload-train-disk-dir", str(root), "--save", str(save))
+    assert cfg.paths.root == str(root) and not (tmp_path / "new").exists()
+
+
+def test_unwritable_directory_reported_by_the_injected_probe(tmp_path):
+    msg = error(tmp_path, "--tiny-model", "--save", str(tmp_path / "ckpt"), dir_writable=lambda d: False)
+    assert msg.startswith(f"--save {tmp_path / 'ckpt'} is not writable: files cannot be created in {tmp_path}.")
+
+
+# ---- free space ----------------------------------------------------------------------------------------
+
+
+def test_demo_needs_the_smollm2_state_plus_offload_on_the_root(tmp_path):
+    # the embedded default model (smollm2 importable), fp32 on CPU: 12 B/param streamed + 4 B/param offloaded
+    kw = dict(has_module=lambda m: True, disk_free_bytes=lambda p: 1 * GIB)
+    msg = error(tmp_path, *DEMO, **kw)
+    assert msg.startswith(f"{tmp_path / 'scratch' / 'miles-run-test'} (the default of --offload-train-disk-dir): the run "
+                          "needs about 2.00 GiB there (1.50 GiB streamed optimizer state + 0.50 GiB trainer offload, "
+                          "for 134.5M params) and its filesystem has 1.00 GiB free.")
+    assert "`miles plan`" in msg
+    validate(tmp_path, *DEMO, has_module=lambda m: True, disk_free_bytes=lambda p: 3 * GIB)
+
+
+def test_narrow_moments_shrink_the_need(tmp_path):
+    kw = dict(has_module=lambda m: True, disk_free_bytes=lambda p: int(1.6 * GIB))
+    error(tmp_path, *DEMO, **kw)
+    validate(tmp_path, *DEMO, "--stream-optimizer-state-moment-dtype", "fp8e4m3", **kw)
+
+
+def test_checkpoint_copy_counts_on_the_same_filesystem_only(tmp_path):
+    save = str(tmp_path / "ckpt")
+    same = dict(has_module=lambda m: True, disk_free_bytes=lambda p: 3 * GIB, filesystem_id=lambda p: 1)
+    msg = error(tmp_path, *DEMO, "--save", save, **same)
+    assert "+ 2.00 GiB checkpoint copy" in msg
+    # another filesystem for --save: the root holds scratch only, the checkpoint is checked where it goes
+    (tmp_path / "scratch").mkdir()
+    other = dict(same, filesystem_id=lambda p: 1 if "scratch" in p else 2)
+    validate(tmp_path, *DEMO, "--save", save, **other)
+
+
+def test_hf_checkpoint_size_comes_from_its_config_json(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    cfg = {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+           "intermediate_size": 4096, "vocab_size": 32000, "tie_word_embeddings": False}
+    (model / "config.json").write_text(json.dumps(cfg))
+    params = model_params("hf_checkpoint", cfg)
+    assert 300e6 < params < 500e6
+    msg = error(tmp_path, *DEMO, "--hf-checkpoint", str(model), disk_free_bytes=lambda p: GIB)
+    assert f"for {params / 1e6:.1f}M params" in msg
+
+
+def test_streamed_state_uses_the_store_codecs():
+    n = 1 << 20
+    assert streamed_state_bytes(n, "fp32") == 12 * n
+    assert streamed_state_bytes(n, "bf16") == 8 * n
+    assert 6 * n < streamed_state_bytes(n, "fp8e4m3") < 6.1 * n
+
+
+def test_budget_terms(tmp_path):
+    a = parse_args([*DEMO, "--colocate", "--num-train-ranks", "2", "--save", "x"])
+    a.model_dtype, a.offload_train = "fp32", True
+    b = disk_budget(a, SMOLLM2_PARAMS, cuda=False)
+    assert b == DiskBudget(state=12 * SMOLLM2_PARAMS, trainer_offload=8 * SMOLLM2_PARAMS,
+                           rollout_backup=4 * SMOLLM2_PARAMS, checkpoint=16 * SMOLLM2_PARAMS)
+    assert disk_budget(a, SMOLLM2_PARAMS, cuda=True).rollout_backup == 0  # on CUDA the backup is host RAM
+
+
+# ---- flags that change nothing ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--stream-optimizer-state-moment-dtype", "fp8e4m3"],
+     "--stream-optimizer-state-moment-dtype fp8e4m3 has no effect: --stream-optimizer-state-to-disk is off. Fix: "
+     "add --stream-optimizer-state-to-disk --offload-train-target=disk, or drop --stream-optimizer-state-moment-dtype."),
+    (["--stream-optimizer-state-bucket-numel", "1000"], "--stream-optimizer-state-bucket-numel 1000 has no effect"),
+    (["--offload-train-disk-chunk-mb", "64"], "--offload-train-disk-chunk-mb 64 has no effect: trainer offload "
+     "does not go to disk"),
+    (["--colocate", "--offload-train-disk-chunk-mb", "64"], "--offload-train-disk-chunk-mb 64 has no effect"),
+    (["--offload-train-target", "cpu"], "--offload-train-target cpu has no effect: trainer offload is off"),
+    (["--no-offload-train", "--offload-train-target", "cpu"],
+     "--offload-train-target cpu has no effect: --no-offload-train turns trainer offload off. Fix: drop "
+     "--no-offload-train, or drop --offload-train-target."),
+    (["--optimizer", "sgd", "--adam-beta1", "0.5"], "--adam-beta1 0.5 has no effect: --optimizer sgd has no Adam terms"),
+    (["--tensorboard-dir", "{tmp}/tb"], "--tensorboard-dir {tmp}/tb has no effect: TensorBoard is not installed."),
+])
+def test_flags_without_effect_are_rejected(tmp_path, argv, expected):
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    assert error(tmp_path, "--tiny-model", *argv).startswith(expected.format(tmp=tmp_path))
+
+
+@pytest.mark.parametrize("argv", [
+    ["--stream-optimizer-state-moment-dtype", "fp32"],  # the default, repeated: asks for what the run does
+    [*DEMO, "--stream-optimizer-state-moment-dtype", "fp8e4m3", "--stream-optimizer-state-bucket-numel", "1000"],
+    ["--offload-train-target", "disk", "--offload-train-disk-chunk-mb", "64"],
+    ["--colocate", "--offload-train-target", "cpu", "--offload-train-disk-dir", "{tmp}/d"],
+])
+def test_flags_that_count_are_accepted(tmp_path, argv):
+    validate(tmp_path, "--tiny-model", *[a.format(tmp=tmp_path) for a in argv])
+
+
+def test_tensorboard_dir_accepted_when_installed(tmp_path):
+    validate(tmp_path, "--tiny-model", "--tensorboard-dir", str(tmp_path / "tb"), has_module=lambda m: m == "tensorboard")
