@@ -54,6 +54,14 @@ def megatron_world():
     parallel_state.destroy_model_parallel()
 
 
+@pytest.fixture(autouse=True)
+def _no_megatron_state_left():
+    """A trainer that failed mid-init leaves megatron's process groups; later tests build their own."""
+    yield
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+
+
 def _tiny_hf(family: str):
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
