@@ -86,7 +86,11 @@ def train_main(argv: Sequence[str]) -> int:
             raise
         print("miles train: the training loop (miles.train) is not part of this build", file=sys.stderr)
         return 1
-    ret = train_mod.run(config)
+    try:
+        ret = train_mod.run(config)
+    except train_mod.RunError as e:  # the actor's traceback is already in the log: one line here
+        print(f"miles train: {e}", file=sys.stderr)
+        return 1
     return int(ret) if isinstance(ret, int) else 0
 
 

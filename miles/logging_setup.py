@@ -1,9 +1,14 @@
 """Logging, configured in one place: the CLI, the train driver and every Ray actor call
-:func:`configure_logging`, so all processes print the same format with the same timestamps."""
+:func:`configure_logging`, so all processes print the same format with the same timestamps. The driver
+also sets :data:`DRIVER_ENV` before Ray starts and draws its progress bar with :func:`progress_bar`."""
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
+from contextlib import contextmanager
+from typing import Iterable, Iterator, MutableMapping, Optional, TextIO
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
@@ -22,3 +27,42 @@ def configure_logging(level: str) -> None:
         handler._miles = True  # marks the handler this function installed (idempotence)
         root.addHandler(handler)
     logging.getLogger("miles").setLevel(level.upper())
+
+
+# Read by the Ray driver when it prints actor lines (RAY_COLOR_PREFIX: no ANSI colour codes in a log file)
+# and inherited by the actors of a cluster this process starts (no "Loading weights" bar per actor; the run
+# has one progress bar). Set them on `ray start` for a cluster started elsewhere.
+DRIVER_ENV = {"RAY_COLOR_PREFIX": "0", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def set_driver_env(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Apply :data:`DRIVER_ENV` where the user has not chosen otherwise (call before ``ray.init``)."""
+    for key, value in DRIVER_ENV.items():
+        environ.setdefault(key, value)
+
+
+@contextmanager
+def progress_bar(iterable: Iterable, total: int, initial: int, stream: Optional[TextIO] = None) -> Iterator:
+    """A rollout progress bar on a terminal, with every other line (logs, and the actor lines Ray prints
+    through ``sys.stdout``/``sys.stderr``) written above it; no bar otherwise, so a log file holds only
+    whole lines (the loop logs one line per rollout either way)."""
+    from tqdm import tqdm
+
+    stream = stream or sys.stderr
+    if not stream.isatty():
+        with tqdm(iterable, disable=True) as bar:
+            yield bar
+        return
+    from tqdm.contrib import DummyTqdmFile
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    saved = sys.stdout, sys.stderr
+    # logging first: it recognises handlers by the real sys.stderr, which the swap below hides
+    with logging_redirect_tqdm():
+        sys.stdout, sys.stderr = DummyTqdmFile(saved[0]), DummyTqdmFile(saved[1])
+        try:
+            with tqdm(iterable, total=total, initial=initial, desc="rollouts", unit="rollout", file=stream,
+                      dynamic_ncols=True) as bar:
+                yield bar
+        finally:
+            sys.stdout, sys.stderr = saved

@@ -12,11 +12,13 @@ Without ``--colocate`` the engine keeps its memory; without ``--offload-train`` 
 awake. ``--load`` resumes the model, the optimizer state (the streamed state through
 ``store.load_from``), the rollout id and the data position.
 
-Operator output goes through ``logging``: a tqdm progress bar over rollouts, one line per rollout
+Operator output goes through ``logging``: a progress bar over rollouts on a terminal (no bar in a log
+file: whole lines only; :func:`miles.logging_setup.progress_bar`), one line per rollout
 (reward, loss, step seconds, streamed GB and GB/s, sleep/wake seconds), metrics as JSONL
 (``--metrics-file``, default ``<run dir>/metrics.jsonl``, created when the first record is written) and TensorBoard scalars when TensorBoard is
 installed, and a summary at the end that says where the checkpoints are. A failing Ray actor stops
-the run with the actor's traceback (:class:`RunError`); temporary directories are removed either way.
+the run: its traceback is logged once, and :class:`RunError` carries one line naming the actor and the
+exception it raised; temporary directories are removed either way.
 
 Ownership of the disk: the driver locks the run root before Ray starts and holds it to the end (a
 second run on the same root stops at once with exit code 2, naming the first); every directory the
@@ -36,7 +38,7 @@ from typing import Any, Optional
 
 from miles import checkpoint
 from miles.config import RunConfig
-from miles.logging_setup import configure_logging
+from miles.logging_setup import configure_logging, progress_bar, set_driver_env
 from miles.metrics import MetricsSink, format_rollout_line, log_summary, rollout_record
 from miles_plugins.optimizers.streaming.io.ownership import (
     DirectoryInUseError,
@@ -152,13 +154,15 @@ def _init_ray() -> bool:
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    set_driver_env()
+    # Ray's own INFO lines ("Started a local Ray instance") carry a second timestamp format: warnings only
     address = os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
     else:  # a private single-node cluster for this run, bound to loopback
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(include_dashboard=False, log_to_driver=True)
+        ray.init(include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
     return True
 
 
@@ -288,8 +292,7 @@ def _run_holding_root(config: RunConfig, stop: _StopOnSignal, summary: dict[str,
         summary["last_record"] = record
     except ActorFailure as e:
         failure = e
-        logger.error("run stopped: %s failed on %s. The actor's traceback:\n%s", e.what, e.actor,
-                     e.remote_traceback)
+        logger.error("%s failed on %s. The actor's traceback:\n%s", e.what, e.actor, e.remote_traceback)
     except BaseException as e:
         failure = e
         raise
@@ -297,15 +300,14 @@ def _run_holding_root(config: RunConfig, stop: _StopOnSignal, summary: dict[str,
         _teardown(train_group, rollout, pg, sink, started_ray, failed=failure is not None, remove_pg=remove)
     summary["seconds"] = time.perf_counter() - t_run
     if failure is not None:
-        raise RunError(f"run stopped: {failure}") from failure
+        # the traceback was logged once above; the error itself is the one-line cause
+        cause = failure.summary if isinstance(failure, ActorFailure) else str(failure)
+        raise RunError(f"run stopped: {cause}") from None
     log_summary(config, summary)
     return summary
 
 
 def _loop(config: RunConfig, rollout_ids, cursor, tokenizer, train_group, rollout, sink, summary) -> Optional[dict]:
-    from tqdm.auto import tqdm
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
     from miles.rl import compute_rewards, encode_prompts, grpo_advantages
     from miles.rollout.types import SamplingParams
 
@@ -317,8 +319,7 @@ def _loop(config: RunConfig, rollout_ids, cursor, tokenizer, train_group, rollou
     n_per_prompt = config.rollout.n_samples_per_prompt
     record = None
     pending = None  # a checkpoint whose streamed optimizer state is still being copied
-    with logging_redirect_tqdm(), tqdm(rollout_ids, desc="rollouts", unit="rollout", initial=rollout_ids.start,
-                                       total=num_rollout, dynamic_ncols=True) as bar:
+    with progress_bar(rollout_ids, total=num_rollout, initial=rollout_ids.start) as bar:
         for rollout_id in bar:
             t0 = time.perf_counter()
             items = cursor.next_batch(batch_size)

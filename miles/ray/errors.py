@@ -27,6 +27,12 @@ class ActorFailure(RuntimeError):
         self.remote_traceback = _ANSI.sub("", str(cause))
         super().__init__(f"{what} failed on {actor}:\n{self.remote_traceback}")
 
+    @property
+    def summary(self) -> str:
+        """One line: what failed where, and the exception the actor raised (its traceback's last line)."""
+        lines = [line.strip() for line in self.remote_traceback.splitlines() if line.strip()]
+        return f"{self.what} failed on {self.actor}: {lines[-1] if lines else type(self.cause).__name__}"
+
 
 def wait_all(refs: Sequence[Any], what: str, labels: Optional[Sequence[str]] = None,
              timeout: Optional[float] = None) -> list[Any]:
