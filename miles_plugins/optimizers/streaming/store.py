@@ -101,12 +101,14 @@ class NVMeOptimizerStateStore:
     """
 
     def __init__(self, entries: list[StreamEntry], master: torch.optim.Optimizer, config: StreamConfig, *,
-                 instance: int = 0, part: int = 0, resident_adam=None):
+                 instance: int = 0, part: int = 0, resident_adam=None, model_params: dict[str, int] | None = None):
         """config: validated here (config.check_config); its rank must be resolved (not None).
         instance, part: the store's identity, chosen by the binding (layout.store_relative_dir): the
         directory it works in and the one its checkpoints are saved under. resident_adam: the small
         always-resident Adam over native-fp32 params the binding steps beside the store (or None);
-        checkpoints carry its state."""
+        checkpoints carry its state. model_params: {entry name: elements} of every param this store's
+        identity covers across ranks, so a load refuses a checkpoint of another model (None: the binding
+        cannot list them; not checked)."""
         check_config(config)
         if config.rank is None:
             raise StoreConfigError("config.rank is None: resolve it (torch.distributed's rank) before building a store")
@@ -115,6 +117,7 @@ class NVMeOptimizerStateStore:
         self.master = master
         self.entries = entries
         self.resident_adam = resident_adam
+        self.model_params = model_params
         self.streams_main = bool(entries) and entries[0].model_view is not None
         self.device = entries[0].main.device if entries else torch.device("cpu")
         self.moment_dtype = config.moment_dtype

@@ -53,7 +53,8 @@ def bind_plain_adam(optimizer: torch.optim.Optimizer, config: StreamConfig, inst
                     f"param of shape {tuple(p.shape)} is {p.dtype}; a plain Adam streams fp32 params only. For "
                     "low-precision params use miles' ShardedMixedPrecisionAdam (fp32 masters) and stream that")
             entries.append(StreamEntry(main=p, group=g, name=f"param{len(entries)}"))
-    store = NVMeOptimizerStateStore(entries, optimizer, config, instance=instance)
+    store = NVMeOptimizerStateStore(entries, optimizer, config, instance=instance,
+                                    model_params={e.name: e.main.numel() for e in entries})
 
     def step(closure=None):
         loss = None

@@ -29,6 +29,13 @@ No stall: save_to drains pending writes, snapshots the metadata and hands the co
 guard: the first write to it (the next step) copies it first. Training waits only for buckets it is
 about to overwrite. wait=False returns after the snapshot; wait_for_save() returns once published.
 
+Load trusts nothing in a manifest (checkpoints may come from elsewhere): the manifest is size-bounded
+before it is parsed; every file it lists must be a plain name inside the checkpoint directory (no
+absolute path, no `..`, no symbolic link out; opened with O_NOFOLLOW); every declared size is bounded by
+what this store's layout expects (a bucket file: its live file's bytes; codec_rng.pt: RNG_RECORD_MAX_BYTES;
+resident_adam.pt: what the resident Adam's state can hold); and a resharded checkpoint must hold exactly
+the model's params (`store.model_params`), named and sized alike. Each violation is a CheckpointError.
+
 Load checks format, mains and codecs, then restores the same layout (copying each file back, its
 crc32 checked on the way, and the generators' states: bit-identical resume for every moment_dtype) or
 reshards: it reads the manifests of this store identity on every rank (`rank*/opt{instance}_{part}`),
@@ -186,13 +193,48 @@ def _resident(store):
     return None if store.resident_adam is None else store.resident_adam.optimizer
 
 
-def _read_manifest(directory: str) -> dict:
-    path = os.path.join(directory, MANIFEST)
+# A generator state is a few KiB (CPU mt19937: ~5 KiB; CUDA Philox: 16 B); a record holds one per noisy
+# segment and device, plus torch.save's framing. Anything larger is not a record of this store.
+RNG_RECORD_MAX_BYTES = 64 * (len(torch.Generator().get_state()) + 4096)
+_MANIFEST_BYTES_PER_ITEM = 4096  # a manifest's entry or piece is ~100 bytes of JSON
+
+
+def _manifest_limit(store) -> int:
+    """The most bytes a manifest of this store's size may hold (ranks of one store are of similar size)."""
+    items = len(store.entries) + sum(len(b.pieces) for b in store.buckets) + len(store.buckets)
+    return max(1 << 20, _MANIFEST_BYTES_PER_ITEM * items)
+
+
+def _confined(directory: str, name, root: str) -> str:
+    """`directory/name` for a file a manifest lists: a plain file name whose real path is inside the
+    checkpoint `root`. Raises CheckpointError otherwise (nothing is opened or stat'ed first)."""
+    if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name or "\0" in name:
+        raise CheckpointError(f"{directory}: the manifest lists the file {name!r}; a checkpoint's files are plain "
+                              "names inside its directory (no absolute path, no '..'): the manifest is corrupt or "
+                              "was edited; resume from another checkpoint")
+    path = os.path.join(directory, name)
+    real_root = os.path.realpath(root)
+    if os.path.commonpath([os.path.realpath(path), real_root]) != real_root:
+        raise CheckpointError(f"{path} leads outside the checkpoint {root} (a symbolic link out of it); a "
+                              "checkpoint's files must be inside it: resume from another checkpoint")
+    return path
+
+
+def _check_listed_files(m: dict, directory: str, root: str) -> None:
+    for meta in m["buckets"] + [m[k] for k in ("resident", "codec_rng") if m.get(k) is not None]:
+        _confined(directory, meta["file"], root)
+
+
+def _read_manifest(directory: str, root: str, store) -> dict:
+    """The manifest of `directory` (inside the checkpoint `root`), size-bounded, checksummed, and every
+    file it lists confined to the checkpoint."""
+    path = _confined(directory, MANIFEST, root)
     try:
-        m = json.loads(io.read_file(path))
+        m = json.loads(io.read_file(path, _manifest_limit(store)))
         if m.pop("manifest_crc32", None) != zlib.crc32(json.dumps(m, sort_keys=True).encode()):
             raise ValueError("its checksum does not match")
-    except (OSError, ValueError) as e:
+        _check_listed_files(m, directory, root)
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: manifest is truncated or unreadable ({e}); this checkpoint of "
                               "optimizer state is incomplete or corrupt") from e
     return m
@@ -258,18 +300,23 @@ def _layout_diff(m: dict, store) -> str | None:
 
 def _checked_size(path: str, expected: int) -> None:
     try:
-        size = io.file_size(path)
+        size = io.file_size(path)  # the path was confined first: stat discloses nothing outside
     except OSError as e:
         raise CheckpointError(f"{path}: missing from the checkpoint ({e})") from e
     if size != expected:
         raise CheckpointError(f"{path}: {size} bytes, the manifest says {expected} (truncated or corrupt)")
 
 
-def _read_verified(directory: str, meta: dict) -> bytes:
-    """A small file the manifest lists ({file, file_bytes, crc32}), its size and checksum checked."""
+def _read_verified(directory: str, meta: dict, limit: int) -> bytes:
+    """A small file the manifest lists ({file, file_bytes, crc32}, its name already confined), its
+    declared size bounded by `limit` before anything is read, its size and checksum checked."""
     path = os.path.join(directory, meta["file"])
-    _checked_size(path, meta["file_bytes"])
-    data = io.read_file(path)
+    declared = meta["file_bytes"]
+    if not isinstance(declared, int) or not 0 <= declared <= limit:
+        raise CheckpointError(f"{path}: the manifest declares {declared!r} bytes, but a file of its kind holds at "
+                              f"most {limit} for this store; the manifest is corrupt or was edited")
+    _checked_size(path, declared)
+    data = io.read_file(path, limit)
     if zlib.crc32(data) != meta["crc32"]:
         raise CheckpointError(f"{path}: checksum mismatch; the file is corrupt")
     return data
@@ -279,7 +326,7 @@ def _rng_record(directory: str, m: dict, store):
     """The saved stochastic-rounding generators, verified; None where the checkpoint has no record."""
     if m.get("codec_rng") is None:
         return None
-    data = _read_verified(directory, m["codec_rng"])
+    data = _read_verified(directory, m["codec_rng"], RNG_RECORD_MAX_BYTES)
     try:
         return codec_rng.parse(data, m.get("next_bucket_order"), store)
     except codec_rng.RngRecordError as e:
@@ -299,13 +346,19 @@ def _copy_checked(path: str, expected_crc: int, nbytes: int, dst_fd: int | None)
                               "the file is corrupt")
 
 
+def _resident_limit(resident) -> int:
+    """The most bytes the resident Adam's saved state may hold: two fp32 moments per param, plus framing."""
+    params = [p for g in resident.param_groups for p in g["params"]]
+    return (1 << 20) + sum(8 * p.numel() + 4096 for p in params)
+
+
 def load(store, base: str) -> bool:
     root = os.path.join(os.path.abspath(base), STREAMED_DIR)
     if not io.glob_paths(root):
         logger.warning("%s has no streamed optimizer state (%s): the optimizer state starts fresh", base, root)
         return False
     own = os.path.join(root, store.relative_dir)
-    m = _read_manifest(own) if io.glob_paths(os.path.join(own, MANIFEST)) else None
+    m = _read_manifest(own, base, store) if io.glob_paths(os.path.join(own, MANIFEST)) else None
     diff = _layout_diff(m, store) if m is not None else f"no {STREAMED_DIR}/{store.relative_dir} in the checkpoint"
     if m is not None:
         converted = _check_format(m, own, store)
@@ -318,18 +371,22 @@ def load(store, base: str) -> bool:
                               f"(native-fp32 params), which this store {'lacks' if has else 'has'}")
     store.stager.drain()
     if diff is None:
-        for sb in m["buckets"]:
+        for b, sb in zip(store.buckets, m["buckets"]):
+            if sb["file_bytes"] != b.file.nbytes:
+                raise CheckpointError(f"{os.path.join(own, sb['file'])}: the manifest declares {sb['file_bytes']!r} "
+                                      f"bytes, bucket {b.index} of this layout holds {b.file.nbytes}; the manifest "
+                                      "is corrupt or was edited")
             _checked_size(os.path.join(own, sb["file"]), sb["file_bytes"])
         if resident is not None:
-            resident_state = torch.load(BytesIO(_read_verified(own, m["resident"])), map_location="cpu",
-                                        weights_only=True)
+            resident_state = torch.load(BytesIO(_read_verified(own, m["resident"], _resident_limit(resident))),
+                                        map_location="cpu", weights_only=True)
         rng = _rng_record(own, m, store)
         copies = [(os.path.join(own, sb["file"]), sb["crc32"], 0, b.file.fd, 0, sb["file_bytes"])
                   for b, sb in zip(store.buckets, m["buckets"])]
         steps = [[p[3] for p in sb["pieces"]] for sb in m["buckets"]]
         moments, requants = [sb["moments"] for sb in m["buckets"]], []
     else:
-        copies, requants, steps, moments = _reshard(store, root, own, diff)
+        copies, requants, steps, moments = _reshard(store, base, own, diff)
     sources = {}
     try:
         for path, crc, src_off, dst_fd, dst_off, nbytes in copies:
@@ -363,8 +420,28 @@ def load(store, base: str) -> bool:
     return True
 
 
-def _reshard(store, root: str, own: str, diff: str):
+def _check_coverage(manifests: list[tuple[str, dict]], store) -> None:
+    """The checkpoint must hold exactly the model's params (store.model_params: name -> elements), no
+    more and no fewer, of the same sizes. None: the binding cannot list them (Megatron), not checked."""
+    if store.model_params is None:
+        return
+    saved = {}
+    for _, m in manifests:
+        saved.update((e["name"], e["full_numel"]) for e in m["entries"] if e["name"] is not None)
+    if saved == store.model_params:
+        return
+    names = sorted(set(saved) | set(store.model_params), key=lambda n: (len(n), n))
+    first = next(n for n in names if saved.get(n) != store.model_params.get(n))
+    show = lambda size: "absent" if size is None else f"{size} elements"  # noqa: E731
+    raise ReshardError(f"the checkpoint holds {len(saved)} params ({sum(saved.values())} elements), this model "
+                       f"{len(store.model_params)} ({sum(store.model_params.values())} elements); first difference: "
+                       f"{first}: {show(saved.get(first))} in the checkpoint, {show(store.model_params.get(first))} "
+                       "now. Load a checkpoint of this model")
+
+
+def _reshard(store, base: str, own: str, diff: str):
     """Plan the copies from every rank's state of this store identity, verify the files they read."""
+    root = os.path.join(os.path.abspath(base), STREAMED_DIR)
     identity = os.path.basename(store.relative_dir)
     paths = io.glob_paths(os.path.join(root, "rank*", identity, MANIFEST))
     try:
@@ -376,8 +453,9 @@ def _reshard(store, root: str, own: str, diff: str):
                                + (f" (an interrupted save left {leftovers})" if leftovers else ""))
         manifests = []
         for path in paths:
-            manifests.append((os.path.dirname(path), _read_manifest(os.path.dirname(path))))
+            manifests.append((os.path.dirname(path), _read_manifest(os.path.dirname(path), base, store)))
             _check_format(manifests[-1][1], manifests[-1][0], store)
+        _check_coverage(manifests, store)
         copies, requants, steps, moments, used = plan_reshard(store, manifests)
     except ReshardError as e:
         raise CheckpointError(f"{own}: the checkpoint differs from this store ({diff}) and cannot be mapped "

@@ -24,7 +24,8 @@ _FICLONE = 0x40049409  # ioctl: share a file's extents (btrfs, XFS with reflink,
 
 
 def open_read(path: str) -> int:
-    return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    """Open a checkpoint file for reading; a symbolic link is refused (ELOOP), never followed."""
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
 
 
 def open_new(path: str) -> int:
@@ -119,9 +120,17 @@ def file_size(path: str) -> int:
     return os.stat(path).st_size
 
 
-def read_file(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+def read_file(path: str, limit: int) -> bytes:
+    """The whole file (not followed if a symbolic link); IOError when it holds more than `limit` bytes,
+    found before they are read (a file's size is not trusted to fit memory)."""
+    fd = open_read(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise IOError(f"{path} holds {size} bytes, more than the {limit} a file of its kind may")
+        return bytes(read_at(fd, 0, size))
+    finally:
+        os.close(fd)
 
 
 def read_at(fd: int, offset: int, nbytes: int) -> bytearray:
