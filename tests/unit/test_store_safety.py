@@ -155,3 +155,51 @@ def test_io_error_mid_step_poisons_the_store_until_load_from_recovers(tmp_path, 
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(ref_params, params))
     store.close()
+
+
+# ---- 5. smaller findings ---------------------------------------------------------------------------
+def test_buffered_io_of_a_bucket_with_more_params_than_iov_max(tmp_path):
+    """A sync-engine bucket of 3000 params writes 3000 buffers in one vectored call: over IOV_MAX (1024)
+    that was EINVAL on the first step."""
+    ref_params = [torch.nn.Parameter(torch.randn(3, generator=torch.Generator().manual_seed(i))) for i in range(3000)]
+    params = [torch.nn.Parameter(p.detach().clone()) for p in ref_params]
+    ref, opt = torch.optim.AdamW(ref_params, lr=1e-2), torch.optim.AdamW(params, lr=1e-2)
+    store = stream_optimizer_state(opt, dir=str(tmp_path), io_engine="sync")
+    assert store.stats.num_buckets == 1
+    for k in range(3):
+        g = torch.Generator().manual_seed(k)
+        for a, b in zip(ref_params, params):
+            a.grad = torch.randn(3, generator=g)
+            b.grad = a.grad.clone()
+        ref.step()
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(ref_params, params))
+    store.close()
+
+
+def test_failed_constructions_leak_no_threads(tmp_path, monkeypatch):
+    def no_space(fd, buffers, offset):
+        raise OSError(28, "No space left on device (injected)")
+    from miles.backends.torch_backend.sharded_optimizer import ShardedMixedPrecisionAdam
+    monkeypatch.setattr(engine_mod, "pwrite_all", no_space)
+    io_threads = lambda: [t.name for t in threading.enumerate() if t.name.startswith("miles-io")]  # noqa: E731
+    before = io_threads()
+    for _ in range(3):  # the engine's threads run when the mains are evicted, then the write fails
+        params = [torch.nn.Parameter(torch.randn(10000).to(torch.bfloat16))]
+        with pytest.raises(OSError, match="injected|failed earlier"):
+            stream_optimizer_state(ShardedMixedPrecisionAdam(params, lr=1e-3), dir=str(tmp_path), bucket_numel=3000)
+    assert io_threads() == before
+    assert os.listdir(tmp_path) == []
+
+
+def test_save_removes_temporaries_of_dead_saves_only(tmp_path):
+    store = _assert_matches_resident(tmp_path / "live", steps=1)
+    final = tmp_path / "ckpt" / "nvme_opt_state" / store.relative_dir
+    final.parent.mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (final.parent / f"{final.name}.tmp-{dead.pid}").mkdir()
+    (final.parent / f"{final.name}.tmp-{os.getppid()}").mkdir()  # a live process's save in progress
+    store.save_to(str(tmp_path / "ckpt"))
+    assert sorted(os.listdir(final.parent)) == sorted([final.name, f"{final.name}.tmp-{os.getppid()}"])
+    store.close()

@@ -215,14 +215,19 @@ def bind_megatron(optimizer, config: StreamConfig, instance: int | None = None):
     if members is None:
         members = [optimizer]
     stores = []
-    for part, member in enumerate(members):
-        if not _is_distributed_optimizer(member):
-            raise StoreConfigError(f"cannot stream the state of {type(member).__name__}: only megatron-core's "
-                                   "DistributedOptimizer (use_distributed_optimizer=True) is supported")
-        if member.is_stub_optimizer:
-            continue
-        own = member.distributed_optimizer_instance_id if instance is None else instance
-        stores.append(_bind_distributed(member, config, instance=own, part=part))
+    try:
+        for part, member in enumerate(members):
+            if not _is_distributed_optimizer(member):
+                raise StoreConfigError(f"cannot stream the state of {type(member).__name__}: only megatron-core's "
+                                       "DistributedOptimizer (use_distributed_optimizer=True) is supported")
+            if member.is_stub_optimizer:
+                continue
+            own = member.distributed_optimizer_instance_id if instance is None else instance
+            stores.append(_bind_distributed(member, config, instance=own, part=part))
+    except BaseException:
+        for store in stores:  # members bound before the failure: their I/O threads and files go too
+            store.close()
+        raise
     if hasattr(optimizer, "chained_optimizers"):
         group = StoreGroup(stores)
         optimizer._nvme_state_store = group

@@ -110,8 +110,7 @@ class SaveJob:
                                          "crc32": zlib.crc32(self.resident)}
         rng_fields, self.rng = codec_rng.snapshot(store)  # the noise as of now: the next step draws more
         self.manifest.update(rng_fields)
-        for stale in io.glob_paths(f"{self.final}.tmp-*"):
-            io.remove_tree(stale)
+        _remove_abandoned_temporaries(self.final)
         io.make_dirs(self.tmp)
         self.order = [b.index for b in store.next_bucket_order()]  # the order the next step overwrites them in
         self.locks = {i: threading.Lock() for i in self.order}
@@ -185,6 +184,28 @@ class SaveJob:
         if self.error is not None:
             raise CheckpointError(f"saving optimizer state to {self.final} failed: {self.error!r}") from self.error
         return self.stats
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _remove_abandoned_temporaries(final: str) -> None:
+    """Remove `<final>.tmp-<pid>` folders of saves whose process is dead on this host (killed mid-save);
+    a live pid's folder is a save in progress (another process) and stays."""
+    for stale in io.glob_paths(f"{final}.tmp-*"):
+        suffix = stale.rsplit(".tmp-", 1)[1]
+        if suffix.isdigit() and int(suffix) != os.getpid() and _pid_alive(int(suffix)):
+            logger.info("leaving %s: process %s is alive and may still be saving there", stale, suffix)
+            continue
+        logger.info("removing %s, left by an interrupted save", stale)
+        io.remove_tree(stale)
 
 
 # ---- load -----------------------------------------------------------------------------------------

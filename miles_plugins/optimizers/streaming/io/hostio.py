@@ -16,6 +16,7 @@ import torch
 from ..layout import ALIGN_BYTES, align_up
 
 _IOV_MAX_BYTES = 1 << 30  # one preadv/pwrite moves at most this much (Linux caps a call near 2 GiB)
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024  # buffers per call (EINVAL beyond)
 NO_DIRECT = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}  # errnos that mean "no O_DIRECT here"
 
 
@@ -56,12 +57,12 @@ def _preadv(fd: int, batch, offset: int) -> int:
 
 def _vectored(call, fd: int, buffers, offset: int) -> None:
     """Run `call` (preadv/pwritev) over `buffers` until all their bytes have moved: at most
-    _IOV_MAX_BYTES per call, resuming after a short transfer where it stopped."""
+    _IOV_MAX_BYTES and _IOV_MAX buffers per call, resuming after a short transfer where it stopped."""
     views = [b for b in buffers if len(b)]
     while views:
         batch, size = [], 0
         for v in views:
-            if size + len(v) > _IOV_MAX_BYTES and batch:
+            if batch and (size + len(v) > _IOV_MAX_BYTES or len(batch) == _IOV_MAX):
                 break
             batch.append(v[:_IOV_MAX_BYTES - size])
             size += len(batch[-1])
