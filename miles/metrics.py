@@ -73,6 +73,8 @@ def rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, sa
         "offload_bytes": int(sum(s.get("bytes", 0) for s in sleep if not s.get("skipped"))),
         "checkpoint": saved,
     }
+    if any("device_used_bytes_asleep" in s for s in sleep):  # GPU backends: device memory in use while asleep
+        rec["device_used_gb_asleep"] = max(s.get("device_used_bytes_asleep", 0) for s in sleep) / GB
     if "stream_bytes_read" in r0:
         read = [int(r["stream_bytes_read"]) for r in ranks]
         written = [int(r["stream_bytes_written"]) for r in ranks]

@@ -350,7 +350,10 @@ class MegatronTrainer(TrainBackend):
         torch.cuda.synchronize()
         stats = self.offloader.sleep(self._offload_tensors())
         torch.cuda.empty_cache()
-        return {"rank": self.rank, **_stats_dict(stats)}
+        free, total = torch.cuda.mem_get_info()
+        # Device-wide: what this trainer still holds plus the (released) rollout engine's residue and
+        # every process's CUDA context; an upper bound on the trainer's share while asleep.
+        return {"rank": self.rank, **_stats_dict(stats), "device_used_bytes_asleep": total - free}
 
     def wake(self) -> dict[str, Any]:
         if self.offloader is None:

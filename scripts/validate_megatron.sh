@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The megatron backend through `miles train` on one GPU, with random-init models of real architectures:
+#   train   a ~1.06B Llama and an 8-expert Qwen3-MoE, colocated with the rollout engine, optimizer state
+#           streamed through disk, trainer offloaded to disk: 5 rollouts, a save, then a --load resume
+#           (the Llama run is also the "disk + streaming" arm of the sleep/wake comparison)
+#   sleep   the same Llama with trainer offload to cpu and to disk, optimizer state resident, 3 rollouts
+# Usage: scripts/validate_megatron.sh train|sleep   (WORK=<dir with ~40 GB free>, default /tmp/miles-megatron)
+set -euo pipefail
+phase=${1:?usage: $0 train|sleep}
+WORK=${WORK:-/tmp/miles-megatron}
+mkdir -p "$WORK"
+common=(--train-backend megatron --colocate --rollout-batch-size 8 --n-samples-per-prompt 4
+        --rollout-max-response-len 16)
+
+model() {  # model <preset>: a random-init HF folder, written once
+  [ -d "$WORK/$1" ] || python scripts/make_random_model.py "$1" "$WORK/$1"
+}
+
+summary() {  # summary <metrics.jsonl>: one line per rollout
+  python - "$1" <<'PY'
+import json, sys
+keys = ("rollout_id", "reward_mean", "loss", "optimizer_step_seconds", "sleep_seconds", "wake_seconds",
+        "offload_bytes", "device_used_gb_asleep", "stream_read_gb", "stream_written_gb", "step_seconds")
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print({k: (round(r[k], 4) if isinstance(r[k], float) else r[k]) for k in keys if k in r})
+PY
+}
+
+case "$phase" in
+train)
+  for m in llama-1b qwen3-moe-8e; do
+    model "$m"
+    stream=("${common[@]}" --hf-checkpoint "$WORK/$m" --stream-optimizer-state-to-disk --offload-train-target=disk
+            --offload-train-disk-dir "$WORK/disk-$m")
+    miles train "${stream[@]}" --num-rollout 5 --save "$WORK/ckpt-$m" --metrics-file "$WORK/$m.jsonl"
+    summary "$WORK/$m.jsonl"
+    miles train "${stream[@]}" --num-rollout 7 --load "$WORK/ckpt-$m" --metrics-file "$WORK/$m-resume.jsonl"
+    summary "$WORK/$m-resume.jsonl"
+    ls -A "$WORK/disk-$m" 2>/dev/null | sed 's/^/left under the disk root: /' || true
+    rm -rf "$WORK/ckpt-$m"
+  done
+  ;;
+sleep)
+  model llama-1b
+  for target in cpu disk; do
+    miles train "${common[@]}" --hf-checkpoint "$WORK/llama-1b" --offload-train-target=$target \
+      --offload-train-disk-dir "$WORK/disk-sleep-$target" --num-rollout 3 --metrics-file "$WORK/sleep-$target.jsonl"
+    summary "$WORK/sleep-$target.jsonl"
+  done
+  ;;
+*) echo "unknown phase $phase (train|sleep)" >&2; exit 2 ;;
+esac
