@@ -30,6 +30,8 @@ import shutil
 import time
 from typing import Any, Optional
 
+from miles_plugins.optimizers.streaming.io.ownership import pid_alive
+
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_rollout.txt"
@@ -120,20 +122,10 @@ def _remove_abandoned_temporaries(path: str) -> None:
     prefix += ".tmp"
     for name in os.listdir(directory or "."):
         pid = name[len(prefix):]
-        if name.startswith(prefix) and pid.isdigit() and not _pid_alive(int(pid)):
+        if name.startswith(prefix) and pid.isdigit() and not pid_alive(int(pid)):
             os.unlink(os.path.join(directory, name))
             logger.info("removed %s, left by process %s, which is no longer running", os.path.join(directory, name),
                         pid)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by another user
-        return True
-    return True
 
 
 # ---- rank side ------------------------------------------------------------------------------------

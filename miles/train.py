@@ -45,6 +45,7 @@ from miles_plugins.optimizers.streaming.io.ownership import (
     DirectoryLock,
     claim_directory,
     make_directory,
+    pid_alive,
     sweep,
 )
 from miles_plugins.optimizers.streaming.units import GB
@@ -298,6 +299,7 @@ def _run_holding_root(config: RunConfig, stop: _StopOnSignal, summary: dict[str,
         raise
     finally:
         _teardown(train_group, rollout, pg, sink, started_ray, failed=failure is not None, remove_pg=remove)
+        _wait_for_exit([info["pid"] for info in summary.get("train_ranks", []) + summary.get("rollout_engines", [])])
     summary["seconds"] = time.perf_counter() - t_run
     if failure is not None:
         # the traceback was logged once above; the error itself is the one-line cause
@@ -407,6 +409,14 @@ def _publish(config: RunConfig, train_group, pending: dict[str, Any], summary: d
     summary["latest_checkpoint"] = base
     logger.info("checkpoint complete: %s%s", base,
                 "" if waited else " (optimizer state copied in the background during the next rollout)")
+
+
+def _wait_for_exit(pids: list[int], timeout_s: float = 15.0) -> None:
+    """Wait until the actor processes are gone: a killed actor's directory locks end with its process,
+    and the driver's sweep must not mistake a dying actor for another run holding a directory."""
+    deadline = time.monotonic() + timeout_s
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _teardown(train_group, rollout, pg, sink, started_ray, failed, remove_pg) -> None:

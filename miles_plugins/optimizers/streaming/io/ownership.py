@@ -137,6 +137,17 @@ class DirectoryLock:
         self._fd = -1
 
 
+def pid_alive(pid: int) -> bool:
+    """True when process `pid` exists on this host (owned by anyone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
 def process_run_id() -> str:
     """A run id for a process that was given none: ``<host>-<pid>``."""
     return f"{socket.gethostname()}-{os.getpid()}"
@@ -215,11 +226,30 @@ def sweep(root: str, run_id: str) -> Sweep:
 
 
 def _foreign_reason(path: str, run_id: str) -> str | None:
-    for name, how in ((CREATED_FILE, "made by"), (LOCK_FILE, "in use by")):
-        record = read_record(os.path.join(path, name))
-        if record is not None and record.run_id != run_id:
-            return f"{path} ({how} {record.describe()})"
-    return None
+    made = read_record(os.path.join(path, CREATED_FILE))
+    if made is not None and made.run_id != run_id:
+        return f"{path} (made by {made.describe()})"
+    lock = read_record(os.path.join(path, LOCK_FILE))
+    if lock is not None and lock.run_id != run_id and _lock_is_held(os.path.join(path, LOCK_FILE)):
+        return f"{path} (in use by {lock.describe()})"
+    return None  # a lock file whose holder died (a killed actor's store) is no one's
+
+
+def _lock_is_held(lock_file: str) -> bool:
+    """True when some live process holds the flock on `lock_file` (the kernel drops it when it dies)."""
+    try:
+        fd = os.open(lock_file, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return True
+        raise
+    finally:
+        os.close(fd)  # also drops the shared lock taken to test
 
 
 def _sweep(path: str, run_id: str, inside_ours: bool, result: Sweep) -> bool:
