@@ -203,3 +203,19 @@ def test_save_removes_temporaries_of_dead_saves_only(tmp_path):
     store.save_to(str(tmp_path / "ckpt"))
     assert sorted(os.listdir(final.parent)) == sorted([final.name, f"{final.name}.tmp-{os.getppid()}"])
     store.close()
+
+
+def test_replaced_param_data_or_added_param_group_is_refused_at_step(tmp_path):
+    params = make_params()
+    opt = make_adamw(params)
+    store = stream_optimizer_state(opt, dir=str(tmp_path), bucket_numel=BUCKET)
+    run_steps([(opt, params)], steps=1)
+    old = params[2].data
+    params[2].data = old.clone()
+    with pytest.raises(StoreConfigError, match=r"param 2 .*new storage.*param.data.copy_"):
+        opt.step()
+    params[2].data = old
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(5))]})
+    with pytest.raises(StoreConfigError, match=r"param groups changed.*2 groups.*3 of"):
+        opt.step()
+    store.close()

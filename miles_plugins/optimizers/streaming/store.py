@@ -153,6 +153,7 @@ class NVMeOptimizerStateStore:
                              io_threads=config.io_threads, direct_io=config.direct_io,
                              host_cache_bytes=config.host_cache_mb * MiB)
         self.stager.on_drain(self._release_pipeline)
+        self._bound = self._binding()
         self._update_io_stats()
         self._closed = False
         _LIVE_STORES.add(self)
@@ -394,6 +395,7 @@ class NVMeOptimizerStateStore:
     @torch.no_grad()
     def step(self) -> StepStats:
         self._check_usable()
+        self._check_binding()
         with self._poisons_on_failure("a previous step's write-behind"):
             self.stager.check()
         start = time.perf_counter()
@@ -515,6 +517,28 @@ class NVMeOptimizerStateStore:
         except BaseException as e:
             self._poison(e, during)
             raise
+
+    def _binding(self) -> tuple:
+        """What the store was bound to: the master's param groups (by identity) and the storage of the
+        params it updates in place (plain Adam). A step over anything else would train nothing."""
+        groups = tuple(tuple(id(p) for p in g["params"]) for g in self.master.param_groups)
+        storage = tuple((e.main.data_ptr(), tuple(e.main.shape)) for e in self.entries if e.model_view is None)
+        return groups, storage
+
+    def _check_binding(self) -> None:
+        groups, storage = self._binding()
+        if groups != self._bound[0]:
+            raise StoreConfigError(
+                f"the optimizer's param groups changed after the store was bound ({len(self._bound[0])} groups of "
+                f"{[len(g) for g in self._bound[0]]} params then, {len(groups)} of {[len(g) for g in groups]} now: "
+                "add_param_group or a replaced param list); their params would not be trained. Add every param "
+                "group before stream_optimizer_state")
+        if storage != self._bound[1]:
+            first = next(i for i, (a, b) in enumerate(zip(storage, self._bound[1])) if a != b)
+            raise StoreConfigError(
+                f"param {first} of the streamed optimizer was given new storage after the store was bound "
+                f"(param.data replaced; shape {self._bound[1][first][1]} then, {storage[first][1]} now); the store "
+                "updates the storage it was bound to. Copy new values in place (param.data.copy_(...)) instead")
 
     def _check_usable(self) -> None:
         """Open and not poisoned: raise StorePoisonedError saying how to recover otherwise."""
