@@ -186,22 +186,12 @@ class SaveJob:
         return self.stats
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
-
-
 def _remove_abandoned_temporaries(final: str) -> None:
     """Remove `<final>.tmp-<pid>` folders of saves whose process is dead on this host (killed mid-save);
     a live pid's folder is a save in progress (another process) and stays."""
     for stale in io.glob_paths(f"{final}.tmp-*"):
         suffix = stale.rsplit(".tmp-", 1)[1]
-        if suffix.isdigit() and int(suffix) != os.getpid() and _pid_alive(int(suffix)):
+        if suffix.isdigit() and int(suffix) != os.getpid() and io.pid_alive(int(suffix)):
             logger.info("leaving %s: process %s is alive and may still be saving there", stale, suffix)
             continue
         logger.info("removing %s, left by an interrupted save", stale)

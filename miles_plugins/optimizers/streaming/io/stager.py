@@ -30,7 +30,7 @@ from .fileops import (  # noqa: F401 - checkpoint/ uses them through the stager
     read_at, write_at, write_file_durable, fsync_dir, make_dirs, publish_dir, remove_tree, glob_paths)
 from .hostio import (  # noqa: F401 - requantize.py moves bytes, miles/bench/floor.py times the disk, through them
     NO_DIRECT, HostMemory, as_bytes, drop_page_cache, host_buffer, open_direct, pread_into, pwrite_all)
-from .ownership import LOCK_FILE, DirectoryInUseError, DirectoryLock  # noqa: F401 - the store names the error
+from .ownership import LOCK_FILE, DirectoryInUseError, DirectoryLock, pid_alive  # noqa: F401 - store, checkpoint/
 from .tickets import IOCounters, Ticket  # noqa: F401
 
 logger = logging.getLogger(__name__)
