@@ -149,8 +149,10 @@ def test_actor_failure_stops_run_with_traceback(ray_cluster, tmp_path, failing_b
     assert "\n" not in message and "injected fault" in message and "rank 1" in message, message
     assert "\x1b[" not in message
     assert sum("failing_backend.py" in r.getMessage() and "in train" in r.getMessage() for r in caplog.records) == 1
+    # nothing else prints it (Ray's actor log, unhandled-error reports); the log line itself reaches this
+    # capture only when this test installed the logging handler, hence <= 1
     printed = "".join(capfd.readouterr())
-    assert printed.count('failing_backend.py", line') == 1, printed
+    assert printed.count('failing_backend.py", line') <= 1, printed
     assert [r["rollout_id"] for r in _records(tmp_path / "fail.jsonl")] == [0]  # stopped at rollout 1
     assert not any(os.path.exists(d) for d in rank_dirs)
     leftovers = [os.path.join(dp, f) for dp, _, fs in os.walk(tmp_path / "offload") for f in fs]
