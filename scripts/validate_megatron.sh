@@ -4,9 +4,11 @@
 #           streamed through disk, trainer offloaded to disk: 5 rollouts, a save, then a --load resume
 #           (the Llama run is also the "disk + streaming" arm of the sleep/wake comparison)
 #   sleep   the same Llama with trainer offload to cpu and to disk, optimizer state resident, 3 rollouts
-# Usage: scripts/validate_megatron.sh train|sleep   (WORK=<dir with ~40 GB free>, default /tmp/miles-megatron)
+# Usage: scripts/validate_megatron.sh train [PRESET...] | sleep
+#   WORK=<dir with ~40 GB free> (default /tmp/miles-megatron); SLEEP_ROLLOUTS (default 3)
 set -euo pipefail
-phase=${1:?usage: $0 train|sleep}
+phase=${1:?usage: $0 train [PRESET...] | sleep}
+shift
 WORK=${WORK:-/tmp/miles-megatron}
 mkdir -p "$WORK"
 common=(--train-backend megatron --colocate --rollout-batch-size 8 --n-samples-per-prompt 4
@@ -29,7 +31,9 @@ PY
 
 case "$phase" in
 train)
-  for m in llama-1b qwen3-moe-8e; do
+  presets=("$@")
+  [ ${#presets[@]} -gt 0 ] || presets=(llama-1b qwen3-moe-8e)
+  for m in "${presets[@]}"; do
     model "$m"
     stream=("${common[@]}" --hf-checkpoint "$WORK/$m" --stream-optimizer-state-to-disk --offload-train-target=disk
             --offload-train-disk-dir "$WORK/disk-$m")
@@ -45,7 +49,7 @@ sleep)
   model llama-1b
   for target in cpu disk; do
     miles train "${common[@]}" --hf-checkpoint "$WORK/llama-1b" --offload-train-target=$target \
-      --offload-train-disk-dir "$WORK/disk-sleep-$target" --num-rollout 3 --metrics-file "$WORK/sleep-$target.jsonl"
+      --offload-train-disk-dir "$WORK/disk-sleep-$target" --num-rollout "${SLEEP_ROLLOUTS:-3}" --metrics-file "$WORK/sleep-$target.jsonl"
     summary "$WORK/sleep-$target.jsonl"
   done
   ;;
