@@ -16,8 +16,6 @@ import time
 
 import pytest
 
-from miles_plugins.optimizers.streaming.io.ownership import make_directory
-
 pytestmark = pytest.mark.e2e
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,6 +30,8 @@ def _argv(tmp, num_rollout):
 
 
 def _place_foreign_files(root):
+    from miles_plugins.optimizers.streaming.io.ownership import make_directory
+
     results = root / "rollout" / "engine0" / "results.csv"
     results.parent.mkdir(parents=True)
     results.write_text("placed before the run")
