@@ -4,6 +4,16 @@ The actor factory launches each GPU train actor with ``LD_PRELOAD`` = torch_memo
 ``TMS_INIT_ENABLE=1`` (every CUDA allocation of the process is pausable from the start) and either
 ``TMS_INIT_ENABLE_CPU_BACKUP=1`` or ``TMS_INIT_ENABLE_DISK_BACKUP=1`` + ``TMS_DISK_BACKUP_DIR`` (the
 rank's own directory) + ``TMS_DISK_BACKUP_CHUNK_MB``. Sleep is ``pause()``, wake is ``resume()``.
+
+What a pause moves: the hook replaces ``cudaMalloc``, so torch_memory_saver knows allocations at
+``cudaMalloc`` granularity (the caching allocator's segments, whole, with any free blocks inside them;
+other libraries' ``cudaMalloc`` too), not tensors. ``pause()`` copies every allocation made with a
+backup flag to pinned host memory or to a file ``<TMS_DISK_BACKUP_DIR>/tms_XXXXXX``, then unmaps it;
+allocations made without one are dropped. The stats report the device memory the pause gave back
+(``mem_get_info`` before and after, device-wide; nothing else on the device changes during a pause):
+that is what was unmapped, i.e. what was backed up when every allocation carries the actor's backup
+flag. ``memory_reserved()`` is torch's share only, and includes the segments of a torch MemPool (a
+``torch_memory_saver.region``), whose free blocks ``empty_cache()`` keeps while the pool lives.
 """
 
 from __future__ import annotations
@@ -42,8 +52,9 @@ class TmsOffloader:
     def asleep(self) -> bool:
         return self._asleep
 
-    def _device_bytes(self) -> int:
-        return int(self._torch.cuda.memory_reserved())
+    def _device_free_bytes(self) -> int:
+        free, _ = self._torch.cuda.mem_get_info()
+        return int(free)
 
     def sleep(self, tensors=None) -> OffloadStats:  # tensors: unused, tms pauses every allocation
         if self._asleep:
@@ -51,22 +62,25 @@ class TmsOffloader:
         start = time.perf_counter()
         torch = self._torch
         torch.cuda.synchronize()
-        torch.cuda.empty_cache()  # freed cached blocks need no backup
-        nbytes = self._device_bytes()
+        torch.cuda.empty_cache()  # whole free segments go back to the driver: no backup for them
+        free_before = self._device_free_bytes()
         self._tms.pause()
         torch.cuda.synchronize()
         self._asleep = True
-        return OffloadStats("sleep", self.target, storages=0, bytes=nbytes, seconds=time.perf_counter() - start,
+        paused = self._device_free_bytes() - free_before
+        return OffloadStats("sleep", self.target, storages=0, bytes=paused, seconds=time.perf_counter() - start,
                             path=self.directory)
 
     def wake(self) -> OffloadStats:
         if not self._asleep:
             return OffloadStats("wake", self.target, skipped=True, path=self.directory)
         start = time.perf_counter()
+        free_before = self._device_free_bytes()
         self._tms.resume()
         self._torch.cuda.synchronize()
         self._asleep = False
-        return OffloadStats("wake", self.target, bytes=self._device_bytes(), seconds=time.perf_counter() - start,
+        resumed = free_before - self._device_free_bytes()
+        return OffloadStats("wake", self.target, bytes=resumed, seconds=time.perf_counter() - start,
                             path=self.directory)
 
     def close(self, remove_directory: bool = False) -> None:
