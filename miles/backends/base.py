@@ -24,7 +24,7 @@ from __future__ import annotations
 import abc
 import importlib
 import logging
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from miles.config import RunConfig
 from miles_plugins.optimizers.streaming.io.ownership import DirectoryLock, claim_directory, remove_created
@@ -46,6 +46,18 @@ def resolve_backend(spec: str) -> type["TrainBackend"]:
     if not (isinstance(cls, type) and issubclass(cls, TrainBackend)):
         raise TypeError(f"backend spec {spec!r} names {cls!r}, which does not implement miles.backends.base.TrainBackend")
     return cls
+
+
+def micro_batches(n: int, size: int) -> Iterator[slice]:
+    """Slices of ``size`` samples (the last may be shorter) covering ``range(n)``."""
+    for i in range(0, n, size):
+        yield slice(i, min(n, i + size))
+
+
+def offload_stats(stats) -> dict[str, Any]:
+    """An :class:`~miles.offload.OffloadStats` as the plain dict sleep/wake return."""
+    return {"action": stats.action, "target": stats.target, "skipped": stats.skipped, "storages": stats.storages,
+            "bytes": stats.bytes, "seconds": stats.seconds, "path": stats.path}
 
 
 class TrainBackend(abc.ABC):

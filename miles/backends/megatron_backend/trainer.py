@@ -21,19 +21,20 @@ import logging
 import os
 import random
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from miles.backends.base import TrainBackend
+from miles.backends.base import TrainBackend, micro_batches, offload_stats
 from miles.backends.torch_backend.trainer import loss_arguments, store_config
 from miles.config import RunConfig
 from miles.models import torch_dtype
-from miles.offload import make_offloader, tms_active
+from miles.offload import make_offloader
 
 from .checkpoint_views import HFModelView, ResidentOptimizerState, StoreSet
 from .convert import experts_to_global, hf_moe_layout, hf_to_megatron, megatron_to_hf
+from .grad_buffers import GradBuffers
 from .model import build_gpt_model
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class MegatronTrainer(TrainBackend):
         self.scheduler = None
         self.store: Optional[StoreSet] = None
         self.offloader = None
+        self.grad_buffers: Optional[GradBuffers] = None  # dropped while asleep, zero-filled on wake
         self.uses_te_spec = False
         self.hf_moe_layout: Optional[str] = None
         self.ep_size = config.training.expert_model_parallel_size
@@ -109,9 +111,14 @@ class MegatronTrainer(TrainBackend):
                                             run_id=config.run_id, lock=self.rank_dir_lock)
 
         hf_state, description = self._load_hf_policy()
-        with self._pausable_allocations():  # params, grad buffers, mains: all inside the offloadable region
-            self._build(hf_state, dtype)
+        # Built in the default CUDA pool, not in a torch_memory_saver region: the actor's environment
+        # (TMS_INIT_ENABLE) already makes every allocation pausable with its backup. A region would put
+        # them in a torch MemPool that lives as long as the process, and empty_cache() never returns the
+        # free blocks of a live MemPool: the fp32 mains the store frees and the pre-DDP param copies
+        # would stay reserved, and every sleep would back them up (docs/advanced/megatron.md).
+        self._build(hf_state, dtype)
         del hf_state
+        self.grad_buffers = GradBuffers(self.ddp.buffers + self.ddp.expert_parallel_buffers)
         if config.optimizer.stream_optimizer_state_to_disk:
             from miles_plugins.optimizers.nvme_stream import stream_optimizer_state
 
@@ -138,16 +145,6 @@ class MegatronTrainer(TrainBackend):
         hf_state = {k: v.detach() for k, v in hf_model.state_dict().items()}
         self.hf_moe_layout = hf_moe_layout(hf_state)
         return hf_state, description
-
-    def _pausable_allocations(self):
-        """torch_memory_saver's region with the backup the actor was launched for (its env sets the
-        default; a region without the matching flag would drop the data on pause)."""
-        if self.offloader is None or not tms_active():
-            return contextlib.nullcontext()
-        from torch_memory_saver import torch_memory_saver
-
-        target = self.config.offload.offload_train_target
-        return torch_memory_saver.region(enable_cpu_backup=target == "cpu", enable_disk_backup=target == "disk")
 
     def _build(self, hf_state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -217,11 +214,6 @@ class MegatronTrainer(TrainBackend):
             return self._hf_state()
 
     # ---- training -----------------------------------------------------------------------------
-    def _micro_batches(self, n: int) -> Iterator[slice]:
-        mbs = self.config.training.micro_batch_size
-        for i in range(0, n, mbs):
-            yield slice(i, min(n, i + mbs))
-
     def _all_reduce(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device="cuda")
         if self.world_size > 1:
@@ -255,7 +247,7 @@ class MegatronTrainer(TrainBackend):
             self.store.prefetch()
         sums = [0.0, 0.0, 0.0]  # loss, clipped tokens, |train logp - rollout logp| over tokens
         fwd_bwd = time.perf_counter()
-        for sl in self._micro_batches(len(samples)):
+        for sl in micro_batches(len(samples), self.config.training.micro_batch_size):
             batch = {k: v.cuda() for k, v in collate_samples(samples[sl], pad_id, advantages[sl]).items()}
             logp = self._logprobs(batch, loss_args["temperature"])
             loss, m = policy_gradient_loss(logp, batch["rollout_logprobs"], batch["advantages"], batch["loss_mask"],
@@ -328,11 +320,10 @@ class MegatronTrainer(TrainBackend):
 
     # ---- sleep / wake -------------------------------------------------------------------------
     def _offload_tensors(self) -> list[torch.Tensor]:
-        """What the storage offloader backs up when torch_memory_saver is absent: param and grad buffers,
-        other params/buffers, and the optimizer state unless it is streamed (on disk already)."""
-        tensors: list[torch.Tensor] = []
-        for buffer in self.ddp.buffers + self.ddp.expert_parallel_buffers:
-            tensors += [buffer.param_data, buffer.grad_data]
+        """What the storage offloader backs up when torch_memory_saver is absent: the param buffers, other
+        params/buffers, and the optimizer state unless it is streamed (on disk already). Not the grad
+        buffers: sleep drops them (grad_buffers.py)."""
+        tensors: list[torch.Tensor] = [b.param_data for b in self.ddp.buffers + self.ddp.expert_parallel_buffers]
         tensors += list(self.gpt.parameters()) + list(self.gpt.buffers())
         if self.store is None:
             for member in ResidentOptimizerState(self.optimizer).members:
@@ -348,17 +339,22 @@ class MegatronTrainer(TrainBackend):
         if self.offloader is None:
             return {"rank": self.rank, "skipped": True, "reason": "--offload-train is off"}
         torch.cuda.synchronize()
+        # Before the offloader: torch_memory_saver must never see the grad buffers (grad_buffers.py).
+        grad_bytes = self.grad_buffers.release()
         stats = self.offloader.sleep(self._offload_tensors())
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         # Device-wide: what this trainer still holds plus the (released) rollout engine's residue and
         # every process's CUDA context; an upper bound on the trainer's share while asleep.
-        return {"rank": self.rank, **_stats_dict(stats), "device_used_bytes_asleep": total - free}
+        return {"rank": self.rank, **offload_stats(stats), "grad_bytes_dropped": grad_bytes,
+                "device_used_bytes_asleep": total - free}
 
     def wake(self) -> dict[str, Any]:
         if self.offloader is None:
             return {"rank": self.rank, "skipped": True, "reason": "--offload-train is off"}
-        return {"rank": self.rank, **_stats_dict(self.offloader.wake())}
+        stats = self.offloader.wake()
+        grad_bytes = self.grad_buffers.restore()  # after the resume: see grad_buffers.py
+        return {"rank": self.rank, **offload_stats(stats), "grad_bytes_zeroed": grad_bytes}
 
     @contextlib.contextmanager
     def _awake(self):
@@ -392,8 +388,3 @@ class MegatronTrainer(TrainBackend):
         if dist.is_initialized():
             dist.destroy_process_group()
         self.release_rank_dir()
-
-
-def _stats_dict(stats) -> dict[str, Any]:
-    return {"action": stats.action, "target": stats.target, "skipped": stats.skipped, "storages": stats.storages,
-            "bytes": stats.bytes, "seconds": stats.seconds, "path": stats.path}

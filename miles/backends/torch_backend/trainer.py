@@ -19,12 +19,12 @@ import math
 import os
 import random
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from miles.backends.base import TrainBackend
+from miles.backends.base import TrainBackend, micro_batches, offload_stats
 from miles.config import RunConfig
 from miles.models import torch_dtype
 from miles.offload import make_offloader, make_resizable
@@ -145,11 +145,6 @@ class TorchTrainer(TrainBackend):
                 "path": getattr(self.store, "path", None), "relative_dir": getattr(self.store, "relative_dir", None)}
 
     # ---- training -----------------------------------------------------------------------------
-    def _micro_batches(self, n: int) -> Iterator[slice]:
-        mbs = self.config.training.micro_batch_size
-        for i in range(0, n, mbs):
-            yield slice(i, min(n, i + mbs))
-
     def _all_reduce(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
         if dist.is_initialized() and self.world_size > 1:
@@ -180,7 +175,7 @@ class TorchTrainer(TrainBackend):
             self.store.prefetch()
         sums = [0.0, 0.0, 0.0]  # loss, clipped tokens, |train logp - rollout logp| over tokens
         fwd_bwd = time.perf_counter()
-        for sl in self._micro_batches(len(samples)):
+        for sl in micro_batches(len(samples), self.config.training.micro_batch_size):
             batch = collate_samples(samples[sl], pad_id, advantages[sl])
             batch = {k: v.to(self.device) for k, v in batch.items()}
             logp = forward_logprobs(model, batch["input_ids"], batch["attention_mask"], loss_args["temperature"])
@@ -295,12 +290,12 @@ class TorchTrainer(TrainBackend):
         stats = self.offloader.sleep(self._offload_tensors())
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        return {"rank": self.rank, **_stats_dict(stats)}
+        return {"rank": self.rank, **offload_stats(stats)}
 
     def wake(self) -> dict[str, Any]:
         if self.offloader is None:
             return {"rank": self.rank, "skipped": True, "reason": "--offload-train is off"}
-        return {"rank": self.rank, **_stats_dict(self.offloader.wake())}
+        return {"rank": self.rank, **offload_stats(self.offloader.wake())}
 
     def _awake(self):
         trainer = self
@@ -346,12 +341,8 @@ def store_config(config: RunConfig, rank: int):
     return StreamConfig(dir=config.paths.optimizer_state, chunk_mb=opt.stream_optimizer_state_chunk_mb,
                         moment_dtype=opt.stream_optimizer_state_moment_dtype,
                         bucket_numel=opt.stream_optimizer_state_bucket_numel,
-                        host_cache_mb=opt.stream_optimizer_state_host_cache_mb, rank=rank)
-
-
-def _stats_dict(stats) -> dict[str, Any]:
-    return {"action": stats.action, "target": stats.target, "skipped": stats.skipped, "storages": stats.storages,
-            "bytes": stats.bytes, "seconds": stats.seconds, "path": stats.path}
+                        host_cache_mb=opt.stream_optimizer_state_host_cache_mb,
+                        verify=opt.stream_optimizer_state_verify, rank=rank)
 
 
 class _DataParallelSGD:
