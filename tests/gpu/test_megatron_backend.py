@@ -209,3 +209,27 @@ def test_exported_weights_load_into_transformers_and_round_trip(tmp_path):
     trainer._load_hf_state(exported)  # HF -> Megatron -> HF is the identity on the trainer's own weights
     assert _same_weights(trainer.export_weights(), exported)
     trainer.shutdown()
+
+
+def test_sleep_drops_grads_and_wake_resumes_bit_identically(tmp_path):
+    """In-process the storage offloader backs up the weights; the grad buffers are dropped, not backed
+    up, and come back zero-filled; training across a sleep equals training straight through."""
+    straight = _trainer(_config(tmp_path / "straight", stream=True))
+    _run(straight, range(2))
+    reference = straight.export_weights()
+    straight.shutdown()
+
+    trainer = _trainer(_config(tmp_path / "slept", stream=True))
+    _run(trainer, range(1))
+    grad_bytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b in trainer.ddp.buffers)
+    asleep = trainer.sleep()
+    assert asleep["grad_bytes_dropped"] == grad_bytes > 0, asleep
+    assert all(b.grad_data.untyped_storage().nbytes() == 0 for b in trainer.ddp.buffers)
+    assert asleep["bytes"] < grad_bytes, "the backup holds bf16 params only (half the fp32 grads' bytes)"
+    awake = trainer.wake()
+    assert awake["grad_bytes_zeroed"] == grad_bytes
+    assert all(not b.grad_data.any() for b in trainer.ddp.buffers)
+    _run(trainer, [1])
+    slept = trainer.export_weights()
+    trainer.shutdown()
+    assert _same_weights(slept, reference), "a sleep between steps changed the training"
