@@ -54,7 +54,8 @@ logger = logging.getLogger("miles.train")
 
 
 class RunError(RuntimeError):
-    """The run stopped because an actor failed; the message carries the actor's traceback."""
+    """The run stopped because an actor failed (the message carries the actor's traceback) or a node's disk
+    cannot hold what its ranks write (one line naming the node; :mod:`miles.ray.node_disk`)."""
 
 
 class RunInterrupted(BaseException):
@@ -224,6 +225,7 @@ def interrupted_line(signum: int, summary: dict[str, Any], removed: int) -> str:
 def _run_holding_root(config: RunConfig, stop: _StopOnSignal, summary: dict[str, Any]) -> dict[str, Any]:
     from miles.models import load_tokenizer, prepare_policy
     from miles.ray.errors import ActorFailure
+    from miles.ray.node_disk import NodeDiskError, check_node_disks
     from miles.ray.placement_group import create_placement_group, remove
     from miles.ray.rollout_manager import RolloutManager
     from miles.ray.train_group import RayTrainGroup
@@ -240,6 +242,8 @@ def _run_holding_root(config: RunConfig, stop: _StopOnSignal, summary: dict[str,
     failure: Optional[BaseException] = None
     try:
         pg, use_gpu, bundles = create_placement_group(config)
+        # every node's disk against what its ranks will write, before any actor starts
+        summary["nodes"] = [vars(n) for n in check_node_disks(config, pg, use_gpu)]
         train_group = RayTrainGroup(config, pg, use_gpu)
         rollout = RolloutManager(config, pg, use_gpu)
         logger.info("starting %d train actor(s) and %d rollout engine(s) (each imports torch and builds the "
@@ -294,6 +298,9 @@ def _run_holding_root(config: RunConfig, stop: _StopOnSignal, summary: dict[str,
     except ActorFailure as e:
         failure = e
         logger.error("%s failed on %s. The actor's traceback:\n%s", e.what, e.actor, e.remote_traceback)
+    except NodeDiskError as e:
+        failure = e
+        logger.error("%s", e)
     except BaseException as e:
         failure = e
         raise

@@ -57,17 +57,24 @@ def model_params(model_source: str, hf_config: dict | None) -> int | None:
     """Parameters of the policy: from ``--hf-checkpoint``'s config.json, the embedded default's count, or
     the tiny model's config. None when the config describes an architecture the counter does not know
     (the free-space check is then skipped rather than guessed)."""
-    from miles.sizing.model_params import ModelConfigError, model_tensors
+    tensors = model_tensors_of_run(model_source, hf_config)
+    return tensors.total() if tensors is not None else None
+
+
+def model_tensors_of_run(model_source: str, hf_config: dict | None):
+    """The policy's tensors as :mod:`miles.sizing` counts them (a ``ModelTensors``: dense and expert apart,
+    for ``miles train``'s per-node disk check), or None as in :func:`model_params`."""
+    from miles.sizing.model_params import ModelConfigError, flat_model, model_tensors
 
     if model_source == "smollm2":
-        return SMOLLM2_PARAMS
+        return flat_model(SMOLLM2_PARAMS, name="SmolLM2-135M-Instruct")
     if model_source == "tiny":
         from miles.models import TINY_MODEL_CONFIG
 
         # the tiny char vocabulary is under 128 tokens; the counter pads any vocabulary to 128
-        return model_tensors({**TINY_MODEL_CONFIG, "vocab_size": 128}).total()
+        return model_tensors({**TINY_MODEL_CONFIG, "vocab_size": 128}, "tiny")
     try:
-        return model_tensors(hf_config or {}).total()
+        return model_tensors(hf_config or {}, "--hf-checkpoint")
     except (ModelConfigError, KeyError, TypeError, ValueError):
         return None
 

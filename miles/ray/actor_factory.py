@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from miles.backends.base import BACKENDS
 from miles.config import RunConfig
 
-from . import layout
+from . import layout, placement_group
 from .train_actor import TrainActor
 
 logger = logging.getLogger(__name__)
@@ -55,12 +55,14 @@ def make_train_actors(cfg: RunConfig, pg, use_gpu: bool, cell: int = 0) -> list:
     res = layout.train_actor_resources(cfg, use_gpu)
     backend = BACKENDS[cfg.training.train_backend]  # resolved here so the actor imports what the driver chose
     remote_cls = ray.remote(TrainActor)
+    bundles = placement_group.rank_bundles(pg, n)
     actors = []
     for rank in range(n):
         env = {**base_env(), **layout.rank_env(cfg, cell, rank, use_gpu=use_gpu, tms_library=tms)}
         actor = remote_cls.options(
             num_cpus=res["num_cpus"], num_gpus=res["num_gpus"], max_restarts=0, max_task_retries=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=rank),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                 placement_group_bundle_index=bundles[rank]),
             runtime_env={"env_vars": env},
         ).remote(cfg, cell, rank, n, backend=backend, rank_dir=layout.rank_dir(cfg, cell, rank))
         actors.append(actor)
@@ -78,8 +80,10 @@ def rank_dirs(cfg: RunConfig, cell: int = 0) -> list[str]:
 
 
 def make_rollout_engines(cfg: RunConfig, pg, use_gpu: bool, engine_cls) -> list:
-    """One actor per rollout engine; with --colocate engine i shares train rank i's bundle."""
+    """One actor per rollout engine; with --colocate an engine shares a train rank's bundle
+    (``layout.colocated_rank``: spread over the ranks, and so over the nodes)."""
     res = layout.rollout_engine_resources(cfg, use_gpu)
+    bundles = placement_group.rank_bundles(pg, cfg.cluster.num_train_ranks)
     remote_cls = ray.remote(engine_cls)
     engines = []
     for i in range(cfg.cluster.num_rollout_engines):
@@ -87,7 +91,7 @@ def make_rollout_engines(cfg: RunConfig, pg, use_gpu: bool, engine_cls) -> list:
         engines.append(remote_cls.options(
             num_cpus=res["num_cpus"], num_gpus=res["num_gpus"], max_restarts=0, max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=layout.rollout_engine_placement(cfg, i)),
+                placement_group=pg, placement_group_bundle_index=layout.rollout_engine_placement(cfg, i, bundles)),
             runtime_env={"env_vars": env},
         ).remote(cfg, i))
     return engines

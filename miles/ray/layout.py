@@ -1,4 +1,5 @@
-"""Pure helpers for the Ray layout: per-actor environments and bundle specs, from the :class:`RunConfig`.
+"""Pure helpers for the Ray layout: per-actor environments, bundle specs and which rank sits on which
+bundle (and so on which node), from the :class:`RunConfig`.
 
 Nothing here imports Ray or torch, so all of it is unit-tested without a cluster. The directories
 themselves come from ``cfg.paths`` (:class:`miles.config.paths.RunPaths`); each train actor receives
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 from miles.config import RunConfig
 
@@ -106,8 +107,38 @@ def rollout_engine_resources(cfg: RunConfig, use_gpu: bool) -> dict[str, float]:
     return _resources(cfg, use_gpu, COLOCATED_ROLLOUT_SHARE)
 
 
-def rollout_engine_placement(cfg: RunConfig, engine: int) -> int:
-    """Bundle index of rollout engine ``engine``."""
+def rank_bundles(bundle_nodes: Sequence[str], num_train_ranks: int) -> list[int]:
+    """Bundle index of each train rank (``result[rank]``), so that the ranks of one node are consecutive.
+
+    ``bundle_nodes[b]`` is the node Ray placed bundle ``b`` on. ``PACK`` fills nodes but does not promise
+    that bundles 0..k-1 land on one node; ranks follow the nodes instead (nodes in the order of their
+    first train bundle, bundles of a node in index order), as Megatron expects consecutive ranks to share
+    a node (its tensor- and expert-parallel groups are consecutive ranks)."""
+    train = list(bundle_nodes[:num_train_ranks])
+    if len(train) != num_train_ranks:
+        raise ValueError(f"{num_train_ranks} train ranks but the placement group has {len(train)} train bundles")
+    node_order = {node: i for i, node in reversed(list(enumerate(train)))}
+    return sorted(range(num_train_ranks), key=lambda b: (node_order[train[b]], b))
+
+
+def ranks_by_node(bundle_nodes: Sequence[str], ranks_to_bundles: Sequence[int]) -> dict[str, list[int]]:
+    """``{node: [train ranks on it]}``, nodes in rank order."""
+    out: dict[str, list[int]] = {}
+    for rank, bundle in enumerate(ranks_to_bundles):
+        out.setdefault(bundle_nodes[bundle], []).append(rank)
+    return out
+
+
+def colocated_rank(cfg: RunConfig, engine: int) -> int:
+    """The train rank whose bundle colocated rollout engine ``engine`` shares: engines spread evenly over
+    the ranks (with one engine per node, each lands on a node's first rank), not all on the first ones."""
+    return engine * cfg.cluster.num_train_ranks // cfg.cluster.num_rollout_engines
+
+
+def rollout_engine_placement(cfg: RunConfig, engine: int, ranks_to_bundles: Optional[Sequence[int]] = None) -> int:
+    """Bundle index of rollout engine ``engine``. ``ranks_to_bundles``: :func:`rank_bundles` of the placement
+    group (default: rank r on bundle r)."""
     if cfg.cluster.colocate:
-        return engine % cfg.cluster.num_train_ranks
+        rank = colocated_rank(cfg, engine)
+        return ranks_to_bundles[rank] if ranks_to_bundles is not None else rank
     return cfg.cluster.num_train_ranks + engine

@@ -16,6 +16,7 @@ from miles.logging_setup import configure_logging
 
 from . import actor_factory
 from .errors import close_then_kill, wait_all
+from .train_actor import node_id
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class RolloutEngineActor:
         self.engine = EmbeddedRolloutEngine(config, engine_id=engine_id)
 
     def info(self) -> dict[str, Any]:
-        return {"engine": self.engine_id, "pid": os.getpid(), "description": self.engine.get_description(),
+        return {"engine": self.engine_id, "pid": os.getpid(), "node_id": node_id(), "description": self.engine.get_description(),
                 "device": str(self.engine.device)}
 
     def generate(self, prompts, sampling) -> list:

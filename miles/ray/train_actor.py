@@ -16,6 +16,13 @@ from miles.config import RunConfig
 from miles.logging_setup import configure_logging
 
 
+def node_id() -> str:
+    """The Ray node this process runs on (the run's summary shows where each rank and engine ran)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
 class TrainActor:
     def __init__(self, config: RunConfig, cell: int, rank: int, world_size: int, *, backend: str,
                  rank_dir: Optional[str] = None):
@@ -32,7 +39,7 @@ class TrainActor:
             self.trainer.release_rank_dir()
 
     def info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "rank": self.rank, "cell": self.cell, "rank_dir": self.rank_dir,
+        return {"pid": os.getpid(), "node_id": node_id(), "rank": self.rank, "cell": self.cell, "rank_dir": self.rank_dir,
                 "env": {k: v for k, v in os.environ.items() if k.startswith(("TMS_", "MILES_")) or k == "LD_PRELOAD"}}
 
     def init(self, master_port: int) -> dict[str, Any]:
@@ -41,7 +48,7 @@ class TrainActor:
         cls = resolve_backend(self.backend)
         self.trainer = cls(self.config, rank=self.rank, world_size=self.world_size, cell=self.cell,
                            rank_dir=self.rank_dir)
-        return self.trainer.init(master_port)
+        return {**self.trainer.init(master_port), "node_id": node_id()}
 
     def train(self, rollout_id: int, samples: list, advantages: list) -> dict[str, Any]:
         return self.trainer.train(rollout_id, samples, advantages)

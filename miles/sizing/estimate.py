@@ -66,6 +66,8 @@ class Training:
     bucket_numel: int = DEFAULT_BUCKET_NUMEL
     grad_dtype: str = "fp32"
     offload_train_to_disk: bool = True  # trainer weights + grads go to the disk while the rollout runs
+    # False: the Adam state stays in memory (and goes to the disk with the trainer when it offloads there)
+    stream_optimizer_state: bool = True
     checkpoint_copies: int = 1  # saved copies of the streamed state kept on the node-local disk
 
 
@@ -202,11 +204,19 @@ def _fit(stage: StageEstimate, hw: Hardware) -> Fit:
     return Fit(resident, cpu_offload, streaming, verdict, reason, device, host)
 
 
+def disk_bytes_per_rank(stage: StageEstimate, training: Training) -> dict:
+    """Node-local disk one rank of ``stage`` writes, by mechanism (``miles train`` checks every node
+    against this times its ranks before starting the train actors)."""
+    streamed = stage.streamed_state_bytes if training.stream_optimizer_state else 0
+    in_memory_state = 0 if training.stream_optimizer_state else stage.resident_state_bytes
+    return {"streamed_state": streamed,
+            "trainer_offload": (stage.weight_bytes + stage.grad_bytes + in_memory_state)
+            if training.offload_train_to_disk else 0,
+            "checkpoint_copies": training.checkpoint_copies * streamed}
+
+
 def _disk_per_node(stage: StageEstimate, hw: Hardware, training: Training) -> dict:
-    per_rank = {"streamed_state": stage.streamed_state_bytes,
-                "trainer_offload": (stage.weight_bytes + stage.grad_bytes) if training.offload_train_to_disk else 0,
-                "checkpoint_copies": training.checkpoint_copies * stage.streamed_state_bytes}
-    per_node = {k: hw.gpus_per_node * v for k, v in per_rank.items()}
+    per_node = {k: hw.gpus_per_node * v for k, v in disk_bytes_per_rank(stage, training).items()}
     per_node["total"] = sum(per_node.values())
     return per_node
 

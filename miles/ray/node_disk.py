@@ -1,0 +1,182 @@
+"""Every node's disk, checked against `miles plan`'s per-rank need before any train actor starts.
+
+`miles train`'s validation can only look at the driver's filesystem. On a cluster each node writes its
+own ranks' directories under the same root path on its own disk, so once the placement group says which
+ranks (and rollout engines) landed on which node, a tiny probe task on each node reports the free space
+under the run root there, and a node short of space stops the run with one line naming it and the numbers.
+
+The need per node is ``ranks on the node x`` what one rank writes according to
+:func:`miles.sizing.estimate.disk_bytes_per_rank` (streamed optimizer state, trainer offload), for this
+run's model and layout (TP = PP = 1, DP = the train ranks, EP = --expert-model-parallel-size), plus the
+weights each CPU-colocated rollout engine there backs up while the trainer runs. Checkpoints go to
+``--save``, which validation checks; they are not counted here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from miles.config import RunConfig
+from miles.config.disk_budget import DTYPE_BYTES, model_tensors_of_run
+from miles.sizing.model_params import ModelTensors
+from miles.sizing.estimate import GB, Hardware, SizingError, Training, disk_bytes_per_rank, estimate
+from miles.sizing.sharding import LayoutError, Parallelism
+
+from . import layout
+
+logger = logging.getLogger(__name__)
+
+
+def readable_bytes(n: int) -> str:
+    """``3.04 TB``, ``2.01 MB``, ``1.00 kB``: large disks and tiny test runs both print legible figures."""
+    for unit, scale in (("TB", 1e12), ("GB", GB), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"
+
+
+class NodeDiskError(RuntimeError):
+    """A node's disk cannot hold what the run writes there; the message is one line naming the node."""
+
+
+@dataclass(frozen=True)
+class NodeDisk:
+    node_id: str
+    address: str
+    ranks: tuple[int, ...]
+    engines: tuple[int, ...]
+    need_bytes: int
+    free_bytes: int
+    checked_path: str  # the run root, or its nearest existing parent on that node
+
+    @property
+    def fits(self) -> bool:
+        return self.need_bytes <= self.free_bytes
+
+    def describe(self) -> str:
+        engines = f" and {len(self.engines)} rollout engine(s)" if self.engines else ""
+        return (f"node {self.node_id[:12]} ({self.address}): {len(self.ranks)} train rank(s) {list(self.ranks)}"
+                f"{engines} need {readable_bytes(self.need_bytes)} under {self.checked_path}, "
+                f"{readable_bytes(self.free_bytes)} free")
+
+
+def per_rank_disk_bytes(cfg: RunConfig, model: ModelTensors) -> int:
+    """What one train rank writes to its node's disk, from `miles plan`'s estimate for this run's layout."""
+    if not cfg.uses_rank_dirs:
+        return 0
+    n = cfg.cluster.num_train_ranks
+    offload = cfg.offload
+    training = Training(moment_dtype=cfg.optimizer.stream_optimizer_state_moment_dtype,
+                        bucket_numel=cfg.optimizer.stream_optimizer_state_bucket_numel,
+                        offload_train_to_disk=offload.offload_train and offload.offload_train_target == "disk",
+                        stream_optimizer_state=cfg.optimizer.stream_optimizer_state_to_disk, checkpoint_copies=0)
+    par = Parallelism(dp=n, ep=cfg.training.expert_model_parallel_size)
+    plan = estimate(model, par, Hardware(nodes=1, gpus_per_node=n), training)
+    return sum(disk_bytes_per_rank(plan.binding, training).values())
+
+
+def engine_backup_bytes(cfg: RunConfig, use_gpu: bool, total_params: int) -> int:
+    """Disk one rollout engine writes: its weights, when colocated on CPU (on GPU the backup is in RAM)."""
+    if not cfg.cluster.colocate or use_gpu:
+        return 0
+    return total_params * DTYPE_BYTES[cfg.model.model_dtype]
+
+
+def engines_by_node(cfg: RunConfig, bundle_nodes: Sequence[str], ranks_to_bundles: Sequence[int]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for engine in range(cfg.cluster.num_rollout_engines):
+        out.setdefault(bundle_nodes[layout.rollout_engine_placement(cfg, engine, ranks_to_bundles)], []).append(engine)
+    return out
+
+
+def node_needs(ranks: dict[str, list[int]], engines: dict[str, list[int]], per_rank: int,
+               per_engine: int) -> dict[str, int]:
+    """Bytes each node's disk must hold, nodes in rank order (pure)."""
+    return {node: len(ranks.get(node, [])) * per_rank + len(engines.get(node, [])) * per_engine
+            for node in dict.fromkeys([*ranks, *engines])}
+
+
+def shortfall_line(nodes: Sequence[NodeDisk]) -> Optional[str]:
+    """One line naming every node whose disk is short, with the numbers and the fix; None when all fit."""
+    short = [n for n in nodes if not n.fits]
+    if not short:
+        return None
+    return ("not enough node-local disk for the run under --offload-train-disk-dir: "
+            + "; ".join(n.describe() for n in short)
+            + ". Free space there, pass a directory on a larger disk, or shrink the run "
+              "(--stream-optimizer-state-moment-dtype bf16 or fp8e4m3, fewer ranks per node); `miles plan` sizes it")
+
+
+def nearest_existing(path: str) -> str:
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def free_bytes_on_node(path: str) -> tuple[str, int, str]:
+    """Runs on the probed node: its address, the free bytes under ``path`` (or its nearest existing parent)."""
+    import ray
+
+    existing = nearest_existing(path)
+    return ray.util.get_node_ip_address(), shutil.disk_usage(existing).free, existing
+
+
+def probe_nodes(node_ids: Sequence[str], path: str) -> dict[str, tuple[str, int, str]]:
+    """``{node: (address, free bytes, checked path)}`` from one task pinned to each node (no CPU reserved:
+    the placement group may hold all of them)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(free_bytes_on_node)
+    refs = {node: task.options(num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+        node_id=node, soft=False)).remote(path) for node in node_ids}
+    return {node: ray.get(ref) for node, ref in refs.items()}
+
+
+def _hf_config(cfg: RunConfig) -> Optional[dict]:
+    if cfg.model_source != "hf_checkpoint":
+        return None
+    try:
+        with open(os.path.join(cfg.model.hf_checkpoint, "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def check_node_disks(cfg: RunConfig, pg, use_gpu: bool) -> list[NodeDisk]:
+    """Probe every node of the placement group and compare with what the run writes there. Returns the
+    nodes (logged); raises :class:`NodeDiskError` with one line when any is short. Nothing to check (an
+    empty list) when no disk mechanism is on or the model cannot be sized."""
+    from .placement_group import bundle_nodes
+
+    writes_root = cfg.uses_rank_dirs or (cfg.cluster.colocate and not use_gpu)
+    if not writes_root:
+        return []
+    model = model_tensors_of_run(cfg.model_source, _hf_config(cfg))
+    if model is None:  # as in validation: skipped, not guessed
+        logger.warning("per-node disk check skipped: the model's architecture is unknown to `miles plan`")
+        return []
+    try:
+        per_rank = per_rank_disk_bytes(cfg, model)
+    except (SizingError, LayoutError) as exc:
+        logger.warning("per-node disk check skipped: `miles plan` cannot size this run (%s)", exc)
+        return []
+    nodes_of = bundle_nodes(pg)
+    ranks_to_bundles = layout.rank_bundles(nodes_of, cfg.cluster.num_train_ranks)
+    ranks = layout.ranks_by_node(nodes_of, ranks_to_bundles)
+    engines = engines_by_node(cfg, nodes_of, ranks_to_bundles)
+    needs = node_needs(ranks, engines, per_rank, engine_backup_bytes(cfg, use_gpu, model.total()))
+    probed = probe_nodes(sorted(needs), cfg.paths.root)
+    nodes = [NodeDisk(node, probed[node][0], tuple(ranks.get(node, [])), tuple(engines.get(node, [])), need,
+                      probed[node][1], probed[node][2]) for node, need in needs.items()]
+    for n in nodes:
+        logger.info("disk per node: %s", n.describe())
+    line = shortfall_line(nodes)
+    if line:
+        raise NodeDiskError(line)
+    return nodes

@@ -1,0 +1,53 @@
+"""Pure parts of multi-node placement (miles.ray.layout, miles.ray.node_disk): which rank sits on which bundle,
+where colocated engines go, what each node's disk must hold and the one line when a node is short."""
+
+import pytest
+
+from miles.config import Environment, parse_args, validate_args
+from miles.config.disk_budget import model_tensors_of_run
+from miles.ray import layout, node_disk
+
+
+def _cfg(*argv):
+    base = ["--tiny-model", "--num-train-ranks", "4", "--num-rollout-engines", "2", "--colocate",
+            "--stream-optimizer-state-to-disk", "--offload-train-target", "disk",
+            "--offload-train-disk-dir", "/scratch/run", "--metrics-file", "/scratch/m.jsonl",
+            "--rollout-batch-size", "4"]
+    return validate_args(parse_args(base + list(argv)), Environment(has_module=lambda m: False,
+                                                                     cuda_available=lambda: False))
+
+
+def test_ranks_follow_the_nodes_whatever_order_ray_placed_the_bundles_in():
+    assert layout.rank_bundles(["a", "a", "b", "b"], 4) == [0, 1, 2, 3]
+    assert layout.rank_bundles(["a", "b", "a", "b"], 4) == [0, 2, 1, 3]
+    assert layout.rank_bundles(["b", "a", "a", "b", "engine-node"], 4) == [0, 3, 1, 2]
+    assert layout.ranks_by_node(["a", "b", "a", "b"], [0, 2, 1, 3]) == {"a": [0, 1], "b": [2, 3]}
+    with pytest.raises(ValueError, match="4 train ranks but the placement group has 3"):
+        layout.rank_bundles(["a", "a", "b"], 4)
+
+
+def test_colocated_engines_spread_over_the_ranks_and_follow_their_bundles():
+    cfg = _cfg()
+    assert [layout.colocated_rank(cfg, e) for e in range(2)] == [0, 2]
+    assert [layout.rollout_engine_placement(cfg, e, [0, 2, 1, 3]) for e in range(2)] == [0, 1]
+    assert [layout.rollout_engine_placement(cfg, e) for e in range(2)] == [0, 2]
+
+
+def test_each_node_needs_its_ranks_share_of_the_plan_and_its_engines_backups():
+    cfg = _cfg()
+    per_rank = node_disk.per_rank_disk_bytes(cfg, model_tensors_of_run("tiny", None))
+    assert per_rank > 0
+    assert node_disk.per_rank_disk_bytes(_cfg("--stream-optimizer-state-moment-dtype", "bf16"),
+                                         model_tensors_of_run("tiny", None)) < per_rank
+    needs = node_disk.node_needs({"a": [0, 1, 2], "b": [3]}, {"a": [0], "b": [1]}, per_rank=100, per_engine=7)
+    assert needs == {"a": 307, "b": 107} and list(needs) == ["a", "b"]
+
+
+def test_a_short_node_gives_one_line_naming_it_and_the_numbers():
+    ok = node_disk.NodeDisk("aaaa", "10.0.0.1", (0, 1), (0,), 2 * 10**12, 3 * 10**12, "/nvme/run")
+    short = node_disk.NodeDisk("bbbb", "10.0.0.2", (2, 3), (), 2 * 10**12, 5 * 10**11, "/nvme")
+    assert node_disk.shortfall_line([ok]) is None
+    line = node_disk.shortfall_line([ok, short])
+    assert "\n" not in line and "aaaa" not in line
+    assert "node bbbb (10.0.0.2): 2 train rank(s) [2, 3] need 2.00 TB under /nvme, 500.00 GB free" in line
+    assert "`miles plan`" in line
