@@ -8,7 +8,10 @@
 # Run this script on every node, the head node first:
 #   NODE_RANK=0 HEAD_ADDR=10.0.0.1 NUM_NODES=2 bash scripts/launch_qwen3_30b_a3b.sh   # head: starts Ray, trains
 #   NODE_RANK=1 HEAD_ADDR=10.0.0.1 NUM_NODES=2 bash scripts/launch_qwen3_30b_a3b.sh   # others: join Ray, wait
-# A single node needs no variables beyond the paths. `miles train` connects to the cluster through RAY_ADDRESS.
+# A single node needs no variables beyond the paths. `miles train` connects to the cluster through RAY_ADDRESS,
+# places the ranks of each node together (one rollout engine per node) and, before starting them, checks
+# every node's free space under DISK_DIR against the plan.
+# Rollout: the embedded engine (the one `miles train` runs today; sglang is refused until it is wired in).
 set -euo pipefail
 
 NUM_NODES=${NUM_NODES:-1}
@@ -21,7 +24,7 @@ PROMPT_DATA=${PROMPT_DATA:-/data/prompts.jsonl}
 DISK_DIR=${DISK_DIR:-/local_nvme/miles}                    # node-local disk: streamed state + trainer offload
 SAVE_DIR=${SAVE_DIR:-/shared/checkpoints/qwen3-30b-a3b}   # shared storage, seen by every node
 MOMENT_DTYPE=${MOMENT_DTYPE:-bf16}                         # fp32 is bit-exact; bf16 streams 8 B/param, not 12
-EP=${EP:-8}
+EP=${EP:-8}                                                # data parallel over all GPUs, experts split EP ways
 export RAY_USAGE_STATS_ENABLED=0
 
 if [[ "$NODE_RANK" != 0 ]]; then
@@ -34,20 +37,13 @@ until [[ $(python -c 'import ray; ray.init(); print(sum(n["Alive"] for n in ray.
   echo "waiting for $NUM_NODES Ray nodes ..."; sleep 5
 done
 
-# Parallelism: data parallel over all GPUs, experts split 8 ways.
-# NOT YET ACCEPTED by `miles train`: --expert-model-parallel-size arrives with the megatron backend's
-# parallelism flags; until then remove this line (the run is then expert-data-parallel only).
-PARALLEL_ARGS=(
-  --expert-model-parallel-size "$EP"
-)
-
 miles train \
   --train-backend megatron \
   --hf-checkpoint "$MODEL_DIR" \
   --model-dtype bf16 \
   --num-train-ranks $((NUM_NODES * GPUS_PER_NODE)) \
   --num-rollout-engines "$NUM_NODES" \
-  --rollout-engine sglang \
+  --rollout-engine embedded \
   --colocate \
   --prompt-data "$PROMPT_DATA" \
   --num-rollout 100 \
@@ -63,4 +59,4 @@ miles train \
   --offload-train-disk-dir "$DISK_DIR" \
   --save "$SAVE_DIR" \
   --save-interval 20 \
-  "${PARALLEL_ARGS[@]}"
+  --expert-model-parallel-size "$EP"
