@@ -10,6 +10,7 @@ with fp8):
              device; once with reads and writes at once, once reads then writes: the faster is the floor
   sync       the seed's synchronous engine (buffered I/O, one staging buffer)
   pipelined  the pipelined engine (worker threads, CUDA streams, O_DIRECT when available)
+  +verify    (--verify) the pipelined engine with verify on, same files, measured in the same rounds
   exposed    with a synthetic forward/backward before every step: step wall time minus the resident
              step time, for (a) no read-ahead and writes waited inside the step, (b) read-ahead +
              write-behind, (c) (b) + a host-RAM cache for the buckets written last
@@ -73,6 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(give --fwd-bwd-seconds)")
     p.add_argument("--skip-exposed", action="store_true", help="skip the exposed-I/O runs")
     p.add_argument("--skip-sync", action="store_true", help="skip the sync engine")
+    p.add_argument("--verify", action="store_true", help="also measure the pipelined step with verify on (crc32 "
+                   "of every chunk written, checked on reads from disk), in the same rounds, and print the ratio")
     p.add_argument("--quiet", action="store_true", help="no per-step log lines")
 
 
@@ -181,11 +184,14 @@ def run(args) -> int:
         if not args.only_exposed:
             if not args.skip_sync:
                 engines.append(("sync", "the seed's path: synchronous, buffered, one staging buffer",
-                                dict(io_engine="sync")))
+                                dict(io_engine="sync", verify=False)))
             engines.append(("pipelined", f"depth {args.depth}, {args.io_threads}+{args.io_threads} I/O threads, "
                             f"{'O_DIRECT' if direct_used else 'buffered'}",
                             dict(io_engine="pipelined", depth=args.depth, write_behind=True, io_threads=args.io_threads,
-                                 direct_io=direct, host_cache_mb=0)))
+                                 direct_io=direct, host_cache_mb=0, verify=False)))
+            if args.verify:
+                engines.append(("pipelined+verify", "the same with verify on: crc32 per chunk written and read",
+                                engines[-1][2] | dict(verify=True)))
 
         def floor_once(concurrent):
             label = "concurrent" if concurrent else "sequential"
@@ -200,7 +206,10 @@ def run(args) -> int:
 
         def step_once(label, what, io):
             say(f"{label} engine ({what}) ...")
+            turned_on = io["verify"] and not store.config.verify
             store.set_io(**io)
+            if turned_on:  # verify checks what later writes record: this step's, so the measured reads are checked
+                store.step()
             store.flush()
             store.stager.drop_page_cache(files)
             store.reset_stats()
@@ -252,6 +261,9 @@ def run(args) -> int:
         if "sync" in step_runs and "pipelined" in step_runs:
             results["pipelined"]["speedup_vs_sync_by_round"] = [
                 s["wall"] / p["wall"] for s, p in zip(step_runs["sync"], step_runs["pipelined"])]
+        if "pipelined+verify" in step_runs:
+            results["pipelined+verify"]["x_pipelined_by_round"] = [
+                v["wall"] / p["wall"] for v, p in zip(step_runs["pipelined+verify"], step_runs["pipelined"])]
 
         # 6. exposed I/O with a synthetic forward/backward --------------------------------------------
         if not args.skip_exposed:
@@ -271,7 +283,8 @@ def run(args) -> int:
             results["exposed"] = {"fwd_bwd_seconds": seconds, "fwd_bwd_kind": fwd_bwd.kind, "modes": {}}
             for name, what, io, prefetch in modes:
                 say(f"exposed I/O, {name} ({what}); forward/backward {seconds:.2f} s ({fwd_bwd.kind}) ...")
-                store.set_io(io_engine="pipelined", depth=args.depth, io_threads=args.io_threads, direct_io=direct, **io)
+                store.set_io(io_engine="pipelined", depth=args.depth, io_threads=args.io_threads, direct_io=direct,
+                             verify=False, **io)
                 store.stager.drop_page_cache(files)
                 rows = []
                 for it in range(1 + args.repeat):  # the first iteration fills the pipeline
@@ -340,6 +353,14 @@ def report(r: dict, say) -> None:
                 return f"median {median(xs):.3f} ({', '.join(f'{x:.3f}' for x in xs)})"
             lines.append(f"within each round: pipelined / that round's floor {rounds(p['x_floor_by_round'])}" + (
                 f"; pipelined vs sync {rounds(p['speedup_vs_sync_by_round'])}" if "speedup_vs_sync_by_round" in p else ""))
+        if "pipelined+verify" in r:
+            v = r["pipelined+verify"]
+            row("pipelined engine step, verify on (end to end)", v["seconds"], v["bytes"])
+            row("  of which the step returned after", v["returned_seconds"])
+            ratios = v["x_pipelined_by_round"]
+            lines.append(f"verify on / off, within each round: median {median(ratios):.3f} "
+                         f"({', '.join(f'{x:.3f}' for x in ratios)}); step returned {v['returned_seconds']:.3f} s "
+                         f"vs {p['returned_seconds']:.3f} s")
         lines.append(f"residency: store peak {p['peak_resident_bytes'] / GB:.3f} GB, documented bound "
                      f"{p['residency_bound_bytes'] / GB:.3f} GB (min(2 x depth + 1, buckets) buckets)"
                      + (f"; device memory peak during the step {p['device_peak_bytes'] / GB:.3f} GB "

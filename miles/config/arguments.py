@@ -161,6 +161,12 @@ class OptimizerConfig:
         "RAM allows (docs/benchmarks.md: 0.5 of the state hid 55% on the H200 host). 0 disables.",
         metavar="MB",
     )
+    stream_optimizer_state_verify: bool = knob(
+        False, "Checksum (crc32) every chunk of the streamed optimizer state's bucket files when written and check "
+        "it when read back from disk: a file changed outside the store stops the run with an error naming it "
+        "(resume from the last checkpoint) instead of training on it. Costs CPU time per step "
+        "(docs/benchmarks.md).",
+    )
     use_precision_aware_optimizer: bool = knob(False, "Megatron's precision-aware optimizer (megatron backend).")
     optimizer_cpu_offload: bool = knob(False, "Megatron's optimizer CPU offload (megatron backend).")
     reset_optimizer_states: bool = knob(False, "Reset the optimizer state after every rollout (Megatron flag; not implemented here, rejected).")

@@ -58,7 +58,8 @@ _NEEDS_STREAMING = (f"{_STREAM} is off", f"add {_STREAM} --offload-train-target=
 RULES: tuple[EffectRule, ...] = (
     *(EffectRule(name, lambda a: a.stream_optimizer_state_to_disk, lambda a: _NEEDS_STREAMING)
       for name in ("stream_optimizer_state_moment_dtype", "stream_optimizer_state_bucket_numel",
-                   "stream_optimizer_state_chunk_mb", "stream_optimizer_state_host_cache_mb")),
+                   "stream_optimizer_state_chunk_mb", "stream_optimizer_state_host_cache_mb",
+                   "stream_optimizer_state_verify")),
     EffectRule("offload_train_disk_chunk_mb", _disk_offload_on,
                lambda a: ("trainer offload does not go to disk (the streamed state's chunk is "
                           "--stream-optimizer-state-chunk-mb)", "add --offload-train-target=disk")),

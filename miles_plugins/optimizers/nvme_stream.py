@@ -23,14 +23,14 @@ import torch
 
 from .streaming.bind.torch_adam import bind_plain_adam, bind_sharded_adam
 from .streaming.config import DEFAULT_BUCKET_NUMEL, DEFAULT_CHUNK_MB, MOMENT_DTYPES, StreamConfig, check_config
-from .streaming.errors import CheckpointError, StoreConfigError, StorePoisonedError
+from .streaming.errors import CheckpointError, StateCorruptionError, StoreConfigError, StorePoisonedError
 from .streaming.io.ownership import DirectoryInUseError
 from .streaming.layout import STREAMED_DIR
 from .streaming.plan import plan_buckets
 from .streaming.store import NVMeOptimizerStateStore, StepStats, StoreStats
 
 __all__ = ["stream_optimizer_state", "NVMeOptimizerStateStore", "StreamConfig", "StoreConfigError", "CheckpointError",
-           "DirectoryInUseError", "StorePoisonedError",
+           "DirectoryInUseError", "StorePoisonedError", "StateCorruptionError",
            "StoreStats", "StepStats", "plan_buckets", "DEFAULT_BUCKET_NUMEL", "DEFAULT_CHUNK_MB", "MOMENT_DTYPES",
            "STREAMED_DIR"]
 _FIELDS = tuple(f.name for f in dataclasses.fields(StreamConfig))
@@ -70,7 +70,7 @@ def stream_optimizer_state(optimizer, config: StreamConfig | None = None, *, ins
     optimizer: torch.optim.Adam/AdamW over fp32 params (moments stream), miles' ShardedMixedPrecisionAdam
         (masters and moments stream), or a megatron-core DistributedOptimizer / ChainedOptimizer.
     config: a StreamConfig; or pass its fields as keywords instead (not both): dir, chunk_mb, moment_dtype,
-        bucket_numel, rank, io_engine, depth, io_threads, direct_io, host_cache_mb, write_behind. What each
+        bucket_numel, rank, io_engine, depth, io_threads, direct_io, host_cache_mb, write_behind, verify. What each
         means, and its default, is in streaming/config.py. Bad values raise StoreConfigError naming the field.
     instance: the store's identity within this process (its directory `<dir>/rank{r:05d}/opt{instance}_{part}`
         and its checkpoints'): 0 by default, Megatron's distributed_optimizer_instance_id for Megatron

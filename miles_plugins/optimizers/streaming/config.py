@@ -36,6 +36,10 @@ class StreamConfig:
     io_threads: reader and writer threads, each. direct_io: None probes O_DIRECT, True requires it,
         False never. host_cache_mb: host RAM for images of hot buckets (0: none).
     write_behind: let the step return before its last write-backs land.
+    verify: checksum (crc32) every chunk of the bucket files as it is written and check it whenever it
+        is read back from disk: a file changed outside the store raises StateCorruptionError and poisons
+        the store instead of training on garbage. Off by default: it costs CPU time per step
+        (docs/benchmarks.md); reads served from the host cache or still-resident buckets are not checked.
     """
 
     dir: str
@@ -49,6 +53,7 @@ class StreamConfig:
     direct_io: Optional[bool] = None
     host_cache_mb: int = 0
     write_behind: bool = True
+    verify: bool = False
 
 
 def check_moment_dtype(moment_dtype) -> None:
@@ -87,3 +92,5 @@ def check_config(config: StreamConfig) -> None:
         raise bad("host_cache_mb", "an integer >= 0: the host cache budget in MiB (0: no host cache)")
     if not isinstance(config.write_behind, bool):
         raise bad("write_behind", "True or False")
+    if not isinstance(config.verify, bool):
+        raise bad("verify", "True (checksum the bucket files) or False")

@@ -11,3 +11,7 @@ class CheckpointError(RuntimeError):
 
 class StorePoisonedError(RuntimeError):
     """A step failed part way: the bucket files hold a mix of two steps. Only `load_from` recovers."""
+
+
+class StateCorruptionError(RuntimeError):
+    """verify=True: a live bucket file's bytes differ from what the store wrote (changed outside the store)."""

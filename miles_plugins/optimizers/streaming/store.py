@@ -30,6 +30,10 @@ step, prefetch, flush, save), leaves some buckets a step ahead of others, so the
 stepping on or publishing that torn state. `load_from(last checkpoint)` recovers: it rebuilds the I/O
 engine, restores the state and clears the poison (restore the model weights first, as for any resume).
 `close` always works.
+
+verify (opt-in, io/verify.py): every chunk of a bucket file is checksummed when written and checked when
+read back from disk; a file changed outside the store raises StateCorruptionError from the step, which
+poisons the store like any I/O failure.
 """
 
 from __future__ import annotations
@@ -140,8 +144,8 @@ class NVMeOptimizerStateStore:
         self.codecs = {MAIN: Fp32Codec(), **make_moment_codecs(config.moment_dtype)}
         plans = plan_buckets([e.main.numel() for e in entries], config.bucket_numel)
         names = (MAIN, EXP_AVG, EXP_AVG_SQ) if self.streams_main else (EXP_AVG, EXP_AVG_SQ)
-        file_bytes = [bucket_layout([(n, self.codecs[n].encoded_nbytes(p.numel)) for n in names]).file_bytes
-                      for p in plans]
+        layouts = [bucket_layout([(n, self.codecs[n].encoded_nbytes(p.numel)) for n in names]) for p in plans]
+        file_bytes = [layout.file_bytes for layout in layouts]
         inflight = max((len(names) * 4 * p.numel + sum(self.codecs[n].encoded_nbytes(p.numel) for n in names
                                                        if not self.codecs[n].reads_in_place()) for p in plans),
                        default=0)
@@ -161,8 +165,9 @@ class NVMeOptimizerStateStore:
             self.directory_lock = self.stager.prepare_directory(config.dir, self.relative_dir, sum(file_bytes))
             self.path = self.directory_lock.directory
             self.stager.expect_files(max(file_bytes, default=0))
-            for i, (plan, nbytes) in enumerate(zip(plans, file_bytes)):
-                file = self.stager.create_file(os.path.join(self.path, bucket_filename(i)), nbytes)
+            for i, (plan, layout) in enumerate(zip(plans, layouts)):
+                file = self.stager.create_file(os.path.join(self.path, bucket_filename(i)), layout.file_bytes,
+                                               layout=layout, bucket=i, verify=config.verify)
                 self.buckets.append(Bucket(i, plan, entries, master, self.codecs, file, self.device,
                                            self.streams_main))
             self._evict_mains()
@@ -378,16 +383,20 @@ class NVMeOptimizerStateStore:
             self._release_pipeline()
 
     def set_io(self, *, io_engine: str | None = None, depth: int | None = None, write_behind: bool | None = None,
-               io_threads: int | None = None, direct_io: bool | None = None, host_cache_mb: int | None = None) -> None:
+               io_threads: int | None = None, direct_io: bool | None = None, host_cache_mb: int | None = None,
+               verify: bool | None = None) -> None:
         """Switch the I/O configuration between steps, on the same files (benchmarks, A/B runs).
-        Flushes first; arguments left None keep their value (store.config holds the current ones)."""
+        Flushes first; arguments left None keep their value (store.config holds the current ones).
+        verify turned on checks a segment's reads from its next write on (the next step's writes)."""
         self.flush()
         changes = dict(io_engine=io_engine, depth=depth, write_behind=write_behind, io_threads=io_threads,
-                       direct_io=direct_io, host_cache_mb=host_cache_mb)
+                       direct_io=direct_io, host_cache_mb=host_cache_mb, verify=verify)
         config = dataclasses.replace(self.config, **{k: v for k, v in changes.items() if v is not None})
         check_config(config)
         self.stager.set_engine(config.io_engine, io_threads=config.io_threads, direct_io=config.direct_io,
                                host_cache_bytes=config.host_cache_mb * MiB)
+        if config.verify != self.config.verify:
+            self.stager.set_verify([b.file for b in self.buckets], config.verify)
         self.config = config
         self.depth, self.write_behind = _pipeline_shape(config)
         self._update_io_stats()

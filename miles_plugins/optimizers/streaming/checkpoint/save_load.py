@@ -399,6 +399,7 @@ def load(store, base: str) -> bool:
     else:
         copies, requants, steps, moments = _reshard(store, base, own, diff)
     sources = {}
+    store.stager.files_rewritten([b.file for b in store.buckets])
     try:
         for path, crc, src_off, dst_fd, dst_off, nbytes in copies:
             if diff is None:

@@ -33,6 +33,8 @@ Ordering: a read of a file waits (in the worker, not the caller) for that file's
 same bytes: until they are in the file, or only until they are in the host image when the read is
 served from it. A write waits for the file's earlier reads and writes of the same bytes. Every write
 calls `file.before_write()` first (a background checkpoint copies the file's bytes before they change).
+With verify (io/verify.py) every chunk a task moves between a file and host bytes is checksummed there:
+recorded after a write, checked after a read from the file (StateCorruptionError on a mismatch).
 Errors raised in a worker are kept on the ticket and raised by whoever waits on it; tasks that depend
 on a failed ticket fail too.
 
@@ -51,6 +53,7 @@ import time
 import torch
 
 from ..config import IO_ENGINES
+from ..errors import StateCorruptionError
 from ..layout import ALIGN_BYTES, align_up
 from .hostcache import FileState, HostCache
 from .hostio import NO_DIRECT, HostMemory, StagingPool, cut_into_chunks, host_buffer, pread_into, pwrite_all
@@ -245,6 +248,8 @@ class PipelinedEngine:
 
     def check(self) -> None:
         """Raise if any task has failed (a write that failed after its caller stopped waiting, say)."""
+        if isinstance(self.error, StateCorruptionError):
+            raise self.error  # found by a read ahead: its message (which file changed, what to do) as is
         if self.error is not None:
             raise IOError(f"optimizer-state I/O failed earlier: {self.error!r}") from self.error
 
@@ -264,11 +269,14 @@ class PipelinedEngine:
             if slot is not None:
                 self._copy_in(slot.image[file_off:file_off + n], pieces, ready)
             elif not self.cuda and dfd < 0:
-                pread_into(file.fd, [host_buffer(v[s:s + k]) for v, s, k in pieces], file_off)
+                views = [v[s:s + k] for v, s, k in pieces]
+                pread_into(file.fd, [host_buffer(v) for v in views], file_off)
+                file.checksums.read(file_off, views)
             else:
                 buf = self._read_staging.acquire()
                 try:
                     self._transfer("read", file, dfd, buf.tensor, file_off, n, pad=True)
+                    file.checksums.read(file_off, [buf.tensor[:n]])
                     self._copy_in(buf.tensor[:n], pieces, ready)
                 finally:
                     self._read_staging.release(buf)
@@ -307,7 +315,9 @@ class PipelinedEngine:
                 deferred = True
                 self._behind.submit(task.run, background=True)
             elif not self.cuda and dfd < 0:
-                pwrite_all(file.fd, [host_buffer(v[s:s + k]) for v, s, k in pieces], file_off)
+                views = [v[s:s + k] for v, s, k in pieces]
+                pwrite_all(file.fd, [host_buffer(v) for v in views], file_off)
+                file.checksums.written(file_off, views)
             else:
                 buf = self._write_staging.acquire()
                 try:
@@ -315,6 +325,7 @@ class PipelinedEngine:
                     ticket.consume_chunk()
                     consumed = True
                     self._transfer("write", file, dfd, buf.tensor, file_off, n, pad)
+                    file.checksums.written(file_off, [buf.tensor[:n]])
                 finally:
                     self._write_staging.release(buf)
             with self._lock:
@@ -336,6 +347,7 @@ class PipelinedEngine:
         try:
             t0 = time.perf_counter()
             self._transfer("write", file, dfd, slot.image[file_off:], file_off, n, pad)
+            file.checksums.written(file_off, [slot.image[file_off:file_off + n]])
             with self._lock:
                 self.counters.write_seconds += time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001

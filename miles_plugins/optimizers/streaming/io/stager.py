@@ -23,7 +23,7 @@ import torch
 
 from ..config import IO_ENGINES
 from ..errors import StoreConfigError
-from ..layout import align_up  # noqa: F401 - miles/bench/floor.py
+from ..layout import BucketLayout, align_up  # noqa: F401 - align_up: miles/bench/floor.py
 from .engine import make_engine
 from .fileops import (  # noqa: F401 - checkpoint/ uses them through the stager
     open_read, open_new, close_fd, reflink, copy_with_crc, file_size, read_file,
@@ -32,6 +32,7 @@ from .hostio import (  # noqa: F401 - requantize.py moves bytes, miles/bench/flo
     NO_DIRECT, HostMemory, as_bytes, drop_page_cache, host_buffer, open_direct, pread_into, pwrite_all)
 from .ownership import LOCK_FILE, DirectoryInUseError, DirectoryLock, pid_alive  # noqa: F401 - store, checkpoint/
 from .tickets import IOCounters, Ticket  # noqa: F401
+from .verify import FileChecksums
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class BucketFile:
     before_write: Callable[[], None] | None = None
     dfd: int = -1  # O_DIRECT descriptor of the same file (create_file), -1 where the filesystem refuses it
     direct_refusal: OSError | None = None  # why there is no O_DIRECT descriptor (the engine logs its fallback)
+    checksums: FileChecksums | None = None  # verify: crc32 per chunk written, checked on reads (verify.py)
 
 
 class Stager:
@@ -181,12 +183,16 @@ class Stager:
 
     # ---- files --------------------------------------------------------------------------------
     @staticmethod
-    def create_file(path: str, nbytes: int) -> BucketFile:
+    def create_file(path: str, nbytes: int, layout: BucketLayout | None = None, bucket: int = 0,
+                    verify: bool = False) -> BucketFile:
         """Create and preallocate `path`, and open both its descriptors now: buffered, and O_DIRECT where
         the filesystem allows. They are never re-resolved by path, so a file replaced behind the store's
-        back (another process recreating the directory) is never read or written in its place."""
+        back (another process recreating the directory) is never read or written in its place.
+        layout, bucket: what the file holds (verify's errors name the bucket and segment). verify: every
+        chunk written is checksummed and checked when read back from the file (io/verify.py)."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        file = BucketFile(path, fd, nbytes)
+        segments = layout.segments if layout is not None else {}
+        file = BucketFile(path, fd, nbytes, checksums=FileChecksums(path, bucket, segments, verify))
         try:
             _preallocate(fd, nbytes, path)
             file.dfd, file.direct_refusal = _open_direct_twin(fd, path)
@@ -194,6 +200,20 @@ class Stager:
             Stager.close_descriptors(file)
             raise
         return file
+
+    @staticmethod
+    def files_rewritten(files: list[BucketFile]) -> None:
+        """The caller rewrote these files through their descriptors, not the engine (a checkpoint load,
+        after drain()): verify's checksums of them no longer hold, until the next write of each chunk."""
+        for file in files:
+            file.checksums.forget()
+
+    @staticmethod
+    def set_verify(files: list[BucketFile], on: bool) -> None:
+        """Turn verify on or off for these files (nothing may be in flight: drain first). Turned on, a
+        chunk is checked from its next write on."""
+        for file in files:
+            file.checksums.enable(on)
 
     def close_file(self, file: BucketFile) -> None:
         """Close a bucket file (its requests in flight end first and the engine forgets it)."""

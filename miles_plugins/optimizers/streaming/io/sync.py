@@ -1,8 +1,10 @@
 """The synchronous engine: the seed's path, kept as the in-run baseline.
 
-The calling thread does every pread/pwrite, buffered, through one staging buffer (device tensors) or
-straight from the tensor's memory (CPU tensors). Tickets come back finished. It takes the same requests
-as the pipelined engine (engine.py, where `make_engine` picks between them).
+The calling thread does every pread/pwrite, buffered, in the same chunks as the pipelined engine
+(hostio.cut_into_chunks; so verify's per-chunk checksums hold across engines), through one staging
+buffer (device tensors) or straight from the tensor's memory (CPU tensors). Tickets come back
+finished. It takes the same requests as the pipelined engine (engine.py, where `make_engine` picks
+between them).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import time
 
 import torch
 
-from .hostio import as_bytes, host_buffer, pread_into, pwrite_all
+from .hostio import as_bytes, cut_into_chunks, host_buffer, pread_into, pwrite_all
 from .tickets import IOCounters, Ticket, finished_ticket
 
 
@@ -43,18 +45,20 @@ class SyncEngine:
 
     def read(self, file, offset: int, dsts: list[torch.Tensor]) -> Ticket:
         start = time.perf_counter()
-        for dst in dsts:
-            dst_bytes = as_bytes(dst)
-            total = dst_bytes.numel()
+        for file_off, n, pieces in cut_into_chunks(offset, dsts, self.chunk_bytes):
+            views = [v[s:s + k] for v, s, k in pieces]
             if self._staging is None:
-                pread_into(file.fd, [host_buffer(dst_bytes)], offset)
-            else:
-                for pos in range(0, total, self.chunk_bytes):
-                    n = min(self.chunk_bytes, total - pos)
-                    pread_into(file.fd, [host_buffer(self._staging[:n])], offset + pos)
-                    dst_bytes[pos:pos + n].copy_(self._staging[:n])
-            offset += total
-            self.counters.bytes_read += total
+                pread_into(file.fd, [host_buffer(v) for v in views], file_off)
+                file.checksums.read(file_off, views)
+                continue
+            staged = self._staging[:n]
+            pread_into(file.fd, [host_buffer(staged)], file_off)
+            file.checksums.read(file_off, [staged])
+            pos = 0
+            for view in views:
+                view.copy_(staged[pos:pos + view.numel()])
+                pos += view.numel()
+        self.counters.bytes_read += sum(as_bytes(t).numel() for t in dsts)
         self.counters.read_seconds += time.perf_counter() - start
         return finished_ticket()
 
@@ -62,24 +66,20 @@ class SyncEngine:
         if file.before_write is not None:
             file.before_write()
         start = time.perf_counter()
-        views = [as_bytes(t) for t in srcs]
-        total = sum(v.numel() for v in views)
-        if self._staging is None:
-            pwrite_all(file.fd, [host_buffer(v) for v in views], offset)
-        else:
-            filled, written = 0, 0
+        for file_off, n, pieces in cut_into_chunks(offset, srcs, self.chunk_bytes):
+            views = [v[s:s + k] for v, s, k in pieces]
+            if self._staging is None:
+                pwrite_all(file.fd, [host_buffer(v) for v in views], file_off)
+                file.checksums.written(file_off, views)
+                continue
+            staged = self._staging[:n]
+            pos = 0
             for view in views:
-                pos = 0
-                while pos < view.numel():
-                    n = min(self.chunk_bytes - filled, view.numel() - pos)
-                    self._staging[filled:filled + n].copy_(view[pos:pos + n])
-                    filled, pos = filled + n, pos + n
-                    if filled == self.chunk_bytes:
-                        pwrite_all(file.fd, [host_buffer(self._staging)], offset + written)
-                        written, filled = written + filled, 0
-            if filled:
-                pwrite_all(file.fd, [host_buffer(self._staging[:filled])], offset + written)
-        self.counters.bytes_written += total
+                staged[pos:pos + view.numel()].copy_(view)
+                pos += view.numel()
+            pwrite_all(file.fd, [host_buffer(staged)], file_off)
+            file.checksums.written(file_off, [staged])
+        self.counters.bytes_written += sum(as_bytes(t).numel() for t in srcs)
         self.counters.write_seconds += time.perf_counter() - start
         return finished_ticket()
 
