@@ -36,9 +36,9 @@ def _args(tmp, *extra, ranks: int = 2, model=("--tiny-model",)):
 
 
 def _offload_file_seen(info: dict, files: set) -> bool:
-    """The trainer's offload file in its rank directory: torch_memory_saver writes one
-    ``tms_XXXXXX`` per paused allocation (TmsOffloader, CUDA actors launched with its hook), the
-    storage offloader ``offload.bin``."""
+    """The trainer's offload files in its rank directory: torch_memory_saver's disk backup writes
+    ``tms_XXXXXX`` files (mkstemp names; TmsOffloader, CUDA actors launched with its hook), the storage
+    offloader one ``offload.bin``."""
     if info["offload"] == "TmsOffloader":
         return any(f.startswith("tms_") for f in files)
     return "offload.bin" in files
