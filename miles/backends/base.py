@@ -7,7 +7,7 @@ value as ``"module:Class"`` strings, so choosing a backend imports nothing until
 Lifecycle, as :class:`miles.ray.train_actor.TrainActor` calls it::
 
     trainer = Backend(config, rank=r, world_size=n, cell=c, rank_dir=d)   # cheap: nothing loaded yet
-    info = trainer.init(master_port)            # process group, model, optimizer, store, offloader
+    info = trainer.init("127.0.0.1:29500")      # process group at host:port, model, optimizer, store, offloader
     metrics = trainer.train(rollout_id, samples, advantages)              # one optimizer step
     weights = trainer.export_weights()          # {HF-layout name: host tensor} for the rollout engines
     trainer.save(base, wait); trainer.finish_save(); trainer.load(base, load_optimizer)
@@ -101,8 +101,9 @@ class TrainBackend(abc.ABC):
             logger.info("rank %d: removed per-rank directory %s", self.rank, self.rank_dir)
 
     @abc.abstractmethod
-    def init(self, master_port: int) -> dict[str, Any]:
-        """Join the process group at ``127.0.0.1:master_port``, build model and optimizer; returns :meth:`info`."""
+    def init(self, rendezvous: str) -> dict[str, Any]:
+        """Join the process group at ``tcp://<rendezvous>`` (``host:port`` on rank 0's node), build model
+        and optimizer; returns :meth:`info`."""
 
     @abc.abstractmethod
     def info(self) -> dict[str, Any]:

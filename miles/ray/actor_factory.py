@@ -56,9 +56,11 @@ def make_train_actors(cfg: RunConfig, pg, use_gpu: bool, cell: int = 0) -> list:
     backend = BACKENDS[cfg.training.train_backend]  # resolved here so the actor imports what the driver chose
     remote_cls = ray.remote(TrainActor)
     bundles = placement_group.rank_bundles(pg, n)
+    single_node = len(set(placement_group.bundle_nodes(pg))) == 1
     actors = []
     for rank in range(n):
-        env = {**base_env(), **layout.rank_env(cfg, cell, rank, use_gpu=use_gpu, tms_library=tms)}
+        env = {**base_env(), **layout.rank_env(cfg, cell, rank, use_gpu=use_gpu, tms_library=tms,
+                                                single_node=single_node)}
         actor = remote_cls.options(
             num_cpus=res["num_cpus"], num_gpus=res["num_gpus"], max_restarts=0, max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,

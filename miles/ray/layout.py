@@ -46,10 +46,12 @@ def tms_preload_library() -> Optional[str]:
 
 
 def rank_env(cfg: RunConfig, cell: int, rank: int, *, use_gpu: bool,
-             tms_library: Optional[str] = None) -> dict[str, str]:
+             tms_library: Optional[str] = None, single_node: bool = True) -> dict[str, str]:
     """Environment variables of one train actor (passed through Ray's ``runtime_env.env_vars``).
 
-    Always: ``MILES_CELL``, ``MILES_RANK``, gloo/NCCL kept on loopback, ``OMP_NUM_THREADS``. With a disk
+    Always: ``MILES_CELL``, ``MILES_RANK``, ``OMP_NUM_THREADS``; when every rank is on one node, gloo and
+    NCCL kept on loopback (across nodes they use the interfaces the node's environment names, e.g.
+    ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` set before ``ray start``). With a disk
     mechanism on: ``TMS_DISK_BACKUP_DIR`` = the rank's directory (torch_memory_saver reads it from the
     environment). On GPU with trainer offload and torch_memory_saver available: ``LD_PRELOAD`` of its
     hook, ``TMS_INIT_ENABLE=1`` and either ``TMS_INIT_ENABLE_DISK_BACKUP=1`` + ``TMS_DISK_BACKUP_CHUNK_MB``
@@ -58,13 +60,11 @@ def rank_env(cfg: RunConfig, cell: int, rank: int, *, use_gpu: bool,
     env = {
         "MILES_CELL": str(cell),
         "MILES_RANK": str(rank),
-        # torch.distributed rendezvous and data stay on loopback (one node).
-        "MASTER_ADDR": "127.0.0.1",
-        "GLOO_SOCKET_IFNAME": "lo",
-        "NCCL_SOCKET_IFNAME": "lo",
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": str(cfg.cluster.num_cpus_per_rank),
     }
+    if single_node:  # the collectives' traffic never leaves the machine
+        env.update(GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo")
     directory = rank_dir(cfg, cell, rank)
     if directory is not None:
         env["TMS_DISK_BACKUP_DIR"] = directory

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 from typing import Any, Optional
 
 from miles.config import RunConfig
@@ -42,13 +43,23 @@ class TrainActor:
         return {"pid": os.getpid(), "node_id": node_id(), "rank": self.rank, "cell": self.cell, "rank_dir": self.rank_dir,
                 "env": {k: v for k, v in os.environ.items() if k.startswith(("TMS_", "MILES_")) or k == "LD_PRELOAD"}}
 
-    def init(self, master_port: int) -> dict[str, Any]:
+    def rendezvous(self) -> str:
+        """``host:port`` for the process group, on this actor's node: its address as Ray knows it and a
+        port that is free there now (rank 0 listens on it)."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return f"{host}:{s.getsockname()[1]}"
+
+    def init(self, rendezvous: str) -> dict[str, Any]:
         from miles.backends.base import resolve_backend
 
         cls = resolve_backend(self.backend)
         self.trainer = cls(self.config, rank=self.rank, world_size=self.world_size, cell=self.cell,
                            rank_dir=self.rank_dir)
-        return {**self.trainer.init(master_port), "node_id": node_id()}
+        return {**self.trainer.init(rendezvous), "node_id": node_id()}
 
     def train(self, rollout_id: int, samples: list, advantages: list) -> dict[str, Any]:
         return self.trainer.train(rollout_id, samples, advantages)

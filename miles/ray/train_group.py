@@ -8,7 +8,6 @@ hang in a collective.
 from __future__ import annotations
 
 import logging
-import socket
 from typing import Any
 
 from miles.config import RunConfig
@@ -17,12 +16,6 @@ from . import actor_factory
 from .errors import close_then_kill, wait_all
 
 logger = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RayTrainGroup:
@@ -45,7 +38,10 @@ class RayTrainGroup:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def init(self) -> list[dict[str, Any]]:
-        return self._all("init", free_port())
+        """Every rank joins the process group at an address on rank 0's node (not the driver's: on a
+        cluster the driver may run elsewhere)."""
+        rendezvous = wait_all([self.actors[0].rendezvous.remote()], "rendezvous", self.labels[:1])[0]
+        return self._all("init", rendezvous)
 
     def load(self, base: str, load_optimizer: bool) -> list[dict[str, Any]]:
         return self._all("load", base, load_optimizer)

@@ -34,17 +34,18 @@ FP32_LOGPROB_TOL = 1e-3
 BF16_LOGPROB_TOL = 0.05
 
 
-def _free_port() -> int:
+def _rendezvous() -> str:
+    """A rendezvous address on loopback: ``127.0.0.1:<free port>``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 @pytest.fixture
 def megatron_world():
     torch.cuda.set_device(0)
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+        torch.distributed.init_process_group("nccl", init_method=f"tcp://{_rendezvous()}", rank=0,
                                              world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -115,7 +116,7 @@ def _config(tmp_path, *, stream: bool):
 
 def _trainer(config) -> MegatronTrainer:
     trainer = MegatronTrainer(config, rank=0, world_size=1, rank_dir=config.paths.rank_dir(0, 0))
-    trainer.init(_free_port())
+    trainer.init(_rendezvous())
     return trainer
 
 

@@ -51,7 +51,9 @@ def test_rank_env_cpu_disk():
     assert env["MILES_RANK"] == "1" and env["MILES_CELL"] == "0"
     assert env["TMS_DISK_BACKUP_DIR"] == "/scratch/run/trainer/cell0_rank1"
     assert "MILES_RANK_DIR" not in env  # the actor gets its directory as a constructor argument
-    assert env["MASTER_ADDR"] == "127.0.0.1" and env["GLOO_SOCKET_IFNAME"] == "lo"
+    assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["NCCL_SOCKET_IFNAME"] == "lo"
+    across = layout.rank_env(_cfg(*STREAM_DISK), 0, 1, use_gpu=False, single_node=False)
+    assert "GLOO_SOCKET_IFNAME" not in across and "NCCL_SOCKET_IFNAME" not in across
     assert not any(k.startswith("TMS_INIT") for k in env) and "LD_PRELOAD" not in env  # no GPU: no tms
 
 

@@ -13,10 +13,11 @@ from miles.config import parse_args, validate_args
 from miles.rollout.types import Sample
 
 
-def _port():
+def _rendezvous():
+    """A rendezvous address on loopback: ``127.0.0.1:<free port>``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def _args(tmp_path, *extra):
@@ -66,7 +67,7 @@ def test_sleep_wake_is_transparent_to_training(tmp_path, trainers, target):
     samples, adv = _samples()
     ref = TorchTrainer(_args(tmp_path / "ref"), rank=0, world_size=1)
     trainers.append(ref)
-    ref.init(_port())
+    ref.init(_rendezvous())
     for i in range(2):
         ref.train(i, samples, adv)
     ref.shutdown()
@@ -77,7 +78,7 @@ def test_sleep_wake_is_transparent_to_training(tmp_path, trainers, target):
     rank_dir = str(tmp_path / "rank")
     t = TorchTrainer(args, rank=0, world_size=1, rank_dir=rank_dir)
     trainers.append(t)
-    t.init(_port())
+    t.init(_rendezvous())
     for i in range(2):
         t.train(i, samples, adv)
         before_p, before_o = _params(t), _opt_state(t)
@@ -102,7 +103,7 @@ def test_save_load_resumes_exactly(tmp_path, trainers):
     samples, adv = _samples()
     a = TorchTrainer(_args(tmp_path), rank=0, world_size=1)
     trainers.append(a)
-    a.init(_port())
+    a.init(_rendezvous())
     a.train(0, samples, adv)
     a.train(1, samples, adv)
     base = checkpoint.prepare(str(tmp_path / "ckpt"), 2)
@@ -118,7 +119,7 @@ def test_save_load_resumes_exactly(tmp_path, trainers):
 
     b = TorchTrainer(_args(tmp_path, "--seed", "99"), rank=0, world_size=1)  # different initial weights
     trainers.append(b)
-    b.init(_port())
+    b.init(_rendezvous())
     assert not _same(_params(b), saved_p)
     loaded = b.load(checkpoint.resolve(str(tmp_path / "ckpt")), load_optimizer=True)
     assert loaded["optimizer"] == "state_dict"
@@ -133,7 +134,7 @@ def test_load_without_optimizer_and_bad_world_size(tmp_path, trainers):
     samples, adv = _samples()
     a = TorchTrainer(_args(tmp_path), rank=0, world_size=1)
     trainers.append(a)
-    a.init(_port())
+    a.init(_rendezvous())
     a.train(0, samples, adv)
     base = checkpoint.prepare(str(tmp_path / "ckpt"), 1)
     a.save(base)
@@ -143,7 +144,7 @@ def test_load_without_optimizer_and_bad_world_size(tmp_path, trainers):
 
     b = TorchTrainer(_args(tmp_path), rank=0, world_size=1)
     trainers.append(b)
-    b.init(_port())
+    b.init(_rendezvous())
     with pytest.raises(checkpoint.CheckpointError, match="same data-parallel size"):
         b.load(base, load_optimizer=True)
     info = b.load(base, load_optimizer=False)  # --no-load-optim: weights only, masters follow the weights
@@ -164,7 +165,7 @@ def test_sgd_optimizer_trains(tmp_path, trainers):
     samples, adv = _samples()
     t = TorchTrainer(_args(tmp_path, "--optimizer", "sgd", "--lr", "0.1"), rank=0, world_size=1)
     trainers.append(t)
-    t.init(_port())
+    t.init(_rendezvous())
     before = _params(t)
     m = t.train(0, samples, adv)
     assert m["grad_norm"] > 0 and not _same(_params(t), before)
@@ -195,7 +196,7 @@ def test_streamed_host_cache_is_used_and_changes_nothing(tmp_path, trainers):
                      "--stream-optimizer-state-host-cache-mb", cache_mb)
         t = TorchTrainer(args, rank=0, world_size=1, rank_dir=str(tmp_path / f"rank{cache_mb}"))
         trainers.append(t)
-        t.init(_port())
+        t.init(_rendezvous())
         for i in range(3):
             t.train(i, samples, adv)
         last = t.store.stats.last_step
@@ -224,7 +225,7 @@ def test_eps_clip_zero_reaches_the_loss(tmp_path, trainers, monkeypatch):
     monkeypatch.setattr(loss, "policy_gradient_loss", spy)
     t = TorchTrainer(_args(tmp_path, "--eps-clip", "0", "--rollout-temperature", "0.5"), rank=0, world_size=1)
     trainers.append(t)
-    t.init(_port())
+    t.init(_rendezvous())
     samples, adv = _samples()
     t.train(0, samples, adv)
     assert seen and all(e == 0.0 for e in seen)

@@ -66,7 +66,7 @@ class MegatronTrainer(TrainBackend):
         self._closed = False
 
     # ---- setup --------------------------------------------------------------------------------
-    def init(self, master_port: int) -> dict[str, Any]:
+    def init(self, rendezvous: str) -> dict[str, Any]:
         if not torch.cuda.is_available():
             raise RuntimeError("--train-backend megatron needs a CUDA GPU (megatron-core has no CPU path); "
                                "use --train-backend torch on this machine")
@@ -84,7 +84,7 @@ class MegatronTrainer(TrainBackend):
         device = torch.device("cuda", torch.cuda.current_device())  # Ray gives each actor its own GPU
         torch.cuda.set_device(device)
         if not dist.is_initialized():
-            dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{master_port}", rank=self.rank,
+            dist.init_process_group("nccl", init_method=f"tcp://{rendezvous}", rank=self.rank,
                                     world_size=self.world_size, timeout=datetime.timedelta(minutes=30))
         if not parallel_state.model_parallel_is_initialized():  # one trainer per process, or tests' sequence
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,

@@ -53,14 +53,14 @@ class TorchTrainer(TrainBackend):
         self._closed = False
 
     # ---- setup --------------------------------------------------------------------------------
-    def init(self, master_port: int) -> dict[str, Any]:
+    def init(self, rendezvous: str) -> dict[str, Any]:
         config = self.config
         torch.set_num_threads(config.cluster.num_cpus_per_rank)
         if torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.world_size > 1 or not dist.is_initialized():
-            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{master_port}",
+            dist.init_process_group(backend=backend, init_method=f"tcp://{rendezvous}",
                                     rank=self.rank, world_size=self.world_size,
                                     timeout=datetime.timedelta(minutes=30))
         self.claim_rank_dir()
