@@ -7,8 +7,8 @@ import os
 import pytest
 
 from miles_plugins.optimizers.streaming.io.ownership import (CREATED_FILE, LOCK_FILE, DirectoryInUseError,
-                                                             DirectoryLock, created_by, make_directory,
-                                                             read_record, remove_created)
+                                                             DirectoryLock, claim_directory, created_by,
+                                                             make_directory, read_record, remove_created)
 
 
 def _hold_lock(directory, ready, done):
@@ -95,3 +95,48 @@ def test_symlink_is_never_treated_as_ours(tmp_path):
     assert not created_by(str(link), "me")
     assert remove_created(str(link), "me") is not None
     assert (target / CREATED_FILE).exists()
+
+
+def _made_by_dead_run(path, host=None):
+    import socket
+
+    path.mkdir()
+    (path / CREATED_FILE).write_text(json.dumps({"host": host or socket.gethostname(), "pid": 999999,
+                                                 "run_id": "dead-run", "since": 0.0}))
+    (path / "offload.bin").write_bytes(b"x" * 100)
+
+
+def test_claim_sweeps_a_directory_left_by_a_dead_run_on_this_host(tmp_path, caplog):
+    d = tmp_path / "cell0_rank0"
+    _made_by_dead_run(d)
+    with caplog.at_level("WARNING"):
+        lock = claim_directory(str(d), "new-run", "rank 0 directory")
+    assert not (d / "offload.bin").exists(), "the dead run's scratch survived"
+    assert created_by(str(d), "new-run")
+    assert "left by pid 999999" in caplog.text and "no longer running" in caplog.text
+    lock.release()
+
+
+def test_claim_keeps_what_the_dead_run_did_not_make(tmp_path):
+    d = tmp_path / "root"
+    _made_by_dead_run(d)
+    foreign = d / "other-job"
+    assert make_directory(str(foreign), "other-job-run")
+    (foreign / "results.csv").write_text("keep")
+    lock = claim_directory(str(d), "new-run")
+    assert (foreign / "results.csv").read_text() == "keep"
+    assert not (d / "offload.bin").exists()
+    lock.release()
+
+
+@pytest.mark.parametrize("case", ["other host", "maker alive"])
+def test_claim_leaves_directories_it_cannot_prove_dead(tmp_path, case):
+    d = tmp_path / "d"
+    if case == "other host":
+        _made_by_dead_run(d, host="elsewhere")
+    else:
+        assert make_directory(str(d), "live-run")  # made by this (live) process
+        (d / "offload.bin").write_bytes(b"x")
+    lock = claim_directory(str(d), "new-run")
+    assert (d / "offload.bin").exists()
+    lock.release()

@@ -196,9 +196,25 @@ def remove_created(path: str, run_id: str) -> str | None:
 
 
 def claim_directory(path: str, run_id: str, what: str = "directory") -> DirectoryLock:
-    """Make `path` if it is missing (marked as this run's) and lock it; raises DirectoryInUseError."""
+    """Make `path` if it is missing (marked as this run's) and lock it; raises DirectoryInUseError.
+
+    A directory left by a run that died on this host (its maker's process is gone and nobody holds its
+    lock) is first swept as that run's teardown would have: what the dead run made goes, anything else
+    stays and is reported. So a crashed run's scratch does not pile up under a reused root."""
+    _sweep_dead_maker(path, what)
     make_directory(path, run_id)
     return DirectoryLock.acquire(path, run_id, what)
+
+
+def _sweep_dead_maker(path: str, what: str) -> None:
+    made = read_record(os.path.join(path, CREATED_FILE))
+    if (made is None or made.host != socket.gethostname() or pid_alive(made.pid)
+            or _lock_is_held(os.path.join(path, LOCK_FILE))):
+        return  # ours to keep, someone else's, or not decidable from this host
+    result = sweep(path, made.run_id)
+    logger.warning("%s %s was left by %s, which is no longer running: removed %d of its directories%s",
+                   what, path, made.describe(), len(result.removed),
+                   f"; left what it did not make: {', '.join(result.left)}" if result.left else "")
 
 
 @dataclass
