@@ -22,6 +22,7 @@ so two actors, or two runs, never write into one; shutdown removes it only if th
 from __future__ import annotations
 
 import abc
+import contextlib
 import importlib
 import logging
 from typing import Any, Iterator, Optional
@@ -77,6 +78,36 @@ class TrainBackend(abc.ABC):
         self.cell = cell
         self.rank_dir = rank_dir
         self.rank_dir_lock: Optional[DirectoryLock] = None
+        self.store = None  # the optimizer-state store when streaming (anything with close())
+        self.offloader = None  # the sleep/wake offloader when --offload-train (miles.offload)
+        self.closed = False
+
+    @contextlib.contextmanager
+    def awake(self):
+        """Wake for the block if asleep (export, save and load need the weights), then sleep again."""
+        was_asleep = self.offloader is not None and self.offloader.asleep
+        if was_asleep:
+            self.wake()
+        try:
+            yield
+        finally:
+            if was_asleep:
+                self.sleep()
+
+    def close_resources(self) -> bool:
+        """Close the store and the offloader once; False when already closed (shutdown is idempotent).
+        A store that fails to close is logged, so the rest of the teardown still runs."""
+        if self.closed:
+            return False
+        self.closed = True
+        if self.store is not None:
+            try:
+                self.store.close()
+            except Exception:
+                logger.exception("closing the optimizer-state store failed")
+        if self.offloader is not None:
+            self.offloader.close()
+        return True
 
     def claim_rank_dir(self) -> None:
         """Make the rank directory if missing (marked as this run's) and lock it for this process.

@@ -15,7 +15,6 @@ Collectives: ``init``, ``train``, ``save`` and ``load`` run on every rank; with 
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import os
@@ -55,7 +54,6 @@ class MegatronTrainer(TrainBackend):
         self.optimizer = None
         self.scheduler = None
         self.store: Optional[StoreSet] = None
-        self.offloader = None
         self.grad_buffers: Optional[GradBuffers] = None  # dropped while asleep, zero-filled on wake
         self.uses_te_spec = False
         self.hf_moe_layout: Optional[str] = None
@@ -63,7 +61,6 @@ class MegatronTrainer(TrainBackend):
         self.ep_rank = 0
         self._model_view: Optional[HFModelView] = None
         self._info: dict[str, Any] = {}
-        self._closed = False
 
     # ---- setup --------------------------------------------------------------------------------
     def init(self, rendezvous: str) -> dict[str, Any]:
@@ -210,7 +207,7 @@ class MegatronTrainer(TrainBackend):
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """HF-layout weights for the rollout engine (see the module doc for EP > 1)."""
-        with self._awake():
+        with self.awake():
             return self._hf_state()
 
     # ---- training -----------------------------------------------------------------------------
@@ -294,7 +291,7 @@ class MegatronTrainer(TrainBackend):
     def save(self, base: str, wait: bool = True) -> dict[str, Any]:
         from miles import checkpoint
 
-        with self._awake():
+        with self.awake():
             if self.rank == 0 or self.ep_size > 1:  # the expert gather needs every rank
                 hf_state = self._hf_state()
                 if self.rank == 0:
@@ -313,7 +310,7 @@ class MegatronTrainer(TrainBackend):
         ``refresh_main_from_model_params``), then the optimizer state (``store.load_from``)."""
         from miles import checkpoint
 
-        with self._awake():
+        with self.awake():
             return checkpoint.load_train_state(base, model=self._model_view, optimizer=self._checkpoint_optimizer(),
                                                store=self.store, rank=self.rank, world_size=self.world_size,
                                                load_optimizer=load_optimizer)
@@ -356,29 +353,10 @@ class MegatronTrainer(TrainBackend):
         grad_bytes = self.grad_buffers.restore()  # after the resume: see grad_buffers.py
         return {"rank": self.rank, **offload_stats(stats), "grad_bytes_zeroed": grad_bytes}
 
-    @contextlib.contextmanager
-    def _awake(self):
-        was_asleep = self.offloader is not None and self.offloader.asleep
-        if was_asleep:
-            self.wake()
-        try:
-            yield
-        finally:
-            if was_asleep:
-                self.sleep()
-
     # ---- teardown -----------------------------------------------------------------------------
     def shutdown(self) -> None:
-        if self._closed:
+        if not self.close_resources():
             return
-        self._closed = True
-        if self.store is not None:
-            try:
-                self.store.close()
-            except Exception:
-                logger.exception("closing the optimizer-state store failed")
-        if self.offloader is not None:
-            self.offloader.close()
         try:
             from megatron.core import parallel_state
 

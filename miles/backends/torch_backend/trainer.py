@@ -46,11 +46,8 @@ class TorchTrainer(TrainBackend):
         self.model = None
         self.tokenizer = None
         self.optimizer = None
-        self.store = None
-        self.offloader = None
         self.device = torch.device("cpu")
         self._info: dict[str, Any] = {}
-        self._closed = False
 
     # ---- setup --------------------------------------------------------------------------------
     def init(self, rendezvous: str) -> dict[str, Any]:
@@ -250,7 +247,7 @@ class TorchTrainer(TrainBackend):
     def save(self, base: str, wait: bool = True) -> dict[str, Any]:
         from miles import checkpoint
 
-        with self._awake():
+        with self.awake():
             return checkpoint.save_train_state(base, model=self.model, optimizer=self.optimizer, store=self.store,
                                                rank=self.rank, world_size=self.world_size,
                                                tokenizer=self.tokenizer, wait=wait)
@@ -263,7 +260,7 @@ class TorchTrainer(TrainBackend):
     def load(self, base: str, load_optimizer: bool) -> dict[str, Any]:
         from miles import checkpoint
 
-        with self._awake():
+        with self.awake():
             return checkpoint.load_train_state(base, model=self.model, optimizer=self.optimizer, store=self.store,
                                                rank=self.rank, world_size=self.world_size,
                                                load_optimizer=load_optimizer)
@@ -297,34 +294,10 @@ class TorchTrainer(TrainBackend):
             return {"rank": self.rank, "skipped": True, "reason": "--offload-train is off"}
         return {"rank": self.rank, **offload_stats(self.offloader.wake())}
 
-    def _awake(self):
-        trainer = self
-
-        class _Ctx:
-            def __enter__(self):
-                self.was_asleep = trainer.offloader is not None and trainer.offloader.asleep
-                if self.was_asleep:
-                    trainer.wake()
-
-            def __exit__(self, *exc):
-                if self.was_asleep:
-                    trainer.sleep()
-                return False
-
-        return _Ctx()
-
     # ---- teardown -----------------------------------------------------------------------------
     def shutdown(self) -> None:
-        if self._closed:
+        if not self.close_resources():
             return
-        self._closed = True
-        if self.store is not None:
-            try:
-                self.store.close()
-            except Exception:
-                logger.exception("closing the optimizer-state store failed")
-        if self.offloader is not None:
-            self.offloader.close()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
