@@ -411,7 +411,9 @@ def test_layout_mismatch_and_kind_mismatch(saved):
     tmp_path, base, _ = saved
     shapes = SHAPES[:3] + [(4090,)] + SHAPES[4:]
     _expect_error(tmp_path, base, r"entry 3: param3\[0:4099\] of 4099 \(group 1\) in checkpoint, param3\[0:4090\] "
-                  r"of 4090 \(group 1\) now\) and cannot be mapped onto it: param3: 4099 elements", shapes=shapes)
+                  r"of 4090 \(group 1\) now\) and cannot be mapped onto it: the checkpoint holds 6 params \(14153 elements\), "
+                  r"this model 6 \(14144 elements\); first difference: param3: 4099 elements in the checkpoint, "
+                  r"4090 elements now", shapes=shapes)
     _expect_error(tmp_path, base, "checkpoint holds fp32 masters and moments, this store streams moments only",
                   kind="plain")
 

@@ -153,6 +153,12 @@ class ShardedMixedPrecisionAdam:
 
     # ----------------------------------------------------------------- torch.optim-like surface
     @property
+    def params(self) -> list[torch.Tensor]:
+        """Every param this optimizer trains, on all ranks together (the model's, not this rank's
+        shards), in the flattened group order `MasterShard.index` counts in."""
+        return list(self._params)
+
+    @property
     def param_groups(self):
         return self.inner.param_groups
 

@@ -74,7 +74,9 @@ def bind_sharded_adam(optimizer, config: StreamConfig, instance: int = 0) -> NVM
     check_adam_family(optimizer.inner)
     entries = [StreamEntry(main=s.master, group=s.group, model_view=s.model_view, name=f"param{s.index}",
                            start=s.start, full_numel=s.param.numel()) for s in optimizer.shards]
-    store = NVMeOptimizerStateStore(entries, optimizer.inner, config, instance=instance)
+    # A rank holds shards of some params only; a checkpoint must cover all of them (every rank's part)
+    model_params = {f"param{i}": p.numel() for i, p in enumerate(optimizer.params)}
+    store = NVMeOptimizerStateStore(entries, optimizer.inner, config, instance=instance, model_params=model_params)
     optimizer.update = store.step
     optimizer.reload_model_params = store.refresh_main_from_model_params
     _bind_common(optimizer, store)

@@ -435,11 +435,10 @@ def load(store, base: str) -> bool:
 def _check_coverage(manifests: list[tuple[str, dict]], store) -> None:
     """The checkpoint must hold exactly the model's params (store.model_params: name -> elements), no
     more and no fewer, of the same sizes. None: the binding cannot list them (Megatron), not checked."""
-    if store.model_params is None:
-        return
-    saved = {}
-    for _, m in manifests:
-        saved.update((e["name"], e["full_numel"]) for e in m["entries"] if e["name"] is not None)
+    entries = [e for _, m in manifests for e in m["entries"]]
+    if store.model_params is None or any(e["name"] is None for e in entries):
+        return  # nameless entries (older Megatron checkpoints): plan_reshard refuses them, saying why
+    saved = {e["name"]: e["full_numel"] for e in entries}
     if saved == store.model_params:
         return
     names = sorted(set(saved) | set(store.model_params), key=lambda n: (len(n), n))
