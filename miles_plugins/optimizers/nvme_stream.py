@@ -2,7 +2,8 @@
 
 fp32 master weights and Adam moments live in per-bucket files and pass through the device one bucket
 at a time during `optimizer.step()`, so device residency of optimizer state is bounded by the buckets
-in flight. Public API:
+in flight, which the store sizes to fit a device budget (`device_budget_mb`; default one bucket of
+DEFAULT_BUCKET_NUMEL elements). Public API:
 
     store = stream_optimizer_state(optimizer, dir=..., chunk_mb=256, moment_dtype="fp32")
     store = stream_optimizer_state(optimizer, StreamConfig(dir=..., moment_dtype="bf16"))  # the same, as one object
@@ -26,12 +27,12 @@ from .streaming.config import DEFAULT_BUCKET_NUMEL, DEFAULT_CHUNK_MB, MOMENT_DTY
 from .streaming.errors import CheckpointError, StateCorruptionError, StoreConfigError, StorePoisonedError
 from .streaming.io.ownership import DirectoryInUseError
 from .streaming.layout import STREAMED_DIR
-from .streaming.plan import plan_buckets
+from .streaming.plan import fit_to_device_budget, plan_buckets
 from .streaming.store import NVMeOptimizerStateStore, StepStats, StoreStats
 
 __all__ = ["stream_optimizer_state", "NVMeOptimizerStateStore", "StreamConfig", "StoreConfigError", "CheckpointError",
            "DirectoryInUseError", "StorePoisonedError", "StateCorruptionError",
-           "StoreStats", "StepStats", "plan_buckets", "DEFAULT_BUCKET_NUMEL", "DEFAULT_CHUNK_MB", "MOMENT_DTYPES",
+           "StoreStats", "StepStats", "plan_buckets", "fit_to_device_budget", "DEFAULT_BUCKET_NUMEL", "DEFAULT_CHUNK_MB", "MOMENT_DTYPES",
            "STREAMED_DIR"]
 _FIELDS = tuple(f.name for f in dataclasses.fields(StreamConfig))
 
@@ -70,7 +71,8 @@ def stream_optimizer_state(optimizer, config: StreamConfig | None = None, *, ins
     optimizer: torch.optim.Adam/AdamW over fp32 params (moments stream), miles' ShardedMixedPrecisionAdam
         (masters and moments stream), or a megatron-core DistributedOptimizer / ChainedOptimizer.
     config: a StreamConfig; or pass its fields as keywords instead (not both): dir, chunk_mb, moment_dtype,
-        bucket_numel, rank, io_engine, depth, io_threads, direct_io, host_cache_mb, write_behind, verify. What each
+        bucket_numel, rank, io_engine, depth, io_threads, direct_io, host_cache_mb, write_behind, verify,
+        device_budget_mb (the store fits bucket_numel and depth under it unless they are given). What each
         means, and its default, is in streaming/config.py. Bad values raise StoreConfigError naming the field.
     instance: the store's identity within this process (its directory `<dir>/rank{r:05d}/opt{instance}_{part}`
         and its checkpoints'): 0 by default, Megatron's distributed_optimizer_instance_id for Megatron

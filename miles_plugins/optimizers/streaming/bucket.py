@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .codec import CHUNK_NUMEL
 from .layout import EXP_AVG, EXP_AVG_SQ, MAIN, MOMENTS, BucketLayout, bucket_layout
 from .plan import BucketPlan
 from .io.stager import BucketFile, Stager
@@ -39,6 +40,32 @@ class StreamEntry:
     name: str | None = None
     start: int = 0
     full_numel: int | None = None
+
+
+# Narrow codecs encode and decode a segment in chunks of CHUNK_NUMEL elements. Counting the ops of the
+# deepest path (stochastic rounding of a format with subnormals, then the nonzero floor), at most this many
+# fp32 temporaries of one chunk are alive at once; one encode or decode runs at a time (the step's thread).
+CODEC_SCRATCH_CHUNKS = 8
+
+
+def inflight_bytes(codecs: dict, names, numel: int) -> int:
+    """The most state bytes one bucket of `numel` elements holds on the device in flight: an fp32 buffer
+    per streamed segment, plus the encoded bytes of the segments a narrow codec stores (read and not yet
+    decoded, or encoded for the write-back; never both at once)."""
+    return sum(4 * numel + (0 if codecs[n].reads_in_place() else codecs[n].encoded_nbytes(numel)) for n in names)
+
+
+def codec_scratch_bytes(codecs: dict, names, numel: int) -> int:
+    """Device bytes a narrow codec's encode or decode of a bucket of `numel` elements allocates on top."""
+    if all(codecs[n].reads_in_place() for n in names):
+        return 0
+    return CODEC_SCRATCH_CHUNKS * 4 * min(numel, CHUNK_NUMEL)
+
+
+def step_device_bytes(codecs: dict, names, largest_numel: int, in_flight: int) -> int:
+    """The store's cost model (plan.DeviceBytes): `in_flight` buckets of at most `largest_numel` elements,
+    plus one codec's scratch."""
+    return in_flight * inflight_bytes(codecs, names, largest_numel) + codec_scratch_bytes(codecs, names, largest_numel)
 
 
 def adam_constructor_kwargs(master: torch.optim.Optimizer) -> dict:

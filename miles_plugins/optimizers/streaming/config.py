@@ -15,8 +15,13 @@ from typing import Optional
 from .errors import StoreConfigError
 
 DEFAULT_CHUNK_MB = 256  # host staging chunk per transfer, MiB
-DEFAULT_BUCKET_NUMEL = 200_000_000  # elements per bucket: device residency per bucket in flight
-DEFAULT_DEPTH = 2  # buckets read ahead and written behind while one updates
+DEFAULT_BUCKET_NUMEL = 200_000_000  # elements per bucket at most (the fit may cut smaller: plan.py)
+DEFAULT_DEPTH = 2  # buckets read ahead and written behind while one updates, at most
+# The default device budget (device_budget_mb=None) is what ONE bucket of DEFAULT_BUCKET_NUMEL elements
+# holds on the device in flight: its fp32 buffers of the streamed segments plus a narrow codec's encoded
+# bytes and chunk scratch (the store's cost model, bucket.py). That is the original contract, "device
+# residency bounded by about one bucket": fp32 moments with streamed mains 2.4 GB (1.6 GB when only the
+# moments stream), bf16 3.2 GB + 0.13 GB scratch. The store spends it on smaller buckets and depth 2.
 DEFAULT_IO_THREADS = 2  # reader and writer threads, each
 MOMENT_DTYPES = ("fp32", "bf16", "fp16", "fp8e4m3", "fp8e5m2")
 # Not offered to users: the unscaled fp8 cast the narrow-moment study compares against (codec.py).
@@ -30,9 +35,15 @@ class StreamConfig:
 
     dir: root on node-local disk; the store works in `<dir>/rank{rank:05d}/<identity>/`.
     chunk_mb: host staging chunk size, MiB. moment_dtype: storage format of the Adam moments.
-    bucket_numel: element budget per bucket. rank: None means torch.distributed's rank (0 without it).
+    device_budget_mb: MiB of optimizer state the store may hold on the device during a step (buckets in
+        flight, encoded temporaries, codec scratch); None: one DEFAULT_BUCKET_NUMEL bucket's worth (above).
+        The store picks bucket_numel and depth to fit it (plan.fit_to_device_budget).
+    bucket_numel: element budget per bucket; None: the largest that fits the device budget with the
+        deepest pipeline, at most DEFAULT_BUCKET_NUMEL. Given, it is used as is (an error if it cannot fit).
+    rank: None means torch.distributed's rank (0 without it).
     io_engine: "pipelined" (worker threads, CUDA streams, O_DIRECT) or "sync" (one bucket at a time;
-        the in-run baseline). depth: buckets read ahead / written behind while one updates.
+        the in-run baseline). depth: buckets read ahead / written behind while one updates; None: the
+        deepest up to DEFAULT_DEPTH that fits the device budget; given, used as is (checked the same way).
     io_threads: reader and writer threads, each. direct_io: None probes O_DIRECT, True requires it,
         False never. host_cache_mb: host RAM for images of hot buckets (0: none).
     write_behind: let the step return before its last write-backs land.
@@ -45,15 +56,16 @@ class StreamConfig:
     dir: str
     chunk_mb: int = DEFAULT_CHUNK_MB
     moment_dtype: str = "fp32"
-    bucket_numel: int = DEFAULT_BUCKET_NUMEL
+    bucket_numel: Optional[int] = None
     rank: Optional[int] = None
     io_engine: str = "pipelined"
-    depth: int = DEFAULT_DEPTH
+    depth: Optional[int] = None
     io_threads: int = DEFAULT_IO_THREADS
     direct_io: Optional[bool] = None
     host_cache_mb: int = 0
     write_behind: bool = True
     verify: bool = False
+    device_budget_mb: Optional[int] = None
 
 
 def check_moment_dtype(moment_dtype) -> None:
@@ -76,14 +88,16 @@ def check_config(config: StreamConfig) -> None:
     if not _whole(config.chunk_mb) or config.chunk_mb <= 0:
         raise bad("chunk_mb", f"positive: a host staging chunk in MiB (default {DEFAULT_CHUNK_MB})")
     check_moment_dtype(config.moment_dtype)
-    if not _whole(config.bucket_numel) or config.bucket_numel <= 0:
-        raise bad("bucket_numel", f"a positive element count (default {DEFAULT_BUCKET_NUMEL})")
+    if config.bucket_numel is not None and (not _whole(config.bucket_numel) or config.bucket_numel <= 0):
+        raise bad("bucket_numel", f"None (fitted to the device budget, at most {DEFAULT_BUCKET_NUMEL}) or a "
+                                  "positive element count")
     if config.rank is not None and (not _whole(config.rank) or config.rank < 0):
         raise bad("rank", "None (torch.distributed's rank) or an integer >= 0")
     if config.io_engine not in IO_ENGINES:
         raise bad("io_engine", f"one of {IO_ENGINES}")
-    if not _whole(config.depth) or config.depth < 0:
-        raise bad("depth", f"an integer >= 0 (default {DEFAULT_DEPTH}; 0 streams one bucket at a time)")
+    if config.depth is not None and (not _whole(config.depth) or config.depth < 0):
+        raise bad("depth", f"None (fitted to the device budget, at most {DEFAULT_DEPTH}) or an integer >= 0 "
+                           "(0 streams one bucket at a time)")
     if not _whole(config.io_threads) or config.io_threads < 1:
         raise bad("io_threads", f"an integer >= 1 (default {DEFAULT_IO_THREADS})")
     if config.direct_io not in (None, True, False):
@@ -94,3 +108,5 @@ def check_config(config: StreamConfig) -> None:
         raise bad("write_behind", "True or False")
     if not isinstance(config.verify, bool):
         raise bad("verify", "True (checksum the bucket files) or False")
+    if config.device_budget_mb is not None and (not _whole(config.device_budget_mb) or config.device_budget_mb <= 0):
+        raise bad("device_budget_mb", "None (one default bucket's worth) or a positive budget in MiB")

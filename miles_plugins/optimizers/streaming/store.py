@@ -16,12 +16,16 @@ streams). A bucket's storage is released once its write-back no longer needs it.
                in the page cache with buffered I/O, or still resident on the device).
   host cache   optional (host_cache_mb): images of hot buckets in host RAM; their reads cost no disk I/O
                and their disk writes run in the background while the disk has no reads to serve.
-Residency bound (StoreStats.residency_bound_bytes): at most min(2 * depth + 1, buckets) are materialized at
-any time (depth reading ahead, one updating, depth held by their write-backs), each at most
-`bucket_inflight_bytes` (fp32 buffers of the streamed segments + encoded temporaries of narrow moment
-codecs). Between steps at most 2 * depth (prefetched + write-behind). Host memory on top: the engine's
-staging (`staging_bytes`) and the optional host cache (`host_cache_bytes`). The Adam kernel's own
-temporaries are not state and not counted. io_engine="sync" is depth 0: one bucket, no write-behind.
+Device budget (StreamConfig.device_budget_mb; default one DEFAULT_BUCKET_NUMEL bucket's worth, config.py):
+the store picks bucket_numel and depth with plan.fit_to_device_budget so that the residency bound stays
+within it. Residency bound (StoreStats.residency_bound_bytes <= device_budget_bytes): at most
+min(2 * depth + 1, buckets) are materialized at any time (depth reading ahead, one updating, depth held by
+their write-backs), each at most `bucket_inflight_bytes` (fp32 buffers of the streamed segments + encoded
+temporaries of narrow moment codecs), plus one narrow codec's chunk scratch (`codec_scratch_bytes`). The
+engine stages on the host only: no device staging. peak_resident_bytes measures the same ledger. Between
+steps at most 2 * depth buckets (prefetched + write-behind). Host memory on top: the engine's staging
+(`staging_bytes`) and the optional host cache (`host_cache_bytes`). The Adam kernel's own temporaries are
+not state and not counted. io_engine="sync" is depth 0: one bucket, no write-behind.
 
 Failure semantics (both engines; docs/dev/contracts.md): a step either lands every bucket or poisons
 the store. Any error while a step runs, and any I/O error of its write-behind found later (the next
@@ -51,13 +55,13 @@ import torch
 from tqdm import tqdm
 
 from .checkpoint import save_load as checkpoint
-from .bucket import Bucket, StreamEntry
+from .bucket import Bucket, StreamEntry, codec_scratch_bytes, inflight_bytes, step_device_bytes
 from .codec import Fp32Codec, make_moment_codecs
-from .config import StreamConfig, check_config
+from .config import DEFAULT_DEPTH, StreamConfig, check_config
 from .errors import StoreConfigError, StorePoisonedError
 from .io.stager import Stager
 from .layout import EXP_AVG, EXP_AVG_SQ, MAIN, bucket_filename, bucket_layout, store_identity, store_relative_dir
-from .plan import plan_buckets
+from .plan import DEFAULT_BUCKET_NUMEL, MIN_BUCKET_NUMEL, buckets_in_flight, fit_to_device_budget, plan_buckets
 from .units import GB, MiB
 
 logger = logging.getLogger(__name__)
@@ -86,14 +90,19 @@ class StoreStats:
     steps: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
-    peak_resident_bytes: int = 0  # most state bytes materialized at once, all buckets in flight together
+    peak_resident_bytes: int = 0  # most state bytes on the device at once: buckets in flight + codec scratch
     resident_bytes: int = 0  # now (between steps: prefetched and write-behind buckets)
     max_bucket_bytes: int = 0  # fp32 bytes of the largest bucket
     last_step: StepStats = field(default_factory=StepStats)
     io_engine: str = "pipelined"
     depth: int = 0  # buckets read ahead / written behind while one updates
+    bucket_numel: int = 0  # element budget per bucket in effect (fitted to the device budget unless given)
     bucket_inflight_bytes: int = 0  # most bytes one bucket in flight materializes (fp32 + codec temporaries)
-    residency_bound_bytes: int = 0  # (2 * depth + 1) * bucket_inflight_bytes: peak_resident_bytes never exceeds it
+    codec_scratch_bytes: int = 0  # a narrow codec's chunk temporaries while it encodes or decodes (0 for fp32)
+    # min(2 * depth + 1, num_buckets) * bucket_inflight_bytes + codec_scratch_bytes: peak_resident_bytes never
+    # exceeds it, and it never exceeds device_budget_bytes
+    residency_bound_bytes: int = 0
+    device_budget_bytes: int = 0  # StreamConfig.device_budget_mb in bytes (or the default: one default bucket)
     staging_bytes: int = 0  # host staging the engine may allocate (pinned on CUDA)
     host_cache_bytes: int = 0  # host-RAM budget for images of hot buckets
 
@@ -127,7 +136,6 @@ class NVMeOptimizerStateStore:
         self.moment_dtype = config.moment_dtype
         self.identity = store_identity(instance, part)
         self.relative_dir = store_relative_dir(config.rank, instance, part)
-        self.depth, self.write_behind = _pipeline_shape(config)
         self._fetching: dict[int, Bucket] = {}  # reads started, not yet consumed by a step
         self._held: dict[int, tuple[Bucket, int]] = {}  # written back, storage kept: (bucket, extra bytes)
         self._current: Bucket | None = None
@@ -142,16 +150,21 @@ class NVMeOptimizerStateStore:
         self.buckets: list[Bucket] = []
         # One codec per segment: exp_avg_sq may be stored differently from exp_avg (codec.py says why).
         self.codecs = {MAIN: Fp32Codec(), **make_moment_codecs(config.moment_dtype)}
-        plans = plan_buckets([e.main.numel() for e in entries], config.bucket_numel)
-        names = (MAIN, EXP_AVG, EXP_AVG_SQ) if self.streams_main else (EXP_AVG, EXP_AVG_SQ)
+        self.segment_names = (MAIN, EXP_AVG, EXP_AVG_SQ) if self.streams_main else (EXP_AVG, EXP_AVG_SQ)
+        self.device_budget_bytes = (config.device_budget_mb * MiB if config.device_budget_mb is not None
+                                    else self._device_bytes(DEFAULT_BUCKET_NUMEL, 1))
+        fit = self._fit_to_budget(config, config.bucket_numel)
+        self.bucket_numel, self.depth, self.write_behind = fit.bucket_numel, fit.depth, _write_behind(config)
+        plans = plan_buckets(self._entry_numels(), self.bucket_numel)
+        names = self.segment_names
         layouts = [bucket_layout([(n, self.codecs[n].encoded_nbytes(p.numel)) for n in names]) for p in plans]
         file_bytes = [layout.file_bytes for layout in layouts]
-        inflight = max((len(names) * 4 * p.numel + sum(self.codecs[n].encoded_nbytes(p.numel) for n in names
-                                                       if not self.codecs[n].reads_in_place()) for p in plans),
-                       default=0)
+        largest = max((p.numel for p in plans), default=0)
         self.stats = StoreStats(num_buckets=len(plans), state_bytes=sum(file_bytes),
-                                max_bucket_bytes=max((len(names) * 4 * p.numel for p in plans), default=0),
-                                bucket_inflight_bytes=inflight)
+                                max_bucket_bytes=len(names) * 4 * largest, bucket_numel=self.bucket_numel,
+                                bucket_inflight_bytes=inflight_bytes(self.codecs, names, largest),
+                                codec_scratch_bytes=codec_scratch_bytes(self.codecs, names, largest),
+                                device_budget_bytes=self.device_budget_bytes)
         _refuse_shared_directory(os.path.join(os.path.abspath(config.dir), self.relative_dir))
         self.stager = Stager(self.device, config.chunk_mb * MiB, io_engine=config.io_engine,
                              io_threads=config.io_threads, direct_io=config.direct_io,
@@ -174,18 +187,39 @@ class NVMeOptimizerStateStore:
         except BaseException:
             self.close()
             raise
-        logger.info("streaming optimizer state: %d buckets, %.3f GB in %s (moments %s, mains %s); %s I/O, "
-                    "depth %d, residency bound %.3f GB + staging %.3f GB + host cache %.3f GB",
-                    len(self.buckets), self.stats.state_bytes / GB, self.path, config.moment_dtype,
-                    "streamed" if self.streams_main else "resident (they are the model params)",
+        logger.info("streaming optimizer state: %d buckets of <= %d elements, %.3f GB in %s (moments %s, mains "
+                    "%s); %s I/O, depth %d, device residency bound %.3f GB of a %.3f GB device budget (%s) + "
+                    "host staging %.3f GB + host cache %.3f GB",
+                    len(self.buckets), self.bucket_numel, self.stats.state_bytes / GB, self.path,
+                    config.moment_dtype, "streamed" if self.streams_main else "resident (they are the model params)",
                     self.stats.io_engine, self.depth, self.stats.residency_bound_bytes / GB,
-                    self.stats.staging_bytes / GB, self.stats.host_cache_bytes / GB)
+                    self.device_budget_bytes / GB, "given" if config.device_budget_mb else "default: one bucket of "
+                    f"{DEFAULT_BUCKET_NUMEL} elements", self.stats.staging_bytes / GB, self.stats.host_cache_bytes / GB)
+        if fit.below_minimum:
+            logger.warning("the device budget of %.3f GB holds only buckets of %d elements (depth %d), below the "
+                           "%d the store prefers: many small buckets cost per-bucket overhead every step. Raise "
+                           "device_budget_mb (--stream-optimizer-state-device-budget-mb) if the device has room",
+                           self.device_budget_bytes / GB, self.bucket_numel, self.depth, MIN_BUCKET_NUMEL)
+
+    def _entry_numels(self) -> list[int]:
+        return [e.main.numel() for e in self.entries]
+
+    def _device_bytes(self, largest_numel: int, in_flight: int) -> int:
+        return step_device_bytes(self.codecs, self.segment_names, largest_numel, in_flight)
+
+    def _fit_to_budget(self, config: StreamConfig, bucket_numel: int | None):
+        """Bucket size and depth within the device budget; the sync engine is depth 0 whatever is asked."""
+        sync = config.io_engine == "sync"
+        return fit_to_device_budget(self._entry_numels(), self.device_budget_bytes, self._device_bytes,
+                                    max_depth=0 if sync else DEFAULT_DEPTH, bucket_numel=bucket_numel,
+                                    depth=0 if sync else config.depth)
 
     def _update_io_stats(self) -> None:
         """The stats that follow the I/O configuration (construction and set_io)."""
         s = self.stats
         s.io_engine, s.depth = self.stager.io_engine, self.depth
-        s.residency_bound_bytes = min(2 * self.depth + 1, s.num_buckets) * s.bucket_inflight_bytes
+        s.residency_bound_bytes = (buckets_in_flight(s.num_buckets, self.depth) * s.bucket_inflight_bytes
+                                   + s.codec_scratch_bytes)
         s.staging_bytes, s.host_cache_bytes = self.stager.staging_bytes, self.config.host_cache_mb * MiB
         self._marks = self._read_marks()
 
@@ -234,13 +268,15 @@ class NVMeOptimizerStateStore:
         c = self.stager.counters
         return c.bytes_read - c.cache_bytes_read, c.cache_bytes_read
 
-    def _track_residency(self) -> None:
+    def _track_residency(self, scratch: int = 0) -> None:
+        """Measure the state bytes on the device now: every bucket in flight, plus `scratch` while a
+        codec encodes or decodes (its chunk temporaries are not tensors the store holds: their bound)."""
         live = {b.index: b for b in self._fetching.values()}
         live.update((i, b) for i, (b, _) in self._held.items())
         if self._current is not None:
             live[self._current.index] = self._current
         total = sum(b.resident_bytes() + b.pending_decode_bytes() for b in live.values())
-        total += sum(extra for _, extra in self._held.values())
+        total += sum(extra for _, extra in self._held.values()) + scratch
         self.stats.resident_bytes = total
         self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, total)
         self._step_peak = max(self._step_peak, total)
@@ -297,6 +333,7 @@ class NVMeOptimizerStateStore:
         else:
             if bucket.index not in self._fetching:
                 self._start_fetch(bucket)
+            self._track_residency(scratch=self._codec_scratch(bucket.segments_to_fetch()))  # decoding
             bucket.finish_fetch(self.stager)
             del self._fetching[bucket.index]
         self._current = bucket
@@ -311,7 +348,11 @@ class NVMeOptimizerStateStore:
                       if not self.codecs[n].reads_in_place())
         self._held[bucket.index] = (bucket, lazy + encoded)
         self._current = None
-        self._track_residency()
+        self._track_residency(scratch=self._codec_scratch(written))  # what encoding it held at its deepest
+
+    def _codec_scratch(self, names) -> int:
+        """The codec scratch bound while segments `names` are encoded or decoded (0 when all are fp32)."""
+        return 0 if all(self.codecs[n].reads_in_place() for n in names) else self.stats.codec_scratch_bytes
 
     def _release_written(self, limit: int) -> None:
         """release: free buckets whose write-backs no longer need their storage (keeping the ones the
@@ -393,12 +434,13 @@ class NVMeOptimizerStateStore:
                        direct_io=direct_io, host_cache_mb=host_cache_mb, verify=verify)
         config = dataclasses.replace(self.config, **{k: v for k, v in changes.items() if v is not None})
         check_config(config)
+        depth = self._fit_to_budget(config, self.bucket_numel).depth  # the files fix the bucket size
         self.stager.set_engine(config.io_engine, io_threads=config.io_threads, direct_io=config.direct_io,
                                host_cache_bytes=config.host_cache_mb * MiB)
         if config.verify != self.config.verify:
             self.stager.set_verify([b.file for b in self.buckets], config.verify)
         self.config = config
-        self.depth, self.write_behind = _pipeline_shape(config)
+        self.depth, self.write_behind = depth, _write_behind(config)
         self._update_io_stats()
 
     @torch.no_grad()
@@ -450,11 +492,12 @@ class NVMeOptimizerStateStore:
         moved = (last.bytes_read + last.bytes_written) / GB
         logger.info("optimizer step %d streamed %d buckets: read %.3f GB (disk %.3f, host cache %.3f, still "
                     "resident %.3f), wrote %.3f GB in %.2f s (%.2f GB/s; io %.2f s, compute %.2f s); %d buckets "
-                    "prefetched, %d writes behind; peak resident %.3f GB (bound %.3f GB)",
+                    "prefetched, %d writes behind; device peak %.3f GB (bound %.3f GB, budget %.3f GB)",
                     self.stats.steps, last.buckets, last.bytes_read / GB, last.disk_bytes_read / GB,
                     last.cache_bytes_read / GB, last.reused_bytes / GB, last.bytes_written / GB, wall,
                     moved / wall if wall else 0.0, last.io_seconds, last.compute_seconds, prefetched, pending,
-                    last.peak_resident_bytes / GB, self.stats.residency_bound_bytes / GB)
+                    last.peak_resident_bytes / GB, self.stats.residency_bound_bytes / GB,
+                    self.device_budget_bytes / GB)
         return last
 
     @torch.no_grad()
@@ -605,10 +648,9 @@ def _close_live_stores() -> None:
         store.close()
 
 
-def _pipeline_shape(config: StreamConfig) -> tuple[int, bool]:
-    """(depth, write_behind) in effect: the sync engine is depth 0 with no write-behind."""
-    sync = config.io_engine == "sync"
-    return (0 if sync else config.depth), (config.write_behind and not sync)
+def _write_behind(config: StreamConfig) -> bool:
+    """Whether the step may return before its write-backs land: never with the sync engine."""
+    return config.write_behind and config.io_engine != "sync"
 
 
 def _refuse_shared_directory(path: str) -> None:
