@@ -21,6 +21,7 @@ from ..store import NVMeOptimizerStateStore
 from .torch_adam import _bind_common, _state_marker, check_adam_family
 
 logger = logging.getLogger(__name__)
+_LOW_PRECISION = (torch.bfloat16, torch.float16)  # Megatron's float16 groups: the params whose masters stream
 
 
 def _is_distributed_optimizer(opt) -> bool:
@@ -122,6 +123,25 @@ def _param_names(opt) -> dict[int, str]:
     return names
 
 
+def streamed_param_sizes(buffers, names: dict[int, str], entries: list[StreamEntry]) -> dict[str, int] | None:
+    """{name: elements} of every param a DistributedOptimizer streams, all data-parallel ranks' together:
+    the bf16/fp16 params of its DDP buffers (`param_index_map`: each buffer holds every rank's params, the
+    optimizer shards it; its native-fp32 params stay under the resident Adam). A load refuses a
+    checkpoint that holds other params (save_load._check_coverage). None, not checked: a param has no
+    name (megatron's parallel state not initialized), or the set misses a param this rank streams (the
+    buffers are not what this binding expects of megatron-core: checking would refuse good checkpoints)."""
+    params = [p for buffer in buffers for p in buffer.param_index_map if p.dtype in _LOW_PRECISION]
+    if any(id(p) not in names for p in params):
+        return None
+    sizes = {names[id(p)]: p.numel() for p in params}
+    missed = [e.name for e in entries if e.name is not None and sizes.get(e.name) != e.full_numel]
+    if missed:
+        logger.warning("the DDP buffers do not list %d params this rank streams (first: %s); a checkpoint's "
+                       "params are not compared with the model's", len(missed), missed[0])
+        return None
+    return sizes
+
+
 def _entry(opt, g: int, model_param, main, names: dict[int, str]) -> StreamEntry:
     """The shard `main` is elements [start, end) of `model_param` flattened (Megatron's "param" range)."""
     entry = StreamEntry(main=main, group=g, model_view=_param_buffer_view(opt, model_param))
@@ -140,7 +160,8 @@ def _bind_distributed(opt, config: StreamConfig, *, instance: int, part: int) ->
                for model_param, main in zip(model_group, main_group)]
     resident = ResidentAdam(opt.optimizer, [list(group) for group in opt.shard_fp32_groups])
     store = NVMeOptimizerStateStore(entries, opt.optimizer, config, instance=instance, part=part,
-                                    resident_adam=resident)
+                                    resident_adam=resident,
+                                    model_params=streamed_param_sizes(opt.buffers, names, entries))
     # Megatron hangs each bf16 model param's fp32 shard on it as `main_param`; the store has released
     # that storage. Readers (megatron.training's calc_params_l2_norm) fall back to the model weights
     # when the handle is absent, instead of reading a tensor with no storage.
