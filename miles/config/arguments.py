@@ -149,8 +149,16 @@ class OptimizerConfig:
         "fp32", "Storage dtype of the streamed Adam moments (fp8 uses per-block scaling).", choices=MOMENT_DTYPES
     )
     stream_optimizer_state_bucket_numel: int = knob(
-        DEFAULT_BUCKET_NUMEL, "Elements per streamed bucket (GPU residency is bounded by about one bucket).",
+        DEFAULT_BUCKET_NUMEL, "Elements per streamed bucket. At the default the store cuts smaller buckets when "
+        "the device budget needs it (--stream-optimizer-state-device-budget-mb); any other value is used as given "
+        "and must fit the budget.",
         metavar="N",
+    )
+    stream_optimizer_state_device_budget_mb: int = knob(
+        0, "Device memory, MiB, the streamed optimizer state may hold during a step (buckets in flight, encoded "
+        "moments, codec scratch); the store picks bucket size and read-ahead depth to fit it. 0: what one bucket "
+        f"of {DEFAULT_BUCKET_NUMEL} elements needs (fp32: 2.4 GB with streamed mains).",
+        metavar="MB",
     )
     stream_optimizer_state_chunk_mb: int = knob(
         DEFAULT_CHUNK_MB, "Host staging chunk of the streamed optimizer state's disk transfers, MiB.", metavar="MB"

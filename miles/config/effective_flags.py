@@ -59,6 +59,7 @@ RULES: tuple[EffectRule, ...] = (
     *(EffectRule(name, lambda a: a.stream_optimizer_state_to_disk, lambda a: _NEEDS_STREAMING)
       for name in ("stream_optimizer_state_moment_dtype", "stream_optimizer_state_bucket_numel",
                    "stream_optimizer_state_chunk_mb", "stream_optimizer_state_host_cache_mb",
+                   "stream_optimizer_state_device_budget_mb",
                    "stream_optimizer_state_verify")),
     EffectRule("offload_train_disk_chunk_mb", _disk_offload_on,
                lambda a: ("trainer offload does not go to disk (the streamed state's chunk is "

@@ -216,6 +216,10 @@ _NOT_IMPLEMENTED = (("reset_optimizer_states", "--reset-optimizer-states"),
 
 
 def _check_streaming(a: argparse.Namespace) -> None:
+    if a.stream_optimizer_state_device_budget_mb < 0:
+        raise _err(f"--stream-optimizer-state-device-budget-mb must be >= 0 (got "
+                   f"{a.stream_optimizer_state_device_budget_mb}).", ("--stream-optimizer-state-device-budget-mb",),
+                   "pass 0 (one default bucket's worth) or a budget in MiB.")
     if a.stream_optimizer_state_host_cache_mb < 0:
         raise _err(f"--stream-optimizer-state-host-cache-mb must be >= 0 (got {a.stream_optimizer_state_host_cache_mb}).",
                    ("--stream-optimizer-state-host-cache-mb",), "pass 0 (no host cache) or a budget in MiB.")

@@ -59,6 +59,14 @@ CASES = [
     ([STREAM, DISK, "--stream-optimizer-state-moment-dtype", "fp8e4m3"], None),
     ([STREAM, DISK, "--stream-optimizer-state-host-cache-mb", "4096"], None),
     ([STREAM, DISK, "--stream-optimizer-state-chunk-mb", "8"], None),
+    ([STREAM, DISK, "--stream-optimizer-state-device-budget-mb", "1024"], None),
+    ([STREAM, DISK, "--stream-optimizer-state-device-budget-mb", "-1"],
+     "--stream-optimizer-state-device-budget-mb must be >= 0 (got -1). Fix: pass 0 (one default bucket's worth) "
+     "or a budget in MiB."),
+    (["--stream-optimizer-state-device-budget-mb", "1024"],
+     "--stream-optimizer-state-device-budget-mb 1024 has no effect: --stream-optimizer-state-to-disk is off. Fix: "
+     "add --stream-optimizer-state-to-disk --offload-train-target=disk, or drop "
+     "--stream-optimizer-state-device-budget-mb."),
     ([STREAM, DISK, "--stream-optimizer-state-chunk-mb", "0"],
      "--stream-optimizer-state-chunk-mb must be >= 1 (got 0). Fix: pass --stream-optimizer-state-chunk-mb >= 1."),
     (["--stream-optimizer-state-chunk-mb", "8"],

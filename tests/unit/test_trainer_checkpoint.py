@@ -211,6 +211,41 @@ def test_streamed_host_cache_is_used_and_changes_nothing(tmp_path, trainers):
     assert _same(params64, params0)
 
 
+def test_streamed_device_budget_reaches_the_store(tmp_path, trainers):
+    """--stream-optimizer-state-device-budget-mb reaches the store: its stats report the budget, the bound
+    and the measured peak stay under it, and the weights are bit-identical to the default budget's."""
+    samples, adv = _samples()
+    results = {}
+    for budget_mb in ("0", "1"):
+        (tmp_path / f"b{budget_mb}" / "offload").mkdir(parents=True)  # the driver creates the offload root
+        args = _args(tmp_path / f"b{budget_mb}", "--stream-optimizer-state-to-disk", "--offload-train-target=disk",
+                     "--stream-optimizer-state-device-budget-mb", budget_mb)
+        t = TorchTrainer(args, rank=0, world_size=1, rank_dir=str(tmp_path / f"rank{budget_mb}"))
+        trainers.append(t)
+        t.init(_rendezvous())
+        for i in range(2):
+            t.train(i, samples, adv)
+        results[budget_mb] = (_params(t), t.store.stats)
+        t.shutdown()
+        trainers.remove(t)
+    (params0, default), (params1, budget) = results["0"], results["1"]
+    assert budget.device_budget_bytes == 2**20 < default.device_budget_bytes
+    assert budget.peak_resident_bytes <= budget.residency_bound_bytes <= budget.device_budget_bytes
+    assert _same(params1, params0)
+
+
+def test_store_config_leaves_defaults_to_the_store(tmp_path):
+    from miles.backends.torch_backend.trainer import store_config
+
+    cfg = _args(tmp_path, "--stream-optimizer-state-to-disk", "--offload-train-target=disk")
+    sc = store_config(cfg, rank=0)
+    assert sc.device_budget_mb is None and sc.bucket_numel is None and sc.depth is None
+    cfg = _args(tmp_path, "--stream-optimizer-state-to-disk", "--offload-train-target=disk",
+                "--stream-optimizer-state-device-budget-mb", "512", "--stream-optimizer-state-bucket-numel", "1000")
+    sc = store_config(cfg, rank=0)
+    assert sc.device_budget_mb == 512 and sc.bucket_numel == 1000
+
+
 def test_eps_clip_zero_reaches_the_loss(tmp_path, trainers, monkeypatch):
     """A validated --eps-clip 0 is 0 in the loss (it used to become 0.2 through `x or 0.2`)."""
     import miles.rl.loss as loss

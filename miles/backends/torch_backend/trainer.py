@@ -307,13 +307,17 @@ class TorchTrainer(TrainBackend):
 
 
 def store_config(config: RunConfig, rank: int):
-    """The store's :class:`StreamConfig` from the run's config (the store's own defaults for the rest)."""
-    from miles_plugins.optimizers.nvme_stream import StreamConfig
+    """The store's :class:`StreamConfig` from the run's config (the store's own defaults for the rest).
+    Flags at their defaults leave the choice to the store: the bucket size and depth it fits to the
+    device budget, the budget one default bucket's worth."""
+    from miles_plugins.optimizers.nvme_stream import DEFAULT_BUCKET_NUMEL, StreamConfig
 
     opt = config.optimizer
+    bucket_numel = opt.stream_optimizer_state_bucket_numel
     return StreamConfig(dir=config.paths.optimizer_state, chunk_mb=opt.stream_optimizer_state_chunk_mb,
                         moment_dtype=opt.stream_optimizer_state_moment_dtype,
-                        bucket_numel=opt.stream_optimizer_state_bucket_numel,
+                        bucket_numel=None if bucket_numel == DEFAULT_BUCKET_NUMEL else bucket_numel,
+                        device_budget_mb=opt.stream_optimizer_state_device_budget_mb or None,
                         host_cache_mb=opt.stream_optimizer_state_host_cache_mb,
                         verify=opt.stream_optimizer_state_verify, rank=rank)
 
