@@ -14,6 +14,20 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes each record to ``sys.stderr`` as it is at that moment. Whoever replaces ``sys.stderr``
+    after set-up (a progress bar, a test's output capture) gets the lines, and a replaced stream that
+    was closed since never breaks logging ("I/O operation on closed file")."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):  # StreamHandler.__init__ assigns it; the property above decides
+        pass
+
+
 def configure_logging(level: str) -> None:
     """One stderr handler on the root logger (added once per process) and ``level`` for miles' loggers.
 
@@ -22,7 +36,7 @@ def configure_logging(level: str) -> None:
     """
     root = logging.getLogger()
     if not any(getattr(h, "_miles", False) for h in root.handlers):
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter(LOG_FORMAT, DATE_FORMAT))
         handler._miles = True  # marks the handler this function installed (idempotence)
         root.addHandler(handler)

@@ -40,3 +40,28 @@ def test_driver_env_keeps_the_users_choice():
     set_driver_env(env)
     assert env == {**DRIVER_ENV, "RAY_COLOR_PREFIX": "1"}
     assert DRIVER_ENV["RAY_COLOR_PREFIX"] == "0"
+
+
+def test_log_lines_follow_the_current_stderr_not_a_closed_one(monkeypatch):
+    import logging
+
+    from miles.logging_setup import configure_logging
+
+    root = logging.getLogger()
+    saved = list(root.handlers)
+    try:
+        root.handlers = [h for h in root.handlers if not getattr(h, "_miles", False)]
+        first = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", first)
+        configure_logging("INFO")  # installed while stderr is `first` (a capture, a bar's wrapper)
+        first.close()
+        second = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", second)
+        errors = []
+        monkeypatch.setattr(logging, "raiseExceptions", True)
+        monkeypatch.setattr(logging.Handler, "handleError", lambda self, record: errors.append(record))
+        logging.getLogger("miles.test").info("after the swap")
+        assert errors == [], "logging wrote to the closed stream"
+        assert "after the swap" in second.getvalue()
+    finally:
+        root.handlers = saved
