@@ -54,10 +54,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default="miles-bench-stream", help="directory on the disk under test (created; "
                    "the bench's files are removed at the end)")
     p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--buckets", type=int, default=8, help="buckets the state is cut into (sets bucket_numel)")
+    p.add_argument("--buckets", type=int, default=None, help="buckets the state is cut into (sets bucket_numel; "
+                   "default: the store fits bucket_numel to the device budget)")
     p.add_argument("--bucket-numel", type=int, default=None, help="element budget per bucket (overrides --buckets)")
+    p.add_argument("--device-budget-mb", type=int, default=None, help="the store's device budget, MiB (default: "
+                   "one bucket of the default element budget); bucket size and depth are fitted to it unless given")
     p.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_MB)
-    p.add_argument("--depth", type=int, default=DEFAULT_DEPTH)
+    p.add_argument("--depth", type=int, default=None, help=f"read-ahead depth (default: the deepest up to "
+                   f"{DEFAULT_DEPTH} that the device budget allows)")
     p.add_argument("--io-threads", type=int, default=DEFAULT_IO_THREADS)
     p.add_argument("--direct", choices=["auto", "on", "off"], default="auto", help="O_DIRECT for the floor and "
                    "the pipelined engine")
@@ -126,15 +130,15 @@ def run(args) -> int:
     if cuda and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     total = parse_count(args.params)
-    bucket_numel = args.bucket_numel or math.ceil(total / args.buckets)
+    bucket_numel = args.bucket_numel or (math.ceil(total / args.buckets) if args.buckets else None)
     direct = {"auto": None, "on": True, "off": False}[args.direct]
     root = os.path.abspath(args.dir)
     os.makedirs(root, exist_ok=True)
-    results: dict = {"args": vars(args) | {"func": None}, "params": total, "bucket_numel": bucket_numel,
+    results: dict = {"args": vars(args) | {"func": None}, "params": total,
                      "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
                      "torch": torch.__version__, "cpus": os.cpu_count(), "dir": root}
     say(f"{total / 1e9:.3f}B params on {device} ({results['device']}), moments {args.moment_dtype}, in {root}; "
-        f"buckets of {bucket_numel / 1e6:.1f}M, depth {args.depth}, chunk {args.chunk_mb} MiB")
+        f"chunk {args.chunk_mb} MiB")
 
     # 1. resident step ------------------------------------------------------------------------------
     model, masters = make_state(total, device)
@@ -157,11 +161,13 @@ def run(args) -> int:
     t0 = time.perf_counter()
     config = StreamConfig(dir=root, chunk_mb=args.chunk_mb, bucket_numel=bucket_numel, rank=0, io_engine="pipelined",
                           depth=args.depth, io_threads=args.io_threads, direct_io=direct,
-                          moment_dtype=args.moment_dtype)
+                          moment_dtype=args.moment_dtype, device_budget_mb=args.device_budget_mb)
     store = NVMeOptimizerStateStore(entries, adamw(masters, device), config)
-    results["state_bytes"] = store.stats.state_bytes
-    say(f"store built in {time.perf_counter() - t0:.1f} s (mains written): {store.stats.num_buckets} buckets, "
-        f"{store.stats.state_bytes / GB:.2f} GB")
+    results |= {"state_bytes": store.stats.state_bytes, "bucket_numel": store.bucket_numel, "depth": store.depth,
+                "device_budget_bytes": store.stats.device_budget_bytes}
+    say(f"store built in {time.perf_counter() - t0:.1f} s (mains written): {store.stats.num_buckets} buckets of "
+        f"<= {store.bucket_numel / 1e6:.1f}M elements, depth {store.depth}, {store.stats.state_bytes / GB:.2f} GB; "
+        f"device budget {store.stats.device_budget_bytes / GB:.3f} GB")
     files = [b.file for b in store.buckets]
     scratch_path = os.path.join(root, "floor.scratch")
     try:
@@ -185,7 +191,7 @@ def run(args) -> int:
             if not args.skip_sync:
                 engines.append(("sync", "the seed's path: synchronous, buffered, one staging buffer",
                                 dict(io_engine="sync", verify=False)))
-            engines.append(("pipelined", f"depth {args.depth}, {args.io_threads}+{args.io_threads} I/O threads, "
+            engines.append(("pipelined", f"depth {store.depth}, {args.io_threads}+{args.io_threads} I/O threads, "
                             f"{'O_DIRECT' if direct_used else 'buffered'}",
                             dict(io_engine="pipelined", depth=args.depth, write_behind=True, io_threads=args.io_threads,
                                  direct_io=direct, host_cache_mb=0, verify=False)))
@@ -361,8 +367,11 @@ def report(r: dict, say) -> None:
             lines.append(f"verify on / off, within each round: median {median(ratios):.3f} "
                          f"({', '.join(f'{x:.3f}' for x in ratios)}); step returned {v['returned_seconds']:.3f} s "
                          f"vs {p['returned_seconds']:.3f} s")
+        budget = r["device_budget_bytes"]
         lines.append(f"residency: store peak {p['peak_resident_bytes'] / GB:.3f} GB, documented bound "
-                     f"{p['residency_bound_bytes'] / GB:.3f} GB (min(2 x depth + 1, buckets) buckets)"
+                     f"{p['residency_bound_bytes'] / GB:.3f} GB (min(2 x depth + 1, buckets) buckets), device budget "
+                     f"{budget / GB:.3f} GB ({'within' if p['peak_resident_bytes'] <= budget else 'ABOVE'}); buckets "
+                     f"of <= {r['bucket_numel'] / 1e6:.1f}M elements, depth {r['depth']}"
                      + (f"; device memory peak during the step {p['device_peak_bytes'] / GB:.3f} GB "
                         f"({'within' if p['device_peak_bytes'] <= p['residency_bound_bytes'] else 'ABOVE'} the bound)"
                         if "device_peak_bytes" in p else ""))
