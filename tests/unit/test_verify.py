@@ -201,3 +201,91 @@ def test_set_io_turns_verify_on_from_the_next_write(tmp_path):
     with pytest.raises(StateCorruptionError, match="segment main"):
         step(opt, params, 2)
     store.close()
+
+
+def emulate_reflink(monkeypatch):
+    """A filesystem with reflink (XFS, btrfs): the save clones each bucket and checksums the clone later,
+    off the training path. Emulated by a full copy that reports itself a clone."""
+    from miles_plugins.optimizers.streaming.checkpoint import save_load
+
+    def clone(src_fd, dst_fd):
+        size = os.fstat(src_fd).st_size
+        os.ftruncate(dst_fd, size)
+        os.pwrite(dst_fd, os.pread(src_fd, size, 0), 0)
+        return True
+
+    monkeypatch.setattr(save_load.io, "reflink", clone)
+
+
+@pytest.mark.parametrize("reflink", [False, True])
+@pytest.mark.parametrize("wait", [True, False])
+@pytest.mark.parametrize("io_engine", ENGINES)
+def test_save_of_a_flipped_live_file_fails_and_publishes_nothing(tmp_path, monkeypatch, io_engine, wait, reflink):
+    """Before: the save copied the changed file into the checkpoint, with a fresh crc32 over the corrupt
+    bytes, and a later load installed it. Now the save checks the bytes it copies against verify's record."""
+    if reflink:
+        emulate_reflink(monkeypatch)
+    params, opt, store = streamed(tmp_path / "live", verify=True, io_engine=io_engine)
+    step(opt, params, 0)
+    store.save_to(str(tmp_path / "ckpt1"))
+    previous = {f.name: f.read_bytes() for f in (tmp_path / "ckpt1").rglob("*") if f.is_file()}
+    step(opt, params, 1)
+    store.flush()
+    bucket = flip_byte(store, "exp_avg_sq")
+    with pytest.raises(StateCorruptionError, match=rf"saving optimizer state to .*ckpt2.* failed, nothing was "
+                                                   rf"published: .*bucket {bucket.index}, segment exp_avg_sq,"):
+        store.save_to(str(tmp_path / "ckpt2"), wait=wait)
+        store.wait_for_save()
+    assert isinstance(store.poisoned_by, StateCorruptionError)
+    assert not list((tmp_path / "ckpt2").rglob("*.bin")) and not list((tmp_path / "ckpt2").rglob("manifest.json"))
+    with pytest.raises(StorePoisonedError):
+        step(opt, params, 2)
+    assert {f.name: f.read_bytes() for f in (tmp_path / "ckpt1").rglob("*") if f.is_file()} == previous
+    assert store.load_from(str(tmp_path / "ckpt1"))  # the previous checkpoint is whole and recovers the store
+    store.close()
+
+
+def test_background_save_checks_the_bytes_as_of_its_snapshot_while_steps_overwrite_them(tmp_path, monkeypatch):
+    """The clone of each bucket is checksummed after the next steps rewrote the live file (and verify's
+    record of it): the save checks the clone against the record taken when it cloned."""
+    emulate_reflink(monkeypatch)
+    from test_checkpoint import start_copier_late
+    from miles_plugins.optimizers.streaming.checkpoint import save_load
+    monkeypatch.setattr(save_load.SaveJob, "_run", save_load.SaveJob._run)  # start_copier_late patches it
+    start_copier_late(delay=0.2)
+    params, opt, store = streamed(tmp_path / "live", verify=True)
+    for i in range(2):
+        step(opt, params, i)
+    at_save = state_of(store)
+    store.save_to(str(tmp_path / "ckpt"), wait=False)
+    for i in range(2, 4):
+        step(opt, params, i)
+    assert store.wait_for_save()["reflinked_buckets"] == len(store.buckets)
+    assert store.load_from(str(tmp_path / "ckpt"))
+    assert all(torch.equal(a, b) for a, b in zip(at_save, state_of(store)))
+    store.close()
+
+
+def test_in_order_check_chains_chunks_across_pieces_and_skips_padding(tmp_path):
+    """The copy's pieces are not verify's chunks: a chunk split over pieces is checked once it is whole;
+    bytes outside every chunk (alignment padding) are not checked."""
+    from miles_plugins.optimizers.streaming.io.verify import FileChecksums
+    from miles_plugins.optimizers.streaming.layout import Segment
+
+    data = bytearray(torch.randint(0, 256, (100,), dtype=torch.uint8).numpy().tobytes())
+    checksums = FileChecksums("f.bin", 0, {"main": Segment("main", 0, 100)}, enabled=True)
+    for offset, n in ((10, 30), (40, 30), (80, 20)):  # 0..10 and 70..80: padding
+        checksums.written(offset, [torch.frombuffer(bytearray(data[offset:offset + n]), dtype=torch.uint8)])
+
+    def feed(pieces):
+        check = checksums.in_order_check()
+        for start, stop in pieces:
+            check(start, memoryview(data)[start:stop])
+
+    pieces = [(0, 7), (7, 45), (45, 46), (46, 100)]
+    feed(pieces)
+    data[75] ^= 1  # padding: not checked
+    feed(pieces)
+    data[41] ^= 1
+    with pytest.raises(StateCorruptionError, match=r"bytes \[40, 70\) of f.bin"):
+        feed(pieces)

@@ -58,7 +58,7 @@ from .checkpoint import save_load as checkpoint
 from .bucket import Bucket, StreamEntry, codec_scratch_bytes, inflight_bytes, step_device_bytes
 from .codec import Fp32Codec, make_moment_codecs
 from .config import DEFAULT_DEPTH, StreamConfig, check_config
-from .errors import StoreConfigError, StorePoisonedError
+from .errors import StateCorruptionError, StoreConfigError, StorePoisonedError
 from .io.stager import Stager
 from .layout import EXP_AVG, EXP_AVG_SQ, MAIN, bucket_filename, bucket_layout, store_identity, store_relative_dir
 from .plan import DEFAULT_BUCKET_NUMEL, MIN_BUCKET_NUMEL, buckets_in_flight, fit_to_device_budget, plan_buckets
@@ -530,7 +530,11 @@ class NVMeOptimizerStateStore:
         job, self._save_job = self._save_job, None
         if job is None:
             return None
-        self.last_save = job.wait()
+        try:
+            self.last_save = job.wait()
+        except StateCorruptionError as e:  # verify: the save read a live file changed on disk
+            self._poison(e, "a save")
+            raise
         logger.info("saved optimizer state to %s: %.3f GB, blocked %.3f s, step stalled %.3f s, published "
                     "after %.2f s", job.final, job.stats["bytes"] / GB, job.stats["blocked_seconds"],
                     job.stats["stalled_seconds"], job.stats["seconds"])

@@ -28,6 +28,9 @@ No stall: save_to drains pending writes, snapshots the metadata and hands the co
 (reflink where the filesystem has it). Until a bucket is copied its live file has a `before_write`
 guard: the first write to it (the next step) copies it first. Training waits only for buckets it is
 about to overwrite. wait=False returns after the snapshot; wait_for_save() returns once published.
+With verify on, the bytes copied are checked against verify's chunk checksums of the live file (taken
+when the bucket is copied): a live file changed outside the store fails the save (StateCorruptionError,
+nothing published; the store poisons itself).
 
 Load trusts nothing in a manifest (checkpoints may come from elsewhere): the manifest is size-bounded
 before it is parsed; every file it lists must be a plain name inside the checkpoint directory (no
@@ -62,7 +65,7 @@ from io import BytesIO
 import torch
 
 from ..codec import codec_from_description
-from ..errors import CheckpointError, StoreConfigError
+from ..errors import CheckpointError, StateCorruptionError, StoreConfigError
 from ..io import stager as io
 from ..layout import MAIN, STREAMED_DIR, bucket_filename
 from . import requantize
@@ -115,6 +118,7 @@ class SaveJob:
         self.order = [b.index for b in store.next_bucket_order()]  # the order the next step overwrites them in
         self.locks = {i: threading.Lock() for i in self.order}
         self.fds, self.done, self.error, self.use_reflink = {}, set(), None, True
+        self.checks = {}  # bucket -> verify's check of a reflinked copy, run when the clone is checksummed
         self.stats = {"path": self.final, "bytes": sum(b.file.nbytes for b in store.buckets),
                       "reflinked_buckets": 0, "stalled_seconds": 0.0, "copied_by_writer": 0}
         for b in store.buckets:
@@ -137,10 +141,15 @@ class SaveJob:
             try:
                 if self.error is None:
                     fd = self.fds[i] = io.open_new(os.path.join(self.tmp, bucket_filename(i)))
-                    crc = None  # reflinked: checksummed later from the clone, off the training path
-                    if not (self.use_reflink and io.reflink(file.fd, fd)):
+                    # verify: the bytes copied must be those the store wrote. Its record is taken now: the
+                    # next write to the bucket (right after this copy) replaces it
+                    check = file.checksums.in_order_check()
+                    crc = None  # reflinked: checksummed (and checked) later from the clone, off the training path
+                    if self.use_reflink and io.reflink(file.fd, fd):
+                        self.checks[i] = check
+                    else:
                         self.use_reflink = False
-                        crc = io.copy_with_crc(file.fd, fd, file.nbytes)
+                        crc = io.copy_with_crc(file.fd, fd, file.nbytes, inspect=check)
                     self.manifest["buckets"][i]["crc32"] = crc
             except Exception as e:  # training goes on; wait_for_save() reports it
                 self.error = self.error or e
@@ -158,7 +167,7 @@ class SaveJob:
             for i in sorted(self.fds):
                 meta = self.manifest["buckets"][i]
                 if meta["crc32"] is None:
-                    meta["crc32"] = io.copy_with_crc(self.fds[i], None, meta["file_bytes"])
+                    meta["crc32"] = io.copy_with_crc(self.fds[i], None, meta["file_bytes"], inspect=self.checks[i])
                     self.stats["reflinked_buckets"] += 1
                 io.close_fd(self.fds.pop(i), sync=True)
             for name, data in ((RESIDENT, self.resident), (codec_rng.FILE, self.rng)):
@@ -181,6 +190,9 @@ class SaveJob:
 
     def wait(self) -> dict:
         self.thread.join()
+        if isinstance(self.error, StateCorruptionError):  # a live file changed on disk: the store poisons itself
+            raise StateCorruptionError(f"saving optimizer state to {self.final} failed, nothing was published: "
+                                       f"{self.error}") from self.error
         if self.error is not None:
             raise CheckpointError(f"saving optimizer state to {self.final} failed: {self.error!r}") from self.error
         return self.stats

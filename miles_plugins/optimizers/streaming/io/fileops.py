@@ -75,8 +75,11 @@ def _copy_range(src_fd: int, dst_fd: int, n: int, src_off: int, dst_off: int, bu
 
 
 def copy_with_crc(src_fd: int, dst_fd: int | None, nbytes: int, src_offset: int = 0, dst_offset: int = 0,
-                  crc: int = 0, on_chunk: Callable[[], None] | None = None) -> int:
+                  crc: int = 0, on_chunk: Callable[[], None] | None = None,
+                  inspect: Callable[[int, memoryview], None] | None = None) -> int:
     """Copy `nbytes` (dst_fd None: only read them) and return their zlib.crc32, chained from `crc`.
+    inspect: called with (source offset, bytes) of each chunk checksummed, in order (verify's check of
+    a live file a checkpoint copies, on the bytes the checksum reads anyway); what it raises fails the copy.
 
     Chunk by chunk: the copy runs in the kernel (copy_file_range; pread/pwrite where refused) while a
     helper thread checksums the previous chunk, re-read from the page cache. Every syscall and crc32
@@ -92,6 +95,8 @@ def copy_with_crc(src_fd: int, dst_fd: int | None, nbytes: int, src_offset: int 
                 _copy_range(src_fd, dst_fd, n, src_offset + pos, dst_offset + pos, buf)
             pread_into(src_fd, [buf[:n]], src_offset + pos)
             crc = zlib.crc32(buf[:n], crc)
+            if inspect is not None:
+                inspect(src_offset + pos, buf[:n])
             if on_chunk is not None:
                 on_chunk()
         return crc
@@ -102,6 +107,8 @@ def copy_with_crc(src_fd: int, dst_fd: int | None, nbytes: int, src_offset: int 
     def checksum(pos: int, n: int) -> None:  # one worker: runs in submission order
         pread_into(src_fd, [crc_buf[:n]], src_offset + pos)
         state[0] = zlib.crc32(crc_buf[:n], state[0])
+        if inspect is not None:
+            inspect(src_offset + pos, crc_buf[:n])
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-crc") as pool:
         futures = []

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from typing import Callable
 
 import torch
 
@@ -63,13 +64,24 @@ class FileChecksums:
             return
         crc = crc32_of(buffers)
         if crc != expected[1]:
-            raise StateCorruptionError(
-                f"optimizer state of bucket {self.bucket}, segment {self._segment_at(offset)}, bytes "
-                f"[{offset}, {offset + nbytes}) of {self.path} changed on disk since the store wrote them (crc32 "
-                f"{crc:#010x}, written {expected[1]:#010x}): something outside the store modified the file, or the "
-                "disk returned corrupt data. The store is unusable now: restore the model weights and call "
-                "store.load_from(<last checkpoint>), or restart from the last checkpoint; check the disk "
-                f"({os.path.dirname(self.path)}) and that no other process writes there")
+            raise self.mismatch(offset, nbytes, crc, expected[1])
+
+    def in_order_check(self) -> Callable[[int, memoryview], None] | None:
+        """A check of the whole file read back in order from offset 0 (a checkpoint's copy of it) against
+        the chunks recorded now: call it with each piece read, `(file offset, bytes)`; it raises
+        StateCorruptionError at the first chunk that differs. None: nothing recorded (verify off)."""
+        if not self.enabled or not self._crcs:
+            return None
+        return _InOrderCheck(self, sorted(self._crcs.items())).feed
+
+    def mismatch(self, offset: int, nbytes: int, crc: int, expected: int) -> StateCorruptionError:
+        return StateCorruptionError(
+            f"optimizer state of bucket {self.bucket}, segment {self._segment_at(offset)}, bytes "
+            f"[{offset}, {offset + nbytes}) of {self.path} changed on disk since the store wrote them (crc32 "
+            f"{crc:#010x}, written {expected:#010x}): something outside the store modified the file, or the "
+            "disk returned corrupt data. The store is unusable now: restore the model weights and call "
+            "store.load_from(<last checkpoint>), or restart from the last checkpoint; check the disk "
+            f"({os.path.dirname(self.path)}) and that no other process writes there")
 
     def forget(self) -> None:
         """The file was rewritten outside the engines (a checkpoint load): nothing recorded holds."""
@@ -82,3 +94,29 @@ class FileChecksums:
 
     def _segment_at(self, offset: int) -> str:
         return next(s.name for s in self.segments.values() if s.offset <= offset < s.offset + s.nbytes)
+
+
+class _InOrderCheck:
+    """Checks a file's bytes, fed in file order with no gap, against recorded chunks (offset, (nbytes,
+    crc32)) sorted by offset. A chunk may span pieces (the copy's pieces are not the engines' chunks): its
+    crc32 is chained across them. Bytes outside every chunk (alignment padding) are not checked."""
+
+    def __init__(self, checksums: FileChecksums, chunks: list[tuple[int, tuple[int, int]]]):
+        self.checksums = checksums
+        self.chunks = chunks
+        self.next = 0  # the first chunk not yet checked whole
+        self.crc = 0  # of the part of chunk `next` fed so far
+
+    def feed(self, offset: int, data: memoryview) -> None:
+        end = offset + len(data)
+        while self.next < len(self.chunks):
+            start, (nbytes, expected) = self.chunks[self.next]
+            if start >= end:
+                return  # begins in a later piece
+            stop = start + nbytes
+            self.crc = zlib.crc32(data[max(start, offset) - offset:min(stop, end) - offset], self.crc)
+            if stop > end:
+                return  # continues in the next piece
+            if self.crc != expected:
+                raise self.checksums.mismatch(start, nbytes, self.crc, expected)
+            self.next, self.crc = self.next + 1, 0
