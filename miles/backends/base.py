@@ -25,7 +25,7 @@ import abc
 import contextlib
 import importlib
 import logging
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from miles.config import RunConfig
 from miles_plugins.optimizers.streaming.io.ownership import DirectoryLock, claim_directory, remove_created
@@ -47,12 +47,6 @@ def resolve_backend(spec: str) -> type["TrainBackend"]:
     if not (isinstance(cls, type) and issubclass(cls, TrainBackend)):
         raise TypeError(f"backend spec {spec!r} names {cls!r}, which does not implement miles.backends.base.TrainBackend")
     return cls
-
-
-def micro_batches(n: int, size: int) -> Iterator[slice]:
-    """Slices of ``size`` samples (the last may be shorter) covering ``range(n)``."""
-    for i in range(0, n, size):
-        yield slice(i, min(n, i + size))
 
 
 def offload_stats(stats) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 __all__ = ["token_logprobs", "forward_logprobs", "collate_samples", "policy_gradient_loss"]
 
@@ -136,3 +135,26 @@ def policy_gradient_loss(
             "num_tokens": mask.sum(),
         }
     return loss, metrics
+
+
+def accumulate_policy_gradient(samples: Sequence[Any], advantages: Sequence[float], logprobs, *, pad_id: int,
+                               micro_batch_size: int, device: Any, eps_clip: float, temperature: float,
+                               num_tokens: float) -> list[float]:
+    """Forward and backward of :func:`policy_gradient_loss` over micro-batches of ``samples``; the grads
+    accumulate in the model. ``logprobs(batch, temperature)`` gives the ``[B, L-1]`` token log-probs of a
+    collated batch (each backend runs its own model). Returns the sums ``[loss, clipped tokens,
+    |train - rollout log-prob| over tokens]`` for the step's metrics."""
+    sums = [0.0, 0.0, 0.0]
+    for start in range(0, len(samples), micro_batch_size):
+        sl = slice(start, min(len(samples), start + micro_batch_size))
+        batch = {k: v.to(device) for k, v in collate_samples(samples[sl], pad_id, advantages[sl]).items()}
+        logp = logprobs(batch, temperature)
+        loss, m = policy_gradient_loss(logp, batch["rollout_logprobs"], batch["advantages"], batch["loss_mask"],
+                                       eps_clip=eps_clip, num_tokens=num_tokens)
+        loss.backward()
+        with torch.no_grad():
+            mask = batch["loss_mask"]
+            sums[0] += float(loss.detach())
+            sums[1] += float(m["clipfrac"]) * float(mask.sum())
+            sums[2] += float(((logp.detach() - batch["rollout_logprobs"]).abs() * mask).sum())
+    return sums

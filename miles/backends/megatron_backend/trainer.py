@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from miles.backends.base import TrainBackend, micro_batches, offload_stats
+from miles.backends.base import TrainBackend, offload_stats
 from miles.backends.torch_backend.trainer import loss_arguments, store_config
 from miles.config import RunConfig
 from miles.models import torch_dtype
@@ -229,7 +229,7 @@ class MegatronTrainer(TrainBackend):
 
     def train(self, rollout_id: int, samples: list, advantages: list[float]) -> dict[str, Any]:
         """One optimizer step over this rank's share of a rollout (the torch backend's metrics)."""
-        from miles.rl.loss import collate_samples, policy_gradient_loss
+        from miles.rl.loss import accumulate_policy_gradient
 
         start = time.perf_counter()
         loss_args = loss_arguments(self.config)
@@ -242,19 +242,11 @@ class MegatronTrainer(TrainBackend):
         self.optimizer.zero_grad()
         if self.store is not None:  # read-ahead: the disk is idle during forward/backward
             self.store.prefetch()
-        sums = [0.0, 0.0, 0.0]  # loss, clipped tokens, |train logp - rollout logp| over tokens
         fwd_bwd = time.perf_counter()
-        for sl in micro_batches(len(samples), self.config.training.micro_batch_size):
-            batch = {k: v.cuda() for k, v in collate_samples(samples[sl], pad_id, advantages[sl]).items()}
-            logp = self._logprobs(batch, loss_args["temperature"])
-            loss, m = policy_gradient_loss(logp, batch["rollout_logprobs"], batch["advantages"], batch["loss_mask"],
-                                           eps_clip=loss_args["eps_clip"], num_tokens=num_tokens)
-            loss.backward()
-            with torch.no_grad():
-                mask = batch["loss_mask"]
-                sums[0] += float(loss.detach())
-                sums[1] += float(m["clipfrac"]) * float(mask.sum())
-                sums[2] += float(((logp.detach() - batch["rollout_logprobs"]).abs() * mask).sum())
+        sums = accumulate_policy_gradient(samples, advantages, self._logprobs, pad_id=pad_id,
+                                          micro_batch_size=self.config.training.micro_batch_size, device="cuda",
+                                          eps_clip=loss_args["eps_clip"], temperature=loss_args["temperature"],
+                                          num_tokens=num_tokens)
         self.ddp.finish_grad_sync()
         fwd_bwd = time.perf_counter() - fwd_bwd
 

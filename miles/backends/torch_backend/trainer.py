@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from miles.backends.base import TrainBackend, micro_batches, offload_stats
+from miles.backends.base import TrainBackend, offload_stats
 from miles.config import RunConfig
 from miles.models import torch_dtype
 from miles.offload import make_offloader, make_resizable
@@ -157,7 +157,7 @@ class TorchTrainer(TrainBackend):
         rollout (all ranks): each rank divides by the global token count / world size, and the DP grad
         average makes the sum.
         """
-        from miles.rl.loss import collate_samples, forward_logprobs, policy_gradient_loss
+        from miles.rl.loss import accumulate_policy_gradient, forward_logprobs
 
         start = time.perf_counter()
         model, opt = self.model, self.optimizer
@@ -170,20 +170,15 @@ class TorchTrainer(TrainBackend):
         opt.zero_grad(set_to_none=True)
         if self.store is not None:  # read-ahead: the disk is idle during forward/backward
             self.store.prefetch()
-        sums = [0.0, 0.0, 0.0]  # loss, clipped tokens, |train logp - rollout logp| over tokens
         fwd_bwd = time.perf_counter()
-        for sl in micro_batches(len(samples), self.config.training.micro_batch_size):
-            batch = collate_samples(samples[sl], pad_id, advantages[sl])
-            batch = {k: v.to(self.device) for k, v in batch.items()}
-            logp = forward_logprobs(model, batch["input_ids"], batch["attention_mask"], loss_args["temperature"])
-            loss, m = policy_gradient_loss(logp, batch["rollout_logprobs"], batch["advantages"], batch["loss_mask"],
-                                           eps_clip=loss_args["eps_clip"], num_tokens=num_tokens)
-            loss.backward()
-            with torch.no_grad():
-                mask = batch["loss_mask"]
-                sums[0] += float(loss.detach())
-                sums[1] += float(m["clipfrac"]) * float(mask.sum())
-                sums[2] += float(((logp.detach() - batch["rollout_logprobs"]).abs() * mask).sum())
+
+        def logprobs(batch, temperature):
+            return forward_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature)
+
+        sums = accumulate_policy_gradient(samples, advantages, logprobs, pad_id=pad_id,
+                                          micro_batch_size=self.config.training.micro_batch_size,
+                                          device=self.device, eps_clip=loss_args["eps_clip"],
+                                          temperature=loss_args["temperature"], num_tokens=num_tokens)
         fwd_bwd = time.perf_counter() - fwd_bwd
 
         step_start = time.perf_counter()
