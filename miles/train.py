@@ -188,13 +188,19 @@ def run(config: RunConfig) -> dict[str, Any]:
     try:
         return _run_holding_root(config, stop, summary)
     except RunInterrupted as e:
-        interrupted = e
+        signum = e.signum
+    except SystemError:
+        # The handler's RunInterrupted, raised while the main thread was inside a C extension (Ray's
+        # CoreWorker.wait), comes back out of it as a SystemError: still the signal.
+        if stop.received is None:
+            raise
+        signum = stop.received
     finally:
         stop.restore()
         removed = remove_run_directories(config)
         root_lock.release()
-    print(interrupted_line(interrupted.signum, summary, removed), file=sys.stderr)
-    raise SystemExit(128 + interrupted.signum) from None
+    print(interrupted_line(signum, summary, removed), file=sys.stderr)
+    raise SystemExit(128 + signum) from None
 
 
 def remove_run_directories(config: RunConfig) -> int:

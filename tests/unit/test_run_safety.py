@@ -77,6 +77,40 @@ def test_run_root_lock_is_released_and_its_folders_removed_after_the_run(make_co
     train.claim_run_root(cfg).release()  # the next run takes it
 
 
+def test_signal_raised_inside_a_c_extension_still_ends_as_an_interrupt(make_config, tmp_path, monkeypatch, capsys):
+    """Ray's CoreWorker.wait turns the handler's RunInterrupted into a SystemError (seen in CI): the run
+    must still tear down, print its one line and exit 128 + signum, not crash with exit 1."""
+    import miles.train as train
+
+    cfg = _config(make_config, tmp_path)
+
+    def interrupted_inside_ray(config, stop, summary):
+        try:
+            stop._handle(signal.SIGTERM, None)
+        except train.RunInterrupted as e:
+            raise SystemError("<cyfunction CoreWorker.wait> returned a result with an exception set") from e
+
+    monkeypatch.setattr(train, "_run_holding_root", interrupted_inside_ray)
+    with pytest.raises(SystemExit) as exit_:
+        train.run(cfg)
+    assert exit_.value.code == 128 + signal.SIGTERM
+    assert "miles train: interrupted by SIGTERM" in capsys.readouterr().err
+    assert not os.path.exists(cfg.paths.root)
+
+
+def test_system_error_without_a_signal_is_not_taken_for_one(make_config, tmp_path, monkeypatch):
+    import miles.train as train
+
+    cfg = _config(make_config, tmp_path)
+
+    def broken(config, stop, summary):
+        raise SystemError("a real bug")
+
+    monkeypatch.setattr(train, "_run_holding_root", broken)
+    with pytest.raises(SystemError, match="a real bug"):
+        train.run(cfg)
+
+
 def test_two_offloaders_on_one_directory_are_refused(tmp_path):
     from miles.offload import StorageOffloader
 
