@@ -240,7 +240,13 @@ def load_train_state(base: str, *, model, optimizer, store, rank: int, world_siz
                 "optimizer state only resumes onto the same data-parallel size (use --no-load-optim to "
                 "load the weights alone)")
         if store is not None:  # the store reshards its own state when the data-parallel size changed
-            found = store.load_from(base)
+            from miles_plugins.optimizers.nvme_stream import CheckpointError as StoreCheckpointError
+
+            try:
+                found = store.load_from(base)
+            except StoreCheckpointError as e:
+                raise CheckpointError(f"{e}. To resume the weights alone, with fresh optimizer state, pass "
+                                      "--no-load-optim") from e
             info["optimizer"] = "streamed" if found else "streamed state absent: fresh optimizer state"
         else:
             path = optimizer_file(base, rank)

@@ -5,7 +5,8 @@
 #           (the Llama run is also the "disk + streaming" arm of the sleep/wake comparison)
 #   sleep   the same Llama with trainer offload to cpu and to disk, optimizer state resident, 3 rollouts
 # Usage: scripts/validate_megatron.sh train [PRESET...] | sleep
-#   WORK=<dir with ~40 GB free> (default /tmp/miles-megatron); SLEEP_ROLLOUTS (default 3)
+#   WORK=<dir with ~40 GB free> (default /tmp/miles-megatron); SLEEP_ROLLOUTS (default 3);
+#   RESUME_TO: the rollout count the resumed run trains to (default 7: two more)
 set -euo pipefail
 phase=${1:?usage: $0 train [PRESET...] | sleep}
 shift
@@ -39,7 +40,7 @@ train)
             --offload-train-disk-dir "$WORK/disk-$m")
     miles train "${stream[@]}" --num-rollout 5 --save "$WORK/ckpt-$m" --metrics-file "$WORK/$m.jsonl"
     summary "$WORK/$m.jsonl"
-    miles train "${stream[@]}" --num-rollout 7 --load "$WORK/ckpt-$m" --metrics-file "$WORK/$m-resume.jsonl"
+    miles train "${stream[@]}" --num-rollout "${RESUME_TO:-7}" --load "$WORK/ckpt-$m" --metrics-file "$WORK/$m-resume.jsonl"
     summary "$WORK/$m-resume.jsonl"
     ls -A "$WORK/disk-$m" 2>/dev/null | sed 's/^/left under the disk root: /' || true
     rm -rf "$WORK/ckpt-$m"
