@@ -14,8 +14,11 @@ streams). A bucket's storage is released once its write-back no longer needs it.
                resident from its write-back is reused by the next step without a read (fp32 segments).
   order        the bucket order alternates every step, so the buckets written last are read first (still
                in the page cache with buffered I/O, or still resident on the device).
-  host cache   optional (host_cache_mb): images of hot buckets in host RAM; their reads cost no disk I/O
-               and their disk writes run in the background while the disk has no reads to serve.
+  host tier    optional (host_cache_mb): write-back images of buckets in host RAM (io/hostcache.py):
+               their reads and writes cost a host<->device copy and no disk I/O. Their bytes reach the
+               files only on flush(), save_to() and load_from() (and set_io, which flushes); close()
+               removes the files without writing them. release_device() frees the device without
+               waiting for the disk.
 Device budget (StreamConfig.device_budget_mb; default one DEFAULT_BUCKET_NUMEL bucket's worth, config.py):
 the store picks bucket_numel and depth with plan.fit_to_device_budget so that the residency bound stays
 within it. Residency bound (StoreStats.residency_bound_bytes <= device_budget_bytes): at most
@@ -73,10 +76,14 @@ class StepStats:
     bytes_written: int = 0  # state bytes the step wrote back (some may land after it returned)
     buckets: int = 0
     io_seconds: float = 0.0  # wall - compute: time the step waited for I/O (exposed I/O)
+    io_task_seconds: float = 0.0  # time the engine's tasks spent moving bytes during the step, summed over
+    #   its threads (total I/O; the part not in io_seconds overlapped compute)
     compute_seconds: float = 0.0  # update + publish (device-synchronized)
     wall_seconds: float = 0.0
     disk_bytes_read: int = 0  # of bytes_read, read from the files (including read-ahead before the step)
     cache_bytes_read: int = 0  # of bytes_read, served from the host cache
+    disk_bytes_written: int = 0  # bytes sent to the files during the step (buckets without a host image;
+    #   0 when the host tier holds every bucket: the images' bytes go to disk on flush/save)
     reused_bytes: int = 0  # of bytes_read, still resident from the previous step's write-back
     prefetched_buckets: int = 0  # buckets whose reads started before the step (prefetch)
     pending_writes: int = 0  # buckets whose write-back was still in flight when the step returned
@@ -104,7 +111,7 @@ class StoreStats:
     residency_bound_bytes: int = 0
     device_budget_bytes: int = 0  # StreamConfig.device_budget_mb in bytes (or the default: one default bucket)
     staging_bytes: int = 0  # host staging the engine may allocate (pinned on CUDA)
-    host_cache_bytes: int = 0  # host-RAM budget for images of hot buckets
+    host_cache_bytes: int = 0  # host-RAM budget for images of buckets (the host tier)
 
 
 class NVMeOptimizerStateStore:
@@ -264,9 +271,12 @@ class NVMeOptimizerStateStore:
         """Make the next step walk the buckets as a saved run's next step would have (checkpoint load)."""
         self._order_flipped = descending != (self.stats.steps % 2 == 1)
 
-    def _read_marks(self) -> tuple[int, int]:
+    def _read_marks(self) -> tuple[int, int, int, float]:
+        """The engine's counters a step's stats are differences of: disk bytes read, host-cache bytes
+        read, disk bytes written, task seconds."""
         c = self.stager.counters
-        return c.bytes_read - c.cache_bytes_read, c.cache_bytes_read
+        return (c.bytes_read - c.cache_bytes_read, c.cache_bytes_read, c.disk_bytes_written,
+                c.read_seconds + c.write_seconds)
 
     def _track_residency(self, scratch: int = 0) -> None:
         """Measure the state bytes on the device now: every bucket in flight, plus `scratch` while a
@@ -413,13 +423,29 @@ class NVMeOptimizerStateStore:
         return started
 
     def flush(self) -> None:
-        """Wait until every write-back is in the files and release everything the pipeline holds
-        (write-behind and prefetched buckets). Saves and loads drain on their own; call this before
-        handing the device memory to someone else (sleep, offload) or to measure a step end to end."""
+        """Wait until every write-back is in the files, the host tier's dirty images included, and
+        release everything the pipeline holds (write-behind and prefetched buckets). Afterwards the
+        files hold the state. Saves and loads do this on their own; call it before the files must hold
+        the state for someone else, or to measure a step end to end. A trainer going to sleep only needs
+        the device back: release_device()."""
         self._check_usable()
         try:
             with self._poisons_on_failure("a previous step's write-behind"):
-                self.stager.wait_all()
+                self.stager.write_back()
+        finally:
+            self._release_pipeline()
+
+    def release_device(self) -> None:
+        """Free every device buffer the pipeline holds, without waiting for the disk: return once each
+        read in flight has landed and each write-back has left the device (into its host image, or into
+        staging: a bucket without an image still waits for most of its disk write, since staging is
+        bounded). Dirty host images stay dirty and staged writes land on the engine's threads while the
+        trainer sleeps; the next step, save or flush orders itself after them, and an I/O error among
+        them poisons the store at that call. Call it before handing the device memory to someone else."""
+        self._check_usable()
+        try:
+            with self._poisons_on_failure("a previous step's write-behind"):
+                self.stager.wait_device()
         finally:
             self._release_pipeline()
 
@@ -477,12 +503,13 @@ class NVMeOptimizerStateStore:
             self._abort()
             raise
         wall = time.perf_counter() - start
-        disk0, cache0 = self._marks
-        self._marks = disk1, cache1 = self._read_marks()
+        disk0, cache0, disk_written0, task0 = self._marks
+        self._marks = disk1, cache1, disk_written1, task1 = self._read_marks()
         pending = sum(1 for b in self.buckets if self.stager.writes_in_flight(b.file))
         last = StepStats(bytes_read=self._step_read, bytes_written=self.stager.counters.bytes_written - written0,
-                         buckets=len(self.buckets), io_seconds=wall - compute, compute_seconds=compute,
-                         wall_seconds=wall, disk_bytes_read=disk1 - disk0, cache_bytes_read=cache1 - cache0,
+                         buckets=len(self.buckets), io_seconds=wall - compute, io_task_seconds=task1 - task0,
+                         compute_seconds=compute, wall_seconds=wall, disk_bytes_read=disk1 - disk0,
+                         cache_bytes_read=cache1 - cache0, disk_bytes_written=disk_written1 - disk_written0,
                          reused_bytes=self._step_reused, prefetched_buckets=prefetched, pending_writes=pending,
                          peak_resident_bytes=self._step_peak)
         self.stats.steps += 1
@@ -491,11 +518,13 @@ class NVMeOptimizerStateStore:
         self.stats.last_step = last
         moved = (last.bytes_read + last.bytes_written) / GB
         logger.info("optimizer step %d streamed %d buckets: read %.3f GB (disk %.3f, host cache %.3f, still "
-                    "resident %.3f), wrote %.3f GB in %.2f s (%.2f GB/s; io %.2f s, compute %.2f s); %d buckets "
-                    "prefetched, %d writes behind; device peak %.3f GB (bound %.3f GB, budget %.3f GB)",
+                    "resident %.3f), wrote %.3f GB (disk %.3f) in %.2f s (%.2f GB/s; exposed io %.2f s of %.2f s "
+                    "busy, compute %.2f s); %d buckets prefetched, %d writes behind; device peak %.3f GB (bound "
+                    "%.3f GB, budget %.3f GB)",
                     self.stats.steps, last.buckets, last.bytes_read / GB, last.disk_bytes_read / GB,
-                    last.cache_bytes_read / GB, last.reused_bytes / GB, last.bytes_written / GB, wall,
-                    moved / wall if wall else 0.0, last.io_seconds, last.compute_seconds, prefetched, pending,
+                    last.cache_bytes_read / GB, last.reused_bytes / GB, last.bytes_written / GB,
+                    last.disk_bytes_written / GB, wall, moved / wall if wall else 0.0, last.io_seconds,
+                    last.io_task_seconds, last.compute_seconds, prefetched, pending,
                     last.peak_resident_bytes / GB, self.stats.residency_bound_bytes / GB,
                     self.device_budget_bytes / GB)
         return last
@@ -520,8 +549,8 @@ class NVMeOptimizerStateStore:
         """
         self._check_usable()
         self.wait_for_save()
-        with self._poisons_on_failure("a previous step's write-behind"):
-            self.stager.wait_all()  # a torn state must never be published
+        with self._poisons_on_failure("a previous step's write-behind or writing the host images back"):
+            self.stager.write_back()  # a torn state must never be published; the copy reads the files
         self._save_job = checkpoint.SaveJob(self, checkpoint_base)
         return self.wait_for_save() if wait else None
 
@@ -635,8 +664,8 @@ class NVMeOptimizerStateStore:
         self._closed = True
         self.stager.wait_all(raise_errors=False)  # write-behind in flight ends before its files close
         self._release_pipeline()
-        for bucket in self.buckets:
-            self.stager.close_file(bucket.file)
+        for bucket in self.buckets:  # removed next: dirty host images are not written
+            self.stager.close_file(bucket.file, write_back=False)
         if self.directory_lock is not None:  # None: construction failed before the directory was locked
             self.stager.remove_directory(self.directory_lock)
         self.stager.close()

@@ -24,7 +24,7 @@ renamed to `<dir>` and its parent fsynced. A kill at any point leaves what `<dir
 when each checkpoint has its own base) or the complete new one. A `.tmp-` leftover is never read; the
 next save to that base removes it. Other bases (the previous checkpoint) are never touched.
 
-No stall: save_to drains pending writes, snapshots the metadata and hands the copy to a thread
+No stall: save_to lands pending writes and the host images' dirty bytes in the files, snapshots the metadata and hands the copy to a thread
 (reflink where the filesystem has it). Until a bucket is copied its live file has a `before_write`
 guard: the first write to it (the next step) copies it first. Training waits only for buckets it is
 about to overwrite. wait=False returns after the snapshot; wait_for_save() returns once published.
@@ -102,7 +102,7 @@ class SaveJob:
         t0 = time.perf_counter()
         self.store, self.final = store, os.path.join(os.path.abspath(base), STREAMED_DIR, store.relative_dir)
         self.tmp = f"{self.final}.tmp-{os.getpid()}"
-        store.stager.drain()  # write-behind must have landed in the files we copy
+        store.stager.write_back()  # write-behind and dirty host images must be in the files we copy
         self.manifest = build_manifest(store)
         self.resident = None  # the small always-resident Adam (native-fp32 params) is in memory: snapshot it now
         if _resident(store) is not None:

@@ -9,10 +9,10 @@ these tensors' bytes, back to back, at file offset `o`" (write), and hand back a
 sync       The seed's path, kept as the in-run baseline (sync.py).
 
 pipelined  This module. Requests are cut into chunk-sized tasks (small shards of one request are packed
-           into the same chunk) and run by worker threads: `threads` readers, `threads` writers, and
-           `threads` more for write-behind from the host cache, so reads of the buckets ahead, writes of
-           the buckets behind and the update of the current bucket all overlap. Worker threads spend
-           their time in preadv/pwritev, torch copies and CUDA event waits, all of which release the GIL.
+           into the same chunk) and run by worker threads: `threads` readers and `threads` writers, so
+           reads of the buckets ahead, writes of the buckets behind and the update of the current bucket
+           all overlap. Worker threads spend their time in preadv/pwritev, torch copies and CUDA event
+           waits, all of which release the GIL.
            Host side:
              staging    2 x (threads + 1) buffers of chunk_bytes, 4 KiB aligned, pinned where CUDA is
                         (cudaHostRegister'ed, so sizes are exact). A read task: file -> staging -> device
@@ -26,13 +26,17 @@ pipelined  This module. Requests are cut into chunk-sized tasks (small shards of
                         lengths are padded within the segment's reserved aligned space (reads always,
                         writes when the caller says the tail is reserved: `pad_tail`). Anything else
                         unaligned goes through the buffered descriptor of the same file.
-             host cache optional budget (`host_cache_bytes`) of whole-file images, write-through with
-                        background write-behind (hostcache.py).
+             host cache optional budget (`host_cache_bytes`) of whole-file images, write-back: a write
+                        to a file with an image lands in the image only, and its dirty chunks go to the
+                        file when the file must hold them (write_back_images, drop_cache, forget, or a
+                        read/partial write that needs the file's bytes under them; hostcache.py).
 
 Ordering: a read of a file waits (in the worker, not the caller) for that file's earlier writes of the
 same bytes: until they are in the file, or only until they are in the host image when the read is
-served from it. A write waits for the file's earlier reads and writes of the same bytes. Every write
-calls `file.before_write()` first (a background checkpoint copies the file's bytes before they change).
+served from it (a read from the file of bytes an image holds dirty first writes them back). A write
+waits for the file's earlier reads and writes of the same bytes, write-backs of its image included.
+Every write to a file or an image calls `file.before_write()` first, and so does every write-back (a
+background checkpoint copies the file's bytes before they change).
 With verify (io/verify.py) every chunk a task moves between a file and host bytes is checksummed there:
 recorded after a write, checked after a read from the file (StateCorruptionError on a mismatch).
 Errors raised in a worker are kept on the ticket and raised by whoever waits on it; tasks that depend
@@ -58,7 +62,7 @@ from ..layout import ALIGN_BYTES, align_up
 from .hostcache import FileState, HostCache
 from .hostio import NO_DIRECT, HostMemory, StagingPool, cut_into_chunks, host_buffer, pread_into, pwrite_all
 from .sync import SyncEngine
-from .tickets import Deferred, IOCounters, Ticket, Workers, overlap
+from .tickets import IOCounters, Ticket, Workers, overlap
 
 logger = logging.getLogger(__name__)
 
@@ -89,12 +93,8 @@ class PipelinedEngine:
         if self.cuda:
             self._h2d = torch.cuda.Stream(self.device)
             self._d2h = torch.cuda.Stream(self.device)
-        self._disk_reads = 0  # disk read tasks submitted and not finished: write-behind yields to them
         self._readers = Workers("miles-io-read", threads, self.device)
         self._writers = Workers("miles-io-write", threads, self.device)
-        # Write-behind of host images to the files runs on its own threads (a fill never waits behind a
-        # long background pwrite) and only while the disk has no reads to serve.
-        self._behind = Workers("miles-io-behind", threads, self.device, idle=lambda: self._disk_reads == 0)
         self._closed = False
 
     @property
@@ -116,17 +116,25 @@ class PipelinedEngine:
         state.prune()
         return state
 
-    def forget(self, file) -> None:
-        """The file is being closed: wait for its requests, then drop its state and free its image."""
-        state = self._files.pop(id(file), None)
+    def forget(self, file, write_back: bool = True) -> None:
+        """The file is being closed: write its image's dirty chunks back (unless `write_back` is False:
+        the file is removed next), wait for its requests, then drop its state and free its image. Raises
+        the error of a failed write-back (after the state is dropped)."""
+        state = self._files.get(id(file))
         if state is None:
             return
+        if write_back and self.error is None and not self._closed:
+            self._write_back(state)
+        del self._files[id(file)]
+        error = None
         for t in state.reads + state.writes:
             try:
                 t.wait()
-            except BaseException:  # noqa: BLE001 - kept in self.error; the caller is closing the file
-                pass
+            except BaseException as e:  # noqa: BLE001 - kept in self.error too
+                error = error or e
         self.cache.release(state)
+        if write_back and error is not None:
+            raise error
 
     def _dfd(self, file) -> int:
         """The file's O_DIRECT descriptor (opened with the file, never by path here), or -1 where direct
@@ -157,9 +165,11 @@ class PipelinedEngine:
         state = self._state(file)
         chunks = cut_into_chunks(offset, dsts, self.chunk_bytes)
         total = sum(c[1] for c in chunks)
-        slot = state.slot if state.slot is not None and state.slot.covers(offset, offset + total) else None
-        level = "consumed" if slot is not None else "finished"
         span = (offset, align_up(offset + total))
+        slot = state.slot if state.slot is not None and state.slot.covers(offset, offset + total) else None
+        if slot is None and state.slot is not None:
+            self._write_back(state, span)  # the file lacks what the image holds dirty here: a dependency
+        level = "consumed" if slot is not None else "finished"
         deps = [(t, level) for t in state.writes if overlap(t.span, span)]
         ready = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
         dfd = self._dfd(file) if slot is None else -1
@@ -168,9 +178,6 @@ class PipelinedEngine:
         for chunk in chunks:
             if slot is not None:
                 self.cache.pin(slot)
-            else:
-                with self._lock:
-                    self._disk_reads += 1
             self._readers.submit(lambda c=chunk: self._read_task(file, dfd, ticket, c, deps, ready, slot))
         state.reads.append(ticket)
         self.counters.bytes_read += total
@@ -186,10 +193,14 @@ class PipelinedEngine:
         chunks = cut_into_chunks(offset, srcs, self.chunk_bytes)
         total = sum(c[1] for c in chunks)
         span = (offset, align_up(offset + total))
-        deps = [(t, "finished") for t in state.writes + state.reads if overlap(t.span, span)]
         slot = self.cache.slot_for_write(state, file.nbytes) if chunks else None
         if slot is not None:
+            self._write_back_partly_covered(state, offset, offset + total)
+        deps = [(t, "finished") for t in state.writes + state.reads if overlap(t.span, span)]
+        if slot is not None:
             slot.mark_valid(offset, offset + total)
+            for i, (file_off, n, _) in enumerate(chunks):
+                slot.mark_dirty(file_off, n, pad_tail and i == len(chunks) - 1)
         ready = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
         dfd = self._dfd(file)
         ticket = Ticket(len(chunks), list(srcs))
@@ -202,7 +213,58 @@ class PipelinedEngine:
             self._writers.submit(lambda c=chunk, p=pad: self._write_task(file, dfd, ticket, c, deps, ready, slot, p))
         state.writes.append(ticket)
         self.counters.bytes_written += total
+        if slot is None:
+            self.counters.disk_bytes_written += total
         return ticket
+
+    def _write_back_partly_covered(self, state: FileState, start: int, stop: int) -> None:
+        """Before a write into the image: write back the dirty chunks it overlaps only in part (their
+        other bytes are still the file's to receive; the ones it covers whole it replaces)."""
+        partial = [(o, n) for o, n, _ in state.slot.dirty_in((start, stop)) if o < start or o + n > stop]
+        for o, n in partial:
+            self._write_back(state, (o, o + n))
+
+    def _write_back(self, state: FileState, span: tuple[int, int] | None = None) -> None:
+        """Submit writes of the image's dirty chunks (those overlapping `span`, or all) to the file: the
+        only way bytes written into an image reach the disk. Later requests of the file order after
+        them (they are the file's writes); the chunks count as clean from now on."""
+        slot = state.slot
+        chunks = slot.take_dirty(span) if slot is not None else []
+        if not chunks:
+            return
+        file = state.file
+        if file.before_write is not None:
+            file.before_write()
+        dfd = self._dfd(file)
+        for file_off, n, pad in chunks:
+            ticket = Ticket(1, [])
+            ticket.span = (file_off, align_up(file_off + n))
+            deps = [(t, "finished") for t in state.writes + state.reads if overlap(t.span, ticket.span)]
+            self.cache.pin(slot)
+            self._writers.submit(lambda t=ticket, o=file_off, k=n, p=pad, d=deps:
+                                 self._image_write_task(file, dfd, t, slot, o, k, p, d))
+            state.writes.append(ticket)
+            self.counters.disk_bytes_written += n
+
+    def write_back_images(self) -> None:
+        """Return once every request has ended and every file holds its image's dirty chunks (the
+        images stay, clean). Raises the first error (after all have ended)."""
+        self.wait_all()
+        self._check_open()
+        for state in list(self._files.values()):
+            self._write_back(state)
+        self.wait_all()
+
+    def wait_device(self) -> None:
+        """Return once no request uses device memory any more: every read has finished and every write
+        has consumed its sources (into a host image, or into staging: a staged write's last chunks are
+        consumed only once its earlier ones are on disk, the staging being bounded). Writes of staging
+        and of dirty images to the disk may still be in flight; later requests order after them."""
+        for state in list(self._files.values()):
+            for t in state.reads:
+                t.wait()
+            for t in state.writes:
+                t.wait("consumed")
 
     def pending(self, file, kind: str) -> list[Ticket]:
         state = self._files.get(id(file))
@@ -229,7 +291,13 @@ class PipelinedEngine:
             raise first
 
     def drop_cache(self) -> None:
-        self.cache.drop()
+        """Write the images' dirty chunks back, then forget every image (whoever drops them may change
+        the files behind the engine's back). After a failure the dirty chunks are lost with the images:
+        the store is poisoned then, and only a checkpoint load rebuilds its state."""
+        try:
+            self.write_back_images()
+        finally:
+            self.cache.drop()
 
     def close(self) -> None:
         if self._closed:
@@ -238,7 +306,6 @@ class PipelinedEngine:
         self._closed = True
         self._readers.close()
         self._writers.close()
-        self._behind.close()
         self._memory.close()
 
     def _check_open(self) -> None:
@@ -288,32 +355,20 @@ class PipelinedEngine:
         finally:
             if slot is not None:
                 self.cache.unpin(slot)
-            else:
-                with self._lock:
-                    self._disk_reads -= 1
-                    idle = self._disk_reads == 0
-                if idle:
-                    self._behind.poke()
             ticket.consume_chunk()
             ticket.finish_chunk(error)
 
     def _write_task(self, file, dfd, ticket, chunk, deps, ready, slot, pad) -> None:
         file_off, n, pieces = chunk
-        consumed, error, deferred = False, None, False
+        consumed, error = False, None
         try:
             for dep, level in deps:
                 dep.wait_dependency(level)
             t0 = time.perf_counter()
             if slot is not None:
-                # write-behind: the bytes are in host RAM now (the source may be released); the disk
-                # write runs in the background, when the disk has no reads to serve
+                # write-back: the image holds the bytes now and the chunk is dirty (marked when the write
+                # was submitted); the file gets them when it must hold them (_write_back)
                 self._copy_out(pieces, slot.image[file_off:file_off + n], ready)
-                ticket.consume_chunk()
-                consumed = True
-                task = Deferred(lambda: self._slot_write(file, dfd, ticket, slot, file_off, n, pad))
-                ticket.defer(task)
-                deferred = True
-                self._behind.submit(task.run, background=True)
             elif not self.cuda and dfd < 0:
                 views = [v[s:s + k] for v, s, k in pieces]
                 pwrite_all(file.fd, [host_buffer(v) for v in views], file_off)
@@ -336,15 +391,16 @@ class PipelinedEngine:
         finally:
             if not consumed:
                 ticket.consume_chunk()
-            if not deferred:
-                if slot is not None:
-                    self.cache.unpin(slot)
-                ticket.finish_chunk(error)
+            if slot is not None:
+                self.cache.unpin(slot)
+            ticket.finish_chunk(error)
 
-    def _slot_write(self, file, dfd, ticket, slot, file_off, n, pad) -> None:
-        """The background half of a write-through to a host image: image -> file."""
+    def _image_write_task(self, file, dfd, ticket, slot, file_off, n, pad, deps) -> None:
+        """A write-back: a dirty chunk of a host image -> the file (verify records it as it lands)."""
         error = None
         try:
+            for dep, level in deps:
+                dep.wait_dependency(level)
             t0 = time.perf_counter()
             self._transfer("write", file, dfd, slot.image[file_off:], file_off, n, pad)
             file.checksums.written(file_off, [slot.image[file_off:file_off + n]])
@@ -355,6 +411,7 @@ class PipelinedEngine:
             self._failed(e)
         finally:
             self.cache.unpin(slot)
+            ticket.consume_chunk()
             ticket.finish_chunk(error)
 
     def _copy_in(self, src: torch.Tensor, pieces, ready) -> None:

@@ -1,12 +1,14 @@
-"""The pipelined engine's host cache: whole-file images in host RAM under a byte budget.
+"""The pipelined engine's host tier: whole-file images in host RAM under a byte budget, write-back.
 
-A write to a file with an image fills the image (write-through; the device buffer is free as soon as the
-copy lands, at PCIe speed) and writes the file from it in the background, on the write-behind threads,
-only while no disk read is in flight (the step's reads come first; the writes land during the next
-forward/backward). A read of a range the image holds is served from RAM. Files get images at their
-first write while the budget lasts and keep them: a fixed set of hot buckets skips the disk read every
-step and has its disk write hidden behind the next forward/backward. The engine (engine.py) does the
-copies and the I/O; this module only decides which file has which image and what it holds.
+A write to a file with an image lands in the image only (a host copy at PCIe speed; the device buffer
+is free once it lands) and marks the chunks it wrote dirty; the disk is not touched. A read of a range
+the image holds is served from RAM. So when the budget holds every bucket, a step reads and writes no
+disk at all. Dirty chunks reach the file only when someone needs the file to hold them
+(engine.write_back_images: store.flush, store.save_to), when the image is dropped or its file closed
+with its contents kept (drop_cache, set_engine, forget), and when a read or a partial write needs the
+file's bytes under them. Files get images at their first write while the budget lasts and keep them.
+The engine (engine.py) does the copies and the I/O; this module only decides which file has which
+image, what it holds and which of its chunks the file lacks.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import threading
 import torch
 
 from .hostio import HostMemory, align_up
-from .tickets import Ticket
+from .tickets import Ticket, overlap
 
 
 class _Slot:
@@ -25,6 +27,10 @@ class _Slot:
         self.capacity = image.numel()
         self.owner: FileState | None = None
         self.valid: list[tuple[int, int]] = []  # sorted, disjoint byte ranges the image holds
+        # Chunks written into the image and not yet to the file: offset -> (nbytes, pad). Kept in the
+        # engine's transfer chunks (cut_into_chunks of the write), so the write-back moves, and verify
+        # checksums, exactly the chunks a read of the same segment cuts.
+        self.dirty: dict[int, tuple[int, bool]] = {}
         self.pins = 0  # tasks in flight that use the image
 
     def covers(self, start: int, stop: int) -> bool:
@@ -40,13 +46,32 @@ class _Slot:
                 merged.append((a, b))
         self.valid = merged
 
+    def dirty_in(self, span: tuple[int, int] | None = None) -> list[tuple[int, int, bool]]:
+        """Dirty chunks (offset, nbytes, pad) overlapping `span` (None: all of them)."""
+        return [(o, n, p) for o, (n, p) in sorted(self.dirty.items())
+                if span is None or overlap((o, o + n), span)]
+
+    def take_dirty(self, span: tuple[int, int] | None = None) -> list[tuple[int, int, bool]]:
+        """Dirty chunks overlapping `span` (None: all), now marked clean: the caller writes them back."""
+        chunks = self.dirty_in(span)
+        for o, _, _ in chunks:
+            del self.dirty[o]
+        return chunks
+
+    def mark_dirty(self, offset: int, nbytes: int, pad: bool) -> None:
+        """A write puts these bytes into the image. Dirty chunks it covers whole are replaced; the engine
+        writes back any it overlaps only in part before the write (their other bytes are still dirty)."""
+        for o, n, _ in self.dirty_in((offset, offset + nbytes)):
+            del self.dirty[o]
+        self.dirty[offset] = (nbytes, pad)
+
 
 class HostCache:
     """Whole-file images under a byte budget. A file gets an image at a write while the budget lasts
     and keeps it (images are never taken from one file for another: every bucket is read once per step,
-    so evicting one image for another only trades a hit for a hit and adds a read; with the order
-    alternating every step, a fixed set of hot buckets is served from RAM every step). drop() frees them
-    all (the files changed behind the engine's back)."""
+    so evicting one image for another only trades a hit for a hit and adds a read and a write; with the
+    order alternating every step, a fixed set of hot buckets is served from RAM every step). drop()
+    forgets them all; the engine writes their dirty chunks back first (drop_cache)."""
 
     def __init__(self, budget: int, memory: HostMemory):
         self.budget = max(0, int(budget))
@@ -70,7 +95,7 @@ class HostCache:
                 self.slots.append(slot)
             else:
                 return None
-            slot.owner, slot.valid = state, []
+            slot.owner, slot.valid, slot.dirty = state, [], {}
             state.slot = slot
         return slot
 
@@ -87,15 +112,16 @@ class HostCache:
         slot = state.slot
         if slot is not None:
             with self._lock:
-                slot.owner, slot.valid = None, []
+                slot.owner, slot.valid, slot.dirty = None, [], {}
             state.slot = None
 
     def drop(self) -> None:
-        """Forget every image's contents (the files changed behind the engine's back); keep the memory."""
+        """Forget every image's contents, dirty chunks included (written back first, or discarded on
+        purpose); keep the memory."""
         for slot in self.slots:
             if slot.owner is not None:
                 slot.owner.slot = None
-            slot.owner, slot.valid = None, []
+            slot.owner, slot.valid, slot.dirty = None, [], {}
 
 
 class FileState:

@@ -84,14 +84,17 @@ class Stager:
     io_threads: reader and writer threads of the pipelined engine (each). direct_io: None probes
     O_DIRECT (logged fallback to buffered where the filesystem refuses it), True asks for it (a refusal
     is logged as a warning), False never uses it. host_cache_bytes: RAM budget for whole-file images of
-    the most recently written buckets (0: none).
+    buckets, write-back (0: none; hostcache.py): a write to a file with an image stays in host RAM until
+    `write_back()`, `drain()`, a closed file or a replaced engine needs it in the file.
 
     Two ways to call it. `read`/`write` are synchronous whatever the engine (they return once the bytes
     are in the tensor / in the file). `read_async`/`write_async` return a Ticket and let the engine run
     them in the background; `wait_reads(file)` (the destination tensors hold the bytes),
     `wait_sources(file)` (the source tensors of the file's writes may be released) and
-    `wait_writes(file)` (the file holds them) wait per file; `wait_all()` waits for everything and
-    `drain()` also forgets cached images and tells the store to release what its pipeline holds.
+    `wait_writes(file)` (the file holds them, or its host image does) wait per file; `wait_all()` waits
+    for everything in flight; `wait_device()` only until no request uses device memory; `write_back()`
+    until the files hold every write, images included; `drain()` also forgets the images and tells the
+    store to release what its pipeline holds.
     """
 
     def __init__(self, device: torch.device, chunk_bytes: int, io_engine: str = "pipelined", io_threads: int = 2,
@@ -215,10 +218,13 @@ class Stager:
         for file in files:
             file.checksums.enable(on)
 
-    def close_file(self, file: BucketFile) -> None:
-        """Close a bucket file (its requests in flight end first and the engine forgets it)."""
-        self.engine.forget(file)
-        Stager.close_descriptors(file)
+    def close_file(self, file: BucketFile, write_back: bool = True) -> None:
+        """Close a bucket file (its host image's dirty bytes are written first unless `write_back` is
+        False: the caller removes the file next; its requests in flight end and the engine forgets it)."""
+        try:
+            self.engine.forget(file, write_back=write_back)
+        finally:
+            Stager.close_descriptors(file)
 
     @staticmethod
     def close_descriptors(file: BucketFile) -> None:
@@ -276,7 +282,19 @@ class Stager:
         return self.engine.is_cached(file, offset, nbytes)
 
     def wait_all(self, raise_errors: bool = True) -> None:
+        """Every request in flight has ended (a write into a host image ends in the image)."""
         self.engine.wait_all(raise_errors=raise_errors)
+
+    def wait_device(self) -> None:
+        """Return once no request uses device memory (reads finished, writes' sources copied to host
+        images or staging); writes to the disk may go on in the background, and the file's later
+        requests order after them."""
+        self.engine.wait_device()
+
+    def write_back(self) -> None:
+        """Return once every request has ended and the files hold every write, the host images' dirty
+        bytes included (the images stay, now clean)."""
+        self.engine.write_back_images()
 
     def check(self) -> None:
         """Raise the error of any background task that failed (the engine is unusable after one)."""
@@ -287,13 +305,13 @@ class Stager:
         self._drain_hooks.append(hook)
 
     def drain(self) -> None:
-        """Return once every read and write issued so far has ended and the files hold every write
-        (checkpoints copy the files after this; a load rewrites them). Cached images are forgotten and
-        the drain hooks run, since whoever drains may change the files behind the engine's back."""
+        """Return once every read and write issued so far has ended and the files hold every write, the
+        host images' dirty bytes included (a load rewrites the files after this). The images are
+        forgotten and the drain hooks run, since whoever drains may change the files behind the
+        engine's back."""
         try:
-            self.engine.wait_all()
-        finally:
             self.engine.drop_cache()
+        finally:
             for hook in self._drain_hooks:
                 hook()
 
@@ -305,7 +323,7 @@ class Stager:
 
     def set_engine(self, io_engine: str, io_threads: int = 2, direct_io: bool | None = None,
                    host_cache_bytes: int = 0, discard_errors: bool = False) -> None:
-        """Replace the engine (nothing may be in flight: drain first). Benchmarks and A/B runs switch
+        """Replace the engine (its host images are written back first). Benchmarks and A/B runs switch
         engines on the same files this way. discard_errors: the old engine failed and the store recovers
         (load_from on a poisoned store): its error is dropped with it instead of raised."""
         if io_engine not in IO_ENGINES:
@@ -313,7 +331,10 @@ class Stager:
         if host_cache_bytes:
             check_host_cache_budget(host_cache_bytes, available_host_memory())
         old = self.engine
-        old.wait_all(raise_errors=not discard_errors)
+        if discard_errors:
+            old.wait_all(raise_errors=False)  # its images die with it: the store reloads its state
+        else:
+            old.drop_cache()  # the new engine starts without images: the files must hold their bytes
         self.engine = make_engine(io_engine, self.device, self.chunk_bytes, threads=io_threads, direct=direct_io,
                                   host_cache_bytes=host_cache_bytes)
         self.engine.expect_files(getattr(old, "_expected_file_bytes", self.chunk_bytes))

@@ -80,6 +80,7 @@ class SyncEngine:
             pwrite_all(file.fd, [host_buffer(staged)], file_off)
             file.checksums.written(file_off, [staged])
         self.counters.bytes_written += sum(as_bytes(t).numel() for t in srcs)
+        self.counters.disk_bytes_written += sum(as_bytes(t).numel() for t in srcs)
         self.counters.write_seconds += time.perf_counter() - start
         return finished_ticket()
 
@@ -96,8 +97,14 @@ class SyncEngine:
     def wait_all(self, raise_errors: bool = True) -> None:
         pass
 
-    def forget(self, file) -> None:
+    def forget(self, file, write_back: bool = True) -> None:
         """Nothing to drop: every request ended before it returned."""
+
+    def write_back_images(self) -> None:
+        """No host images: every write is in its file when it returns."""
+
+    def wait_device(self) -> None:
+        """Nothing in flight."""
 
     def drop_cache(self) -> None:
         pass
