@@ -20,9 +20,10 @@ import dataclasses
 import difflib
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
-from miles_plugins.optimizers.streaming.config import DEFAULT_BUCKET_NUMEL, DEFAULT_CHUNK_MB, MOMENT_DTYPES
+from miles_plugins.optimizers.streaming.config import (DEFAULT_BUCKET_NUMEL, DEFAULT_CHUNK_MB,
+                                                       DEFAULT_HOST_CACHE_RESERVE_MB, HOST_CACHE_AUTO, MOMENT_DTYPES)
 
 __all__ = [
     "ClusterConfig",
@@ -41,14 +42,26 @@ __all__ = [
 ]
 
 
-def knob(default: Any, help: str, *, choices: Sequence[Any] | None = None, metavar: str | None = None):
-    """A config field: ``default`` plus argparse metadata (``help``, optional ``choices``)."""
+def knob(default: Any, help: str, *, choices: Sequence[Any] | None = None, metavar: str | None = None,
+         parse: Callable[[str], Any] | None = None):
+    """A config field: ``default`` plus argparse metadata (``help``, optional ``choices``, and ``parse``:
+    the flag's value from its text, for a field whose type is not one callable, e.g. int or "auto")."""
     md: dict[str, Any] = {"help": help}
     if choices is not None:
         md["choices"] = tuple(choices)
     if metavar is not None:
         md["metavar"] = metavar
+    if parse is not None:
+        md["parse"] = parse
     return field(default=default, metadata=md)
+
+
+def int_or_text(text: str) -> int | str:
+    """An integer flag value, or the text as given (a word such as "auto"; validation names anything else)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 # --------------------------------------------------------------------------------------- groups
@@ -163,11 +176,14 @@ class OptimizerConfig:
     stream_optimizer_state_chunk_mb: int = knob(
         DEFAULT_CHUNK_MB, "Host staging chunk of the streamed optimizer state's disk transfers, MiB.", metavar="MB"
     )
-    stream_optimizer_state_host_cache_mb: int = knob(
-        0, "Host RAM per train rank, MiB, for images of hot buckets: their reads come from RAM and their "
-        "writes reach the disk behind the next forward/backward. The way to hide most of the disk time when "
-        "RAM allows (docs/benchmarks.md: 0.5 of the state hid 55% on the H200 host). 0 disables.",
-        metavar="MB",
+    stream_optimizer_state_host_cache_mb: Union[int, str] = knob(
+        0, "Host tier per train rank, MiB of host RAM for write-back images of the streamed buckets: a step "
+        "moves their bytes between the GPU and RAM only, and the disk gets them at checkpoints (or when the "
+        f"run ends its use of them). '{HOST_CACHE_AUTO}': what the node has free when the store is built, less "
+        f"a {DEFAULT_HOST_CACHE_RESERVE_MB // 1024} GiB reserve, shared by the run's train ranks, at most the "
+        "state. 0 disables (docs/advanced/disk-offload.md: picking it; docs/benchmarks.md: half the state in "
+        "RAM hid 55% of the disk time on the H200 host, measured before the tier was write-back).",
+        metavar="MB|auto", parse=int_or_text,
     )
     stream_optimizer_state_verify: bool = knob(
         False, "Checksum (crc32) every chunk of the streamed optimizer state's bucket files when written and check "
@@ -268,7 +284,7 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hints: dict
         else:
             kwargs["action"] = "store_true"
     else:
-        kwargs["type"] = tp
+        kwargs["type"] = md.get("parse", tp)
         if "choices" in md:
             kwargs["choices"] = md["choices"]
         if "metavar" in md:

@@ -50,6 +50,7 @@ from miles.config.disk_budget import GIB, disk_budget, model_params
 from miles.config.effective_flags import first_ineffective_flag
 from miles.config.paths import RunPaths, default_root, new_run_id
 from miles.config.run_config import RunConfig
+from miles_plugins.optimizers.streaming.config import HOST_CACHE_AUTO
 
 __all__ = ["ArgumentError", "Environment", "validate_args", "DEFAULT_LR_PRETRAINED", "DEFAULT_LR_TINY"]
 
@@ -220,9 +221,12 @@ def _check_streaming(a: argparse.Namespace) -> None:
         raise _err(f"--stream-optimizer-state-device-budget-mb must be >= 0 (got "
                    f"{a.stream_optimizer_state_device_budget_mb}).", ("--stream-optimizer-state-device-budget-mb",),
                    "pass 0 (one default bucket's worth) or a budget in MiB.")
-    if a.stream_optimizer_state_host_cache_mb < 0:
-        raise _err(f"--stream-optimizer-state-host-cache-mb must be >= 0 (got {a.stream_optimizer_state_host_cache_mb}).",
-                   ("--stream-optimizer-state-host-cache-mb",), "pass 0 (no host cache) or a budget in MiB.")
+    host_cache = a.stream_optimizer_state_host_cache_mb
+    if host_cache != HOST_CACHE_AUTO and (not isinstance(host_cache, int) or isinstance(host_cache, bool)
+                                          or host_cache < 0):
+        raise _err(f"--stream-optimizer-state-host-cache-mb must be a size in MiB >= 0 or '{HOST_CACHE_AUTO}' (got "
+                   f"{host_cache!r}).", ("--stream-optimizer-state-host-cache-mb",),
+                   f"pass 0 (no host tier), a budget in MiB, or {HOST_CACHE_AUTO} (fit to the node's free memory).")
     if not a.stream_optimizer_state_to_disk:
         return
     if a.colocate and a.offload_train is False:

@@ -9,7 +9,9 @@ DEFAULT_BUCKET_NUMEL elements). Public API:
     store = stream_optimizer_state(optimizer, StreamConfig(dir=..., moment_dtype="bf16"))  # the same, as one object
     optimizer.step()          # streams
     store.refresh_main_from_model_params(); store.save_to(base); store.load_from(base); store.stats; store.close()
-    store.prefetch()          # read-ahead before forward/backward; store.flush(): wait for write-behind
+    store.prefetch()          # read-ahead before forward/backward
+    store.flush()             # the files hold the state (write-behind and the host tier's dirty images landed)
+    store.release_device()    # before sleeping: the device buffers are free; the disk may still be busy
 
 The code lives in `miles_plugins.optimizers.streaming` (docs/dev/architecture.md draws it): core at the
 top (plan -> layout -> codec -> bucket -> store, config, errors), io/ (the stager, the one door to files
@@ -71,7 +73,8 @@ def stream_optimizer_state(optimizer, config: StreamConfig | None = None, *, ins
     optimizer: torch.optim.Adam/AdamW over fp32 params (moments stream), miles' ShardedMixedPrecisionAdam
         (masters and moments stream), or a megatron-core DistributedOptimizer / ChainedOptimizer.
     config: a StreamConfig; or pass its fields as keywords instead (not both): dir, chunk_mb, moment_dtype,
-        bucket_numel, rank, io_engine, depth, io_threads, direct_io, host_cache_mb, write_behind, verify,
+        bucket_numel, rank, io_engine, depth, io_threads, direct_io, host_cache_mb (MiB or "auto"),
+        host_cache_ranks_per_node, host_cache_reserve_mb, host_cache_rank_reserve_mb, write_behind, verify,
         device_budget_mb (the store fits bucket_numel and depth under it unless they are given). What each
         means, and its default, is in streaming/config.py. Bad values raise StoreConfigError naming the field.
     instance: the store's identity within this process (its directory `<dir>/rank{r:05d}/opt{instance}_{part}`

@@ -77,8 +77,12 @@ CASES = [
      "--stream-optimizer-state-host-cache-mb 4096 has no effect: --stream-optimizer-state-to-disk is off. Fix: "
      "add --stream-optimizer-state-to-disk --offload-train-target=disk, or drop --stream-optimizer-state-host-cache-mb."),
     ([STREAM, DISK, "--stream-optimizer-state-host-cache-mb", "-1"],
-     "--stream-optimizer-state-host-cache-mb must be >= 0 (got -1). Fix: pass 0 (no host cache) or a budget "
-     "in MiB."),
+     "--stream-optimizer-state-host-cache-mb must be a size in MiB >= 0 or 'auto' (got -1). Fix: pass 0 (no host "
+     "tier), a budget in MiB, or auto (fit to the node's free memory)."),
+    ([STREAM, DISK, "--stream-optimizer-state-host-cache-mb", "auto"], None),
+    ([STREAM, DISK, "--stream-optimizer-state-host-cache-mb", "lots"],
+     "--stream-optimizer-state-host-cache-mb must be a size in MiB >= 0 or 'auto' (got 'lots'). Fix: pass 0 (no "
+     "host tier), a budget in MiB, or auto (fit to the node's free memory)."),
     (["--colocate"], None),
     (["--colocate", "--no-offload-train"], None),
     (["--offload-train", "--offload-train-target", "cpu"], None),

@@ -374,7 +374,7 @@ def test_host_cache_budget_check():
 def test_bad_engine_arguments_are_rejected(tmp_path):
     params = make_model()
     for kwargs, match in ((dict(io_engine="aio"), "io_engine"), (dict(depth=-1), "depth"),
-                          (dict(io_threads=0), "io_threads"), (dict(host_cache_mb=-1), "host cache"),
+                          (dict(io_threads=0), "io_threads"), (dict(host_cache_mb=-1), "host_cache_mb"),
                           (dict(host_cache_mb=2**40), "memory available")):
         with pytest.raises(StoreConfigError, match=match):
             stream_optimizer_state(make_opt(params), dir=str(tmp_path), **kwargs)

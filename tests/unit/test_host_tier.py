@@ -331,3 +331,75 @@ def test_partial_writes_and_uncovered_reads_write_dirty_chunks_back_first(tmp_pa
         assert torch.equal(torch.frombuffer(bytearray(fh.read(16384)), dtype=torch.float32), expect)
     stager.close_file(f)
     stager.close()
+
+
+# ---- host_cache_mb="auto" ----------------------------------------------------------------------------
+def test_fit_host_cache_is_the_ranks_share_of_free_memory():
+    from miles_plugins.optimizers.streaming.plan import fit_host_cache
+
+    GiB = 1024 * MiB
+    # (100 - 16) / 4 - 1 = 20 GiB of a 50 GiB state
+    assert fit_host_cache(100 * GiB, 50 * GiB, 4, 16 * GiB, 1 * GiB) == 20 * GiB
+    assert fit_host_cache(100 * GiB, 5 * GiB, 4, 16 * GiB, 1 * GiB) == 5 * GiB  # capped at the state
+    assert fit_host_cache(10 * GiB, 5 * GiB, 1, 16 * GiB, 0) == 0  # the reserve takes it all: floored at 0
+    assert fit_host_cache(100 * GiB, 50 * GiB, 8, 16 * GiB, 20 * GiB) == 0  # the rank reserve is larger
+    assert fit_host_cache(100 * GiB, 50 * GiB, 1, 0, 0) == 50 * GiB
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("host_cache_mb", "big", "host_cache_mb must be an integer >= 0, the host tier in MiB .* or 'auto'"),
+    ("host_cache_mb", -1, "host_cache_mb must be"),
+    ("host_cache_mb", 1.5, "host_cache_mb must be"),
+    ("host_cache_ranks_per_node", 0, "host_cache_ranks_per_node must be an integer >= 1"),
+    ("host_cache_reserve_mb", -1, "host_cache_reserve_mb must be an integer >= 0"),
+    ("host_cache_rank_reserve_mb", "1", "host_cache_rank_reserve_mb must be an integer >= 0"),
+])
+def test_host_cache_fields_are_checked(tmp_path, field, value, match):
+    from miles_plugins.optimizers.nvme_stream import StoreConfigError, StreamConfig
+    from miles_plugins.optimizers.streaming.config import check_config
+
+    with pytest.raises(StoreConfigError, match=match):
+        check_config(StreamConfig(dir=str(tmp_path), **{field: value}))
+
+
+def test_auto_sizes_the_tier_from_mem_available_and_logs_it(tmp_path, monkeypatch, caplog):
+    from miles_plugins.optimizers.streaming import store as store_mod
+
+    available = {"bytes": 16 * 1024 * MiB + 4 * 3 * MiB}  # reserve + 3 MiB for each of 4 ranks
+    monkeypatch.setattr(store_mod, "available_host_memory", lambda: available["bytes"])
+    with caplog.at_level("INFO", logger=store_mod.__name__):
+        params, opt, store = build("plain", tmp_path, shapes=SHAPES, bucket_numel=BUCKET_NUMEL,
+                                   host_cache_mb="auto", host_cache_ranks_per_node=4, host_cache_rank_reserve_mb=1)
+    assert store.stats.host_cache_bytes == 2 * MiB < store.stats.state_bytes
+    assert "host tier (host_cache_mb='auto'): 0.002 GB" in caplog.text and "/ 4 ranks on the node" in caplog.text
+    train(params, opt, range(3))
+    assert 0 < len(images(store)) < store.stats.num_buckets
+    assert_same(state(store, params), resident_run("plain", range(3)), "auto tier")
+    available["bytes"] = 2**50  # a large host: capped at the state, every bucket in the tier
+    store.set_io(host_cache_mb=0)
+    store.set_io(host_cache_mb="auto")
+    assert store.stats.host_cache_bytes == store.stats.state_bytes
+    train(params, opt, range(3, 5))
+    assert len(images(store)) == store.stats.num_buckets
+    assert store.stats.last_step.disk_bytes_read == store.stats.last_step.disk_bytes_written == 0
+
+
+def test_auto_without_meminfo_is_no_tier(tmp_path, monkeypatch, caplog):
+    from miles_plugins.optimizers.streaming import store as store_mod
+
+    monkeypatch.setattr(store_mod, "available_host_memory", lambda: None)
+    params, opt, store = build("plain", tmp_path, shapes=SHAPES, bucket_numel=BUCKET_NUMEL, host_cache_mb="auto")
+    assert store.stats.host_cache_bytes == 0
+    assert "MemAvailable cannot be read" in caplog.text
+
+
+def test_the_run_flag_reaches_the_store_config():
+    from miles.backends.torch_backend.trainer import store_config
+    from miles.config.arguments import parse_args
+    from miles.config.validation import validate_args
+
+    args = parse_args(["--stream-optimizer-state-to-disk", "--offload-train-target", "disk", "--num-train-ranks", "2",
+                       "--stream-optimizer-state-host-cache-mb", "auto"])
+    config = store_config(validate_args(args), rank=1)
+    assert config.host_cache_mb == "auto" and config.host_cache_ranks_per_node == 2
+    assert config.host_cache_rank_reserve_mb == 0

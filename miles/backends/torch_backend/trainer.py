@@ -304,7 +304,14 @@ class TorchTrainer(TrainBackend):
 def store_config(config: RunConfig, rank: int):
     """The store's :class:`StreamConfig` from the run's config (the store's own defaults for the rest).
     Flags at their defaults leave the choice to the store: the bucket size and depth it fits to the
-    device budget, the budget one default bucket's worth."""
+    device budget, the budget one default bucket's worth.
+
+    A host tier of "auto" is shared by the ranks of a node. The config does not say how the ranks spread
+    over nodes, so every train rank of the run counts as on this node (exact on one node; on several,
+    each rank takes a smaller tier than it could, never more). No rank reserve: streaming requires
+    --offload-train-target=disk (validation), so a sleeping trainer keeps no cpu backup in host RAM (its
+    disk offload stages through chunk buffers, which the node reserve covers). The megatron backend
+    builds its stores from this too."""
     from miles_plugins.optimizers.nvme_stream import DEFAULT_BUCKET_NUMEL, StreamConfig
 
     opt = config.optimizer
@@ -314,6 +321,7 @@ def store_config(config: RunConfig, rank: int):
                         bucket_numel=None if bucket_numel == DEFAULT_BUCKET_NUMEL else bucket_numel,
                         device_budget_mb=opt.stream_optimizer_state_device_budget_mb or None,
                         host_cache_mb=opt.stream_optimizer_state_host_cache_mb,
+                        host_cache_ranks_per_node=config.cluster.num_train_ranks,
                         verify=opt.stream_optimizer_state_verify, rank=rank)
 
 

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from .errors import StoreConfigError
 
@@ -27,6 +27,12 @@ MOMENT_DTYPES = ("fp32", "bf16", "fp16", "fp8e4m3", "fp8e5m2")
 # Not offered to users: the unscaled fp8 cast the narrow-moment study compares against (codec.py).
 STUDY_MOMENT_DTYPES = ("_fp8e4m3_unscaled",)
 IO_ENGINES = ("pipelined", "sync")
+# host_cache_mb="auto": the host tier takes what the node has free, shared by its ranks (plan.fit_host_cache)
+HOST_CACHE_AUTO = "auto"
+# What "auto" leaves free on the node, MiB: the OS and its page cache, Ray (raylet, the object store's
+# used part), the rollout engine's host memory, checkpoint copies' buffers, and each rank's own growth
+# after the store is built. 16 GiB leaves ~100 GiB of the 125 GiB H200 test host to the tier.
+DEFAULT_HOST_CACHE_RESERVE_MB = 16 * 1024
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,16 @@ class StreamConfig:
         the in-run baseline). depth: buckets read ahead / written behind while one updates; None: the
         deepest up to DEFAULT_DEPTH that fits the device budget; given, used as is (checked the same way).
     io_threads: reader and writer threads, each. direct_io: None probes O_DIRECT, True requires it,
-        False never. host_cache_mb: host RAM for images of hot buckets (0: none).
+        False never.
+    host_cache_mb: the host tier, MiB of host RAM for write-back images of buckets (0: none): their
+        reads and writes move between the device and RAM only, and the files get their bytes on flush(),
+        save_to() and load_from(). "auto": fit to the node's free memory when the store is built,
+        min(state bytes, (MemAvailable - host_cache_reserve_mb) / host_cache_ranks_per_node
+        - host_cache_rank_reserve_mb), floored at 0 (plan.fit_host_cache; logged, and in stats).
+    host_cache_ranks_per_node: ranks of this node that take an "auto" tier each (default 1).
+    host_cache_reserve_mb: node memory "auto" leaves free (DEFAULT_HOST_CACHE_RESERVE_MB, above).
+    host_cache_rank_reserve_mb: memory each rank keeps for itself beside its tier under "auto" (e.g. a
+        trainer's cpu backup of its weights while asleep; default 0).
     write_behind: let the step return before its last write-backs land.
     verify: checksum (crc32) every chunk of the bucket files as it is written and check it whenever it
         is read back from disk: a file changed outside the store raises StateCorruptionError and poisons
@@ -62,7 +77,10 @@ class StreamConfig:
     depth: Optional[int] = None
     io_threads: int = DEFAULT_IO_THREADS
     direct_io: Optional[bool] = None
-    host_cache_mb: int = 0
+    host_cache_mb: Union[int, str] = 0
+    host_cache_ranks_per_node: int = 1
+    host_cache_reserve_mb: int = DEFAULT_HOST_CACHE_RESERVE_MB
+    host_cache_rank_reserve_mb: int = 0
     write_behind: bool = True
     verify: bool = False
     device_budget_mb: Optional[int] = None
@@ -102,8 +120,16 @@ def check_config(config: StreamConfig) -> None:
         raise bad("io_threads", f"an integer >= 1 (default {DEFAULT_IO_THREADS})")
     if config.direct_io not in (None, True, False):
         raise bad("direct_io", "None (probe O_DIRECT), True or False")
-    if not _whole(config.host_cache_mb) or config.host_cache_mb < 0:
-        raise bad("host_cache_mb", "an integer >= 0: the host cache budget in MiB (0: no host cache)")
+    if config.host_cache_mb != HOST_CACHE_AUTO and (not _whole(config.host_cache_mb) or config.host_cache_mb < 0):
+        raise bad("host_cache_mb", f"an integer >= 0, the host tier in MiB (0: none), or {HOST_CACHE_AUTO!r} (fit to "
+                                   "the node's free memory)")
+    if not _whole(config.host_cache_ranks_per_node) or config.host_cache_ranks_per_node < 1:
+        raise bad("host_cache_ranks_per_node", "an integer >= 1: the ranks of this node that share its memory")
+    if not _whole(config.host_cache_reserve_mb) or config.host_cache_reserve_mb < 0:
+        raise bad("host_cache_reserve_mb", f"an integer >= 0: MiB of node memory host_cache_mb='auto' leaves free "
+                                           f"(default {DEFAULT_HOST_CACHE_RESERVE_MB})")
+    if not _whole(config.host_cache_rank_reserve_mb) or config.host_cache_rank_reserve_mb < 0:
+        raise bad("host_cache_rank_reserve_mb", "an integer >= 0: MiB each rank keeps beside its 'auto' tier")
     if not isinstance(config.write_behind, bool):
         raise bad("write_behind", "True or False")
     if not isinstance(config.verify, bool):

@@ -1,5 +1,5 @@
 """Bucket planning: pure functions from per-entry sizes to buckets, and to the bucket size and pipeline
-depth that fit a device budget.
+depth that fit a device budget; and the size of an "auto" host tier.
 
 Buckets are cut at a fixed element budget, independent of any DDP bucketing: a DP1 expert buffer is
 one DDP bucket of ~90 GiB and would not fit on the GPU if it were streamed whole.
@@ -186,3 +186,12 @@ def _largest_fitting_bucket(budget_bytes: int, device_bytes: DeviceBytes, in_fli
 
 def _mib(nbytes: int) -> str:
     return f"{nbytes / MiB:.1f} MiB ({nbytes} bytes)"
+
+
+def fit_host_cache(available_bytes: int, state_bytes: int, ranks_per_node: int, reserve_bytes: int,
+                   rank_reserve_bytes: int) -> int:
+    """The host tier of host_cache_mb="auto": this rank's share of the node's free memory after the node
+    reserve, less what the rank keeps for itself, floored at 0 and capped at the state (a larger tier
+    holds nothing more)."""
+    share = (available_bytes - reserve_bytes) // ranks_per_node - rank_reserve_bytes
+    return max(0, min(share, state_bytes))

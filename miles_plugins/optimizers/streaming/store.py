@@ -60,11 +60,12 @@ from tqdm import tqdm
 from .checkpoint import save_load as checkpoint
 from .bucket import Bucket, StreamEntry, codec_scratch_bytes, inflight_bytes, step_device_bytes
 from .codec import Fp32Codec, make_moment_codecs
-from .config import DEFAULT_DEPTH, StreamConfig, check_config
+from .config import DEFAULT_DEPTH, HOST_CACHE_AUTO, StreamConfig, check_config
 from .errors import StateCorruptionError, StoreConfigError, StorePoisonedError
-from .io.stager import Stager
+from .io.stager import Stager, available_host_memory
 from .layout import EXP_AVG, EXP_AVG_SQ, MAIN, bucket_filename, bucket_layout, store_identity, store_relative_dir
-from .plan import DEFAULT_BUCKET_NUMEL, MIN_BUCKET_NUMEL, buckets_in_flight, fit_to_device_budget, plan_buckets
+from .plan import (DEFAULT_BUCKET_NUMEL, MIN_BUCKET_NUMEL, buckets_in_flight, fit_host_cache, fit_to_device_budget,
+                   plan_buckets)
 from .units import GB, MiB
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,8 @@ class StoreStats:
     residency_bound_bytes: int = 0
     device_budget_bytes: int = 0  # StreamConfig.device_budget_mb in bytes (or the default: one default bucket)
     staging_bytes: int = 0  # host staging the engine may allocate (pinned on CUDA)
-    host_cache_bytes: int = 0  # host-RAM budget for images of buckets (the host tier)
+    host_cache_bytes: int = 0  # host-RAM budget for images of buckets (the host tier; host_cache_mb="auto": the
+    #   size chosen when the store was built, or by set_io)
 
 
 class NVMeOptimizerStateStore:
@@ -173,9 +175,10 @@ class NVMeOptimizerStateStore:
                                 codec_scratch_bytes=codec_scratch_bytes(self.codecs, names, largest),
                                 device_budget_bytes=self.device_budget_bytes)
         _refuse_shared_directory(os.path.join(os.path.abspath(config.dir), self.relative_dir))
+        self.host_cache_bytes = self._host_cache_bytes(config)
         self.stager = Stager(self.device, config.chunk_mb * MiB, io_engine=config.io_engine,
                              io_threads=config.io_threads, direct_io=config.direct_io,
-                             host_cache_bytes=config.host_cache_mb * MiB)
+                             host_cache_bytes=self.host_cache_bytes)
         self.stager.on_drain(self._release_pipeline)
         self._bound = self._binding()
         self._update_io_stats()
@@ -227,8 +230,27 @@ class NVMeOptimizerStateStore:
         s.io_engine, s.depth = self.stager.io_engine, self.depth
         s.residency_bound_bytes = (buckets_in_flight(s.num_buckets, self.depth) * s.bucket_inflight_bytes
                                    + s.codec_scratch_bytes)
-        s.staging_bytes, s.host_cache_bytes = self.stager.staging_bytes, self.config.host_cache_mb * MiB
+        s.staging_bytes, s.host_cache_bytes = self.stager.staging_bytes, self.host_cache_bytes
         self._marks = self._read_marks()
+
+    def _host_cache_bytes(self, config: StreamConfig) -> int:
+        """The host tier's budget: host_cache_mb, or under "auto" this rank's share of the node's free
+        memory now (plan.fit_host_cache), logged with the numbers it came from."""
+        if config.host_cache_mb != HOST_CACHE_AUTO:
+            return config.host_cache_mb * MiB
+        available = available_host_memory()
+        if available is None:
+            logger.warning("host_cache_mb='auto': this host's MemAvailable cannot be read (/proc/meminfo): no host "
+                           "tier; pass host_cache_mb in MiB instead")
+            return 0
+        reserve, rank_reserve = config.host_cache_reserve_mb * MiB, config.host_cache_rank_reserve_mb * MiB
+        size = fit_host_cache(available, self.stats.state_bytes, config.host_cache_ranks_per_node, reserve,
+                              rank_reserve)
+        logger.info("host tier (host_cache_mb='auto'): %.3f GB = min(state %.3f GB, (MemAvailable %.3f GB - node "
+                    "reserve %.3f GB) / %d ranks on the node - rank reserve %.3f GB), at least 0",
+                    size / GB, self.stats.state_bytes / GB, available / GB, reserve / GB,
+                    config.host_cache_ranks_per_node, rank_reserve / GB)
+        return size
 
     @property
     def direct_io(self) -> bool:
@@ -450,7 +472,7 @@ class NVMeOptimizerStateStore:
             self._release_pipeline()
 
     def set_io(self, *, io_engine: str | None = None, depth: int | None = None, write_behind: bool | None = None,
-               io_threads: int | None = None, direct_io: bool | None = None, host_cache_mb: int | None = None,
+               io_threads: int | None = None, direct_io: bool | None = None, host_cache_mb: int | str | None = None,
                verify: bool | None = None) -> None:
         """Switch the I/O configuration between steps, on the same files (benchmarks, A/B runs).
         Flushes first; arguments left None keep their value (store.config holds the current ones).
@@ -461,8 +483,12 @@ class NVMeOptimizerStateStore:
         config = dataclasses.replace(self.config, **{k: v for k, v in changes.items() if v is not None})
         check_config(config)
         depth = self._fit_to_budget(config, self.bucket_numel).depth  # the files fix the bucket size
+        # "auto" is sized once; a new value is sized now (an "auto" coming in sees the old tier's images
+        # still allocated: it may come out smaller than a fresh store's)
+        if config.host_cache_mb != self.config.host_cache_mb:
+            self.host_cache_bytes = self._host_cache_bytes(config)
         self.stager.set_engine(config.io_engine, io_threads=config.io_threads, direct_io=config.direct_io,
-                               host_cache_bytes=config.host_cache_mb * MiB)
+                               host_cache_bytes=self.host_cache_bytes)
         if config.verify != self.config.verify:
             self.stager.set_verify([b.file for b in self.buckets], config.verify)
         self.config = config
@@ -644,7 +670,7 @@ class NVMeOptimizerStateStore:
         self.stager.wait_all(raise_errors=False)
         self._release_pipeline()
         self.stager.set_engine(self.config.io_engine, io_threads=self.config.io_threads,
-                               direct_io=self.config.direct_io, host_cache_bytes=self.config.host_cache_mb * MiB,
+                               direct_io=self.config.direct_io, host_cache_bytes=self.host_cache_bytes,
                                discard_errors=True)
         self._update_io_stats()
 
