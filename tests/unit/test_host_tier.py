@@ -403,3 +403,34 @@ def test_the_run_flag_reaches_the_store_config():
     config = store_config(validate_args(args), rank=1)
     assert config.host_cache_mb == "auto" and config.host_cache_ranks_per_node == 2
     assert config.host_cache_rank_reserve_mb == 0
+
+
+# ---- the trainer's sleep ----------------------------------------------------------------------------
+def test_trainer_sleep_releases_the_device_and_leaves_the_tier_dirty(tmp_path):
+    """The torch trainer's sleep calls release_device, not flush: the host tier's images stay dirty
+    through sleep and wake, and training is bit-identical to never sleeping."""
+    from test_trainer_checkpoint import _args, _rendezvous, _samples, _same, _params
+    from miles.backends.torch_backend.trainer import TorchTrainer
+
+    samples, adv = _samples()
+    results = {}
+    for sleeps in (False, True):
+        root = tmp_path / str(sleeps)
+        (root / "offload").mkdir(parents=True)
+        args = _args(root, "--stream-optimizer-state-to-disk", "--offload-train-target=disk",
+                     "--stream-optimizer-state-bucket-numel", "20000",
+                     "--stream-optimizer-state-host-cache-mb", "64", *(("--offload-train",) if sleeps else ()))
+        t = TorchTrainer(args, rank=0, world_size=1, rank_dir=str(root / "rank"))
+        try:
+            t.init(_rendezvous())
+            for i in range(3):
+                t.train(i, samples, adv)
+                if sleeps:
+                    assert not t.sleep()["skipped"]
+                    assert t.store.stats.resident_bytes == 0
+                    assert any(slot.dirty for slot in images(t.store).values()), "sleep wrote the tier back"
+                    t.wake()
+            results[sleeps] = _params(t)
+        finally:
+            t.shutdown()
+    assert _same(results[True], results[False])

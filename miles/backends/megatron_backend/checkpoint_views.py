@@ -105,9 +105,9 @@ class StoreSet:
     def prefetch(self) -> int:
         return sum(s.prefetch() for s in self.stores)
 
-    def flush(self) -> None:
+    def release_device(self) -> None:
         for s in self.stores:
-            s.flush()
+            s.release_device()
 
     def refresh_main_from_model_params(self) -> None:
         for s in self.stores:

@@ -323,8 +323,11 @@ class MegatronTrainer(TrainBackend):
         return [t for t in tensors if t is not None and t.is_cuda]
 
     def sleep(self) -> dict[str, Any]:
-        if self.store is not None:  # write-behind / read-ahead: nothing in flight or held while asleep
-            self.store.flush()
+        if self.store is not None:  # read-ahead / write-behind: no device buffer held while asleep
+            # Not flush(): the store's files live in their own directory, apart from the offload's, so
+            # nothing here needs them settled; the host tier's dirty images stay in RAM and staged
+            # write-behind lands on the store's threads while the engine generates.
+            self.store.release_device()
         if self.offloader is None:
             return {"rank": self.rank, "skipped": True, "reason": "--offload-train is off"}
         torch.cuda.synchronize()
