@@ -7,10 +7,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import checkpoint, stream
+from . import checkpoint, megatron, stream
 from .common import describe
 
-BENCHMARKS = (stream, checkpoint)
+BENCHMARKS = (stream, checkpoint, megatron)
 
 
 def main(argv=None) -> int:
