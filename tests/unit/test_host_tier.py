@@ -434,3 +434,19 @@ def test_trainer_sleep_releases_the_device_and_leaves_the_tier_dirty(tmp_path):
         finally:
             t.shutdown()
     assert _same(results[True], results[False])
+
+
+def test_a_failed_write_back_before_a_load_poisons_and_the_next_load_recovers(tmp_path, monkeypatch):
+    params, opt, store = tiered("plain", tmp_path / "live", 1.0)
+    train(params, opt, range(2))
+    save(params, store, str(tmp_path / "ckpt"))
+    at_save = state(store, params)
+    train(params, opt, range(2, 3))
+    failing_writes(monkeypatch)
+    with pytest.raises(OSError, match="injected write-back error"):
+        load(params, opt, store, str(tmp_path / "ckpt"))
+    assert store.poisoned_by is not None
+    monkeypatch.undo()
+    assert load(params, opt, store, str(tmp_path / "ckpt")) is True
+    assert store.poisoned_by is None
+    assert_same(state(store, params), at_save, "recovered")

@@ -606,7 +606,10 @@ class NVMeOptimizerStateStore:
         a successful load clears the poison; a checkpoint without streamed state (False) leaves it."""
         self._check_open()
         self.wait_for_save()
-        self._recover_io()
+        if self.poisoned_by is None:  # a load finding no streamed state keeps the live one: whole in the files
+            with self._poisons_on_failure("writing the host images back before a load"):
+                self.stager.write_back()
+        self._recover_io()  # a poisoned store's images are dropped unwritten: its state is torn anyway
         loaded = checkpoint.load(self, checkpoint_base)
         if loaded and self.poisoned_by is not None:
             logger.warning("optimizer-state store %s recovered from %s: the state is the checkpoint's",
