@@ -90,6 +90,10 @@ def rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, sa
             "stream_exposed_io_seconds": max(float(r["stream_io_seconds"]) for r in ranks),
             "stream_prefetched_buckets": min(int(r["stream_prefetched_buckets"]) for r in ranks),
         })
+        # the rollout's optimizer I/O nobody hid: what its step waited for, plus what the sleep after it
+        # waited for (the write-backs, with --stream-optimizer-state-flush-at-sleep)
+        rec["stream_sleep_wait_seconds"] = max((s.get("store_wait_seconds", 0.0) for s in sleep), default=0.0)
+        rec["stream_exposed_io_per_rollout_seconds"] = rec["stream_exposed_io_seconds"] + rec["stream_sleep_wait_seconds"]
     return rec
 
 
@@ -100,7 +104,8 @@ def format_rollout_line(rec: dict[str, Any], num_rollout: int) -> str:
              f"step {rec['step_seconds']:.2f}s (gen {rec['generate_seconds']:.2f}s, train {rec['train_seconds']:.2f}s)"]
     if "stream_read_gb" in rec:
         parts.append(f"streamed {rec['stream_read_gb']:.3f} GB read + {rec['stream_written_gb']:.3f} GB written "
-                     f"in {rec['stream_seconds']:.2f}s ({rec['stream_gbps']:.2f} GB/s)")
+                     f"in {rec['stream_seconds']:.2f}s ({rec['stream_gbps']:.2f} GB/s), exposed "
+                     f"{rec['stream_exposed_io_per_rollout_seconds']:.2f}s")
     parts.append(f"sleep {rec['sleep_seconds']:.2f}s wake {rec['wake_seconds']:.2f}s "
                  f"({rec['offload_bytes'] / GB:.3f} GB offloaded)")
     if rec.get("checkpoint"):

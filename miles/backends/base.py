@@ -25,6 +25,7 @@ import abc
 import contextlib
 import importlib
 import logging
+import time
 from typing import Any, Optional
 
 from miles.config import RunConfig
@@ -53,6 +54,22 @@ def offload_stats(stats) -> dict[str, Any]:
     """An :class:`~miles.offload.OffloadStats` as the plain dict sleep/wake return."""
     return {"action": stats.action, "target": stats.target, "skipped": stats.skipped, "storages": stats.storages,
             "bytes": stats.bytes, "seconds": stats.seconds, "path": stats.path}
+
+
+def settle_store_for_sleep(store, flush: bool) -> dict[str, Any]:
+    """Before the trainer sleeps: the streamed state's store gives back every device buffer it holds.
+    ``flush`` (--stream-optimizer-state-flush-at-sleep) also waits until every write-back is on disk;
+    otherwise the disk writes land while the rollout engine generates (the store's files live apart from
+    the offload's, so sleep does not need them settled) and the next step waits for what is left.
+    Returns the seconds the sleep waited, for the per-rollout exposed I/O."""
+    if store is None:
+        return {}
+    start = time.perf_counter()
+    if flush:
+        store.flush()
+    else:
+        store.release_device()
+    return {"store_wait_seconds": time.perf_counter() - start}
 
 
 class TrainBackend(abc.ABC):

@@ -185,6 +185,11 @@ class OptimizerConfig:
         "RAM hid 55% of the disk time on the H200 host, measured before the tier was write-back).",
         metavar="MB|auto", parse=int_or_text,
     )
+    stream_optimizer_state_flush_at_sleep: bool = knob(
+        False, "Before the trainer sleeps, wait until every write-back of the streamed optimizer state is on disk "
+        "(the host tier's dirty images included). Off: sleep waits only for the copies off the GPU; the disk "
+        "writes land while the rollout engine generates and the next step waits for what is left.",
+    )
     stream_optimizer_state_verify: bool = knob(
         False, "Checksum (crc32) every chunk of the streamed optimizer state's bucket files when written and check "
         "it when read back from disk: a file changed outside the store stops the run with an error naming it "

@@ -60,7 +60,7 @@ RULES: tuple[EffectRule, ...] = (
       for name in ("stream_optimizer_state_moment_dtype", "stream_optimizer_state_bucket_numel",
                    "stream_optimizer_state_chunk_mb", "stream_optimizer_state_host_cache_mb",
                    "stream_optimizer_state_device_budget_mb",
-                   "stream_optimizer_state_verify")),
+                   "stream_optimizer_state_verify", "stream_optimizer_state_flush_at_sleep")),
     EffectRule("offload_train_disk_chunk_mb", _disk_offload_on,
                lambda a: ("trainer offload does not go to disk (the streamed state's chunk is "
                           "--stream-optimizer-state-chunk-mb)", "add --offload-train-target=disk")),

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from miles.backends.base import TrainBackend, offload_stats
+from miles.backends.base import TrainBackend, offload_stats, settle_store_for_sleep
 from miles.backends.torch_backend.trainer import loss_arguments, store_config
 from miles.config import RunConfig
 from miles.models import torch_dtype
@@ -323,13 +323,9 @@ class MegatronTrainer(TrainBackend):
         return [t for t in tensors if t is not None and t.is_cuda]
 
     def sleep(self) -> dict[str, Any]:
-        if self.store is not None:  # read-ahead / write-behind: no device buffer held while asleep
-            # Not flush(): the store's files live in their own directory, apart from the offload's, so
-            # nothing here needs them settled; the host tier's dirty images stay in RAM and staged
-            # write-behind lands on the store's threads while the engine generates.
-            self.store.release_device()
+        store_wait = settle_store_for_sleep(self.store, self.config.optimizer.stream_optimizer_state_flush_at_sleep)
         if self.offloader is None:
-            return {"rank": self.rank, "skipped": True, "reason": "--offload-train is off"}
+            return {"rank": self.rank, "skipped": True, "reason": "--offload-train is off", **store_wait}
         torch.cuda.synchronize()
         # Before the offloader: torch_memory_saver must never see the grad buffers (grad_buffers.py).
         grad_bytes = self.grad_buffers.release()
@@ -339,7 +335,7 @@ class MegatronTrainer(TrainBackend):
         # Device-wide: what this trainer still holds plus the (released) rollout engine's residue and
         # every process's CUDA context; an upper bound on the trainer's share while asleep.
         return {"rank": self.rank, **offload_stats(stats), "grad_bytes_dropped": grad_bytes,
-                "device_used_bytes_asleep": total - free}
+                "device_used_bytes_asleep": total - free, **store_wait}
 
     def wake(self) -> dict[str, Any]:
         if self.offloader is None:

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from miles.backends.base import TrainBackend, offload_stats
+from miles.backends.base import TrainBackend, offload_stats, settle_store_for_sleep
 from miles.config import RunConfig
 from miles.models import torch_dtype
 from miles.offload import make_offloader, make_resizable
@@ -273,19 +273,15 @@ class TorchTrainer(TrainBackend):
         return tensors
 
     def sleep(self) -> dict[str, Any]:
-        if self.store is not None:  # read-ahead / write-behind: no device buffer held while asleep
-            # Not flush(): the store's files live in their own directory, apart from the offload's, so
-            # nothing here needs them settled; the host tier's dirty images stay in RAM and staged
-            # write-behind lands on the store's threads while the engine generates.
-            self.store.release_device()
+        store_wait = settle_store_for_sleep(self.store, self.config.optimizer.stream_optimizer_state_flush_at_sleep)
         if self.offloader is None:
-            return {"rank": self.rank, "skipped": True, "reason": "--offload-train is off"}
+            return {"rank": self.rank, "skipped": True, "reason": "--offload-train is off", **store_wait}
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         stats = self.offloader.sleep(self._offload_tensors())
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        return {"rank": self.rank, **offload_stats(stats)}
+        return {"rank": self.rank, **offload_stats(stats), **store_wait}
 
     def wake(self) -> dict[str, Any]:
         if self.offloader is None:

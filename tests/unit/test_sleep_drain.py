@@ -1,0 +1,60 @@
+"""Sleep and the streamed state's disk writes: by default the trainer's sleep waits only for the copies
+off the device (release_device) and the write-backs land during generation; with
+--stream-optimizer-state-flush-at-sleep it waits for the disk (flush). Either way the wait is counted
+in the rollout's exposed optimizer I/O."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from miles.backends.base import settle_store_for_sleep
+from miles.metrics import format_rollout_line, rollout_record
+
+
+class _Store:
+    def __init__(self):
+        self.calls = []
+
+    def flush(self):
+        self.calls.append("flush")
+
+    def release_device(self):
+        self.calls.append("release_device")
+
+
+@pytest.mark.parametrize("flush, call", [(False, "release_device"), (True, "flush")])
+def test_sleep_settles_the_store_as_configured(flush, call):
+    store = _Store()
+    out = settle_store_for_sleep(store, flush)
+    assert store.calls == [call] and out["store_wait_seconds"] >= 0
+
+
+def test_no_store_no_wait():
+    assert settle_store_for_sleep(None, True) == {}
+
+
+def test_flag_reaches_the_config(make_config):
+    on = make_config("--stream-optimizer-state-to-disk", "--offload-train-target", "disk",
+                     "--stream-optimizer-state-flush-at-sleep")
+    assert on.optimizer.stream_optimizer_state_flush_at_sleep is True
+
+
+def test_flag_without_streaming_is_rejected(make_config):
+    with pytest.raises(Exception, match="stream-optimizer-state-flush-at-sleep"):
+        make_config("--stream-optimizer-state-flush-at-sleep")
+
+
+def test_exposed_io_per_rollout_adds_the_sleep_wait():
+    rank = {"loss": 0.0, "grad_norm": 0.0, "clipfrac": 0.0, "train_rollout_logprob_abs_diff": 0.0,
+            "optimizer_step_seconds": 1.0, "stream_bytes_read": 10, "stream_bytes_written": 10,
+            "stream_seconds": 1.0, "stream_io_seconds": 0.25, "stream_peak_resident_bytes": 1,
+            "stream_prefetched_buckets": 0}
+    sleep = [{"rank": 0, "bytes": 1, "seconds": 0.1, "store_wait_seconds": 0.5}]
+    samples = [SimpleNamespace(response_ids=[1, 2])]
+    rec = rollout_record(0, [1.0], samples, [rank], wake=[], sleep=sleep,
+                         timings={"step_seconds": 2.0, "generate_seconds": 0.5, "train_seconds": 1.0,
+                                  "sleep_seconds": 0.6, "wake_seconds": 0.1},
+                         saved=None)
+    assert rec["stream_sleep_wait_seconds"] == 0.5
+    assert rec["stream_exposed_io_per_rollout_seconds"] == 0.75
+    assert "exposed 0.75s" in format_rollout_line(rec, 1)
