@@ -58,3 +58,14 @@ def test_exposed_io_per_rollout_adds_the_sleep_wait():
     assert rec["stream_sleep_wait_seconds"] == 0.5
     assert rec["stream_exposed_io_per_rollout_seconds"] == 0.75
     assert "exposed 0.75s" in format_rollout_line(rec, 1)
+
+
+@pytest.mark.parametrize("flush, call", [(False, "release_device"), (True, "flush")])
+def test_megatron_store_set_settles_every_store(flush, call):
+    """The megatron trainer's stores (one per chained optimizer member) take the same sleep call: the
+    flush arm once failed on the H200 because the set had lost its flush()."""
+    from miles.backends.megatron_backend.checkpoint_views import StoreSet
+
+    stores = [_Store(), _Store()]
+    settle_store_for_sleep(StoreSet(SimpleNamespace(stores=stores)), flush)
+    assert [s.calls for s in stores] == [[call], [call]]

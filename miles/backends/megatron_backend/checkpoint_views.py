@@ -109,6 +109,10 @@ class StoreSet:
         for s in self.stores:
             s.release_device()
 
+    def flush(self) -> None:
+        for s in self.stores:
+            s.flush()
+
     def refresh_main_from_model_params(self) -> None:
         for s in self.stores:
             s.refresh_main_from_model_params()
