@@ -185,6 +185,7 @@ def run_steps(spec: dict, ddp, opt, stores: list) -> list[dict]:
                     f"wrote {row['bytes_written'] / 1e9:.2f} GB (to disk during the step "
                     f"{row['disk_bytes_written'] / 1e9:.2f} GB)")
         row["peak_bytes"] = torch.cuda.max_memory_allocated() - base
+        row["rss_peak_bytes"] = peak_rss_bytes()  # where in the arm host memory peaked
         rows.append(row)
         say(spec, msg + f"; GPU peak +{row['peak_bytes'] / 1e9:.3f} GB")
     return rows
@@ -260,10 +261,12 @@ def run_arm(spec: dict) -> dict:
             raise RuntimeError(f"get_megatron_optimizer refused this arm: {type(e).__name__}: {e}") from e
         result["optimizer"] = f"{type(opt).__name__}[" + ", ".join(
             f"{type(m).__name__}({type(m.optimizer).__name__})" for m in members(opt)) + "]"
+        result["rss_peak_after_optimizer_bytes"] = peak_rss_bytes()
         n = result["streamed_numel"] = sum(s.numel() for s in bf16_shards(opt))
         result["state_bytes"] = 12 * n  # fp32 mains + exp_avg + exp_avg_sq of the bf16 params
         if spec["kind"] == "store":
             stores, result["host_cache_mb"] = bind_store(spec, opt, 12 * n)
+            result["rss_peak_after_bind_bytes"] = peak_rss_bytes()
             result["store"] = store_info(stores)
             result["state_bytes"] = result["store"]["state_bytes"]
         result["optimizer_seconds"] = time.perf_counter() - t0

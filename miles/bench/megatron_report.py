@@ -169,14 +169,19 @@ def report(results: dict) -> str:
             if "disk_bytes_read" in s:
                 lines.append(f"    per step: read {s['disk_bytes_read'] / GB:.2f} GB from disk and "
                              f"{s.get('cache_bytes_read', 0) / GB:.2f} GB from the host cache; "
-                             + (f"{s['disk_bytes_written'] / GB:.2f} GB written to disk inside the step, the rest "
-                                "on flush" if "disk_bytes_written" in s else "written back on flush"))
+                             + (f"{s['disk_bytes_written'] / GB:.2f} GB written to disk since the previous step "
+                                "returned (the bench's flush after that step included)" if "disk_bytes_written" in s
+                                else "written back on flush"))
         elif not a.get("ok"):
             lines.append(f"  {name} failed: {a.get('error')}")
     base_rss = [f"{n} {a['rss_before_optimizer_bytes'] / GB:.2f}" for n, a in arms.items()
                 if a.get("ok") and a.get("rss_before_optimizer_bytes") is not None]
     if base_rss:
         lines.append("  host RSS with the model built, before the optimizer (GB): " + ", ".join(base_rss))
+    stages = [f"{n} {_rss_stages(a)}" for n, a in arms.items() if a.get("ok") and a.get("rss_peak_after_optimizer_bytes")]
+    if stages:
+        lines.append("  host RSS peak after the optimizer / after binding the store / after each step (GB): "
+                     + "; ".join(stages))
     lines.append("step s: optimizer.step() between torch.cuda.synchronize() calls (median of the measured steps); "
                  "e2e s: the store's step until its writes are in the files (store.flush(): write-behind and the host "
                  "tier's dirty images; then fdatasync), no "
@@ -185,3 +190,9 @@ def report(results: dict) -> str:
                  "model build included); moved: the store's bytes read + written per step (cpu-offload's "
                  "grads-down / params-up traffic is not counted).")
     return "\n".join(lines)
+
+
+def _rss_stages(arm: dict) -> str:
+    marks = [arm.get("rss_peak_after_optimizer_bytes"), arm.get("rss_peak_after_bind_bytes")]
+    marks += [r.get("rss_peak_bytes") for r in arm.get("rows", [])]
+    return " / ".join("-" if m is None else f"{m / GB:.2f}" for m in marks)

@@ -269,3 +269,14 @@ def test_an_arm_process_without_cuda_reports_its_error(tmp_path):
     r = bench.run_arm(spec, str(tmp_path), lines.append)
     assert r["ok"] is False and r["error"] and r["name"] == "resident"
     assert any("failed:" in l for l in lines)
+
+
+def test_report_shows_where_host_memory_peaked():
+    results = fake_results()
+    arm = results["arms"]["store-0"]
+    arm.update(rss_peak_after_optimizer_bytes=1e9, rss_peak_after_bind_bytes=12e9)
+    for row, peak in zip(arm["rows"], (12e9, 12e9, 12e9, 12e9)):
+        row["rss_peak_bytes"] = peak
+    text = rep.report(results)
+    assert "store-0 1.00 / 12.00 / 12.00 / 12.00 / 12.00 / 12.00" in text
+    assert "since the previous step returned" in text
