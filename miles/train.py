@@ -22,9 +22,10 @@ exception it raised; temporary directories are removed either way.
 
 Ownership of the disk: the driver locks the run root before Ray starts and holds it to the end (a
 second run on the same root stops at once with exit code 2, naming the first); every directory the
-run makes is marked as made by its run id, and teardown removes only those (one warning lists what else
-it found under the root). SIGTERM and SIGINT stop the loop, run the same teardown, print one line and
-exit with 128 + the signal number.
+run makes is marked as made by its run id, and teardown removes only those, on the driver's node and on
+every other node that hosted the run's actors (:mod:`miles.ray.node_sweep`; one warning lists what else
+it found under the root, and on which node). SIGTERM and SIGINT stop the loop, run the same teardown,
+print one line and exit with 128 + the signal number.
 """
 
 from __future__ import annotations
@@ -34,18 +35,18 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from miles import checkpoint
 from miles.config import RunConfig
 from miles.logging_setup import configure_logging, progress_bar, set_driver_env
 from miles.metrics import MetricsSink, format_rollout_line, log_summary, rollout_record
+from miles.ray.node_sweep import NodeSweep, left_entries, removed_line, sweep_nodes, wait_for_exit
 from miles_plugins.optimizers.streaming.io.ownership import (
     DirectoryInUseError,
     DirectoryLock,
     claim_directory,
     make_directory,
-    pid_alive,
     sweep,
 )
 from miles_plugins.optimizers.streaming.units import GB
@@ -149,8 +150,9 @@ def _shards(samples: list, advantages: list[float], world: int) -> list[tuple[li
     return out
 
 
-def _init_ray() -> bool:
-    """Connect to ``RAY_ADDRESS`` or start a local cluster (returns True when this call started Ray)."""
+def _init_ray(config: RunConfig) -> bool:
+    """Connect to the cluster at ``config.ray_address`` (``RAY_ADDRESS``) or start a local cluster (returns
+    True when this call started Ray)."""
     import ray
 
     if ray.is_initialized():
@@ -158,7 +160,7 @@ def _init_ray() -> bool:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     set_driver_env()
     # Ray's own INFO lines ("Started a local Ray instance") carry a second timestamp format: warnings only
-    address = os.environ.get("RAY_ADDRESS")
+    address = config.ray_address
     if address:
         ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
     else:  # a private single-node cluster for this run, bound to loopback
@@ -184,7 +186,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     stop = _StopOnSignal()
     stop.install()
     summary: dict[str, Any] = {"run_dir": config.paths.run_dir, "metrics_file": config.logging.metrics_file,
-                               "checkpoints": [], "latest_checkpoint": None, "records": []}
+                               "checkpoints": [], "latest_checkpoint": None, "records": [], "node_sweeps": []}
     try:
         return _run_holding_root(config, stop, summary)
     except RunInterrupted as e:
@@ -197,24 +199,26 @@ def run(config: RunConfig) -> dict[str, Any]:
         signum = stop.received
     finally:
         stop.restore()
-        removed = remove_run_directories(config)
+        removed = remove_run_directories(config, summary["node_sweeps"])
         root_lock.release()
     print(interrupted_line(signum, summary, removed), file=sys.stderr)
     raise SystemExit(128 + signum) from None
 
 
-def remove_run_directories(config: RunConfig) -> int:
+def remove_run_directories(config: RunConfig, others: Sequence[NodeSweep] = ()) -> int:
     """The driver's backstop, after the actors are gone: remove every directory under the run root that
     this run made (what an actor that crashed or was killed could not), the root included when the run
-    made it; warn once about everything else found there. Returns how many directories were removed."""
-    result = sweep(config.paths.root, config.run_id)
-    if result.removed:
-        logger.info("removed %d director%s this run made under %s", len(result.removed),
-                    "y" if len(result.removed) == 1 else "ies", config.paths.root)
-    if result.left:
-        logger.warning("left under %s what this run did not make (or another run holds): %s", config.paths.root,
-                       "; ".join(result.left))
-    return len(result.removed)
+    made it; log it with ``others``, the sweeps of the other nodes that hosted actors, and warn once about
+    everything else found there or on them. Returns how many directories were removed on all nodes."""
+    root = config.paths.root
+    here = sweep(root, config.run_id)
+    removed = removed_line(root, here, others)
+    if removed:
+        logger.info("%s", removed)
+    left = left_entries(here, others)
+    if left:
+        logger.warning("left under %s what this run did not make (or another run holds): %s", root, "; ".join(left))
+    return len(here.removed) + sum(len(n.removed) for n in others)
 
 
 def interrupted_line(signum: int, summary: dict[str, Any], removed: int) -> str:
@@ -229,10 +233,12 @@ def interrupted_line(signum: int, summary: dict[str, Any], removed: int) -> str:
 
 
 def _run_holding_root(config: RunConfig, stop: _StopOnSignal, summary: dict[str, Any]) -> dict[str, Any]:
+    import ray
+
     from miles.models import load_tokenizer, prepare_policy
     from miles.ray.errors import ActorFailure
     from miles.ray.node_disk import NodeDiskError, check_node_disks
-    from miles.ray.placement_group import create_placement_group, remove
+    from miles.ray.placement_group import bundle_nodes, create_placement_group, remove
     from miles.ray.rollout_manager import RolloutManager
     from miles.ray.train_group import RayTrainGroup
 
@@ -242,12 +248,14 @@ def _run_holding_root(config: RunConfig, stop: _StopOnSignal, summary: dict[str,
     tokenizer = load_tokenizer(config)
     from miles.rl import make_prompt_source
 
-    started_ray = _init_ray()
+    started_ray = _init_ray(config)
     stop.install()  # ray.init replaced the SIGTERM handler
     pg = train_group = rollout = sink = None
+    actor_nodes: list[str] = []
     failure: Optional[BaseException] = None
     try:
         pg, use_gpu, bundles = create_placement_group(config)
+        actor_nodes = list(dict.fromkeys(bundle_nodes(pg)))  # every node an actor can run on, in bundle order
         # every node's disk against what its ranks will write, before any actor starts
         summary["nodes"] = [vars(n) for n in check_node_disks(config, pg, use_gpu)]
         train_group = RayTrainGroup(config, pg, use_gpu)
@@ -311,8 +319,10 @@ def _run_holding_root(config: RunConfig, stop: _StopOnSignal, summary: dict[str,
         failure = e
         raise
     finally:
-        _teardown(train_group, rollout, pg, sink, started_ray, failed=failure is not None, remove_pg=remove)
-        _wait_for_exit([info["pid"] for info in summary.get("train_ranks", []) + summary.get("rollout_engines", [])])
+        _teardown(train_group, rollout, pg, sink, failed=failure is not None, remove_pg=remove)
+        summary["node_sweeps"] = _sweep_actor_nodes(config, actor_nodes, _actor_pids_by_node(summary))
+        if started_ray:  # after the sweeps: they are Ray tasks
+            ray.shutdown()
     summary["seconds"] = time.perf_counter() - t_run
     if failure is not None:
         # the traceback was logged once above; the error itself is the one-line cause
@@ -424,17 +434,27 @@ def _publish(config: RunConfig, train_group, pending: dict[str, Any], summary: d
                 "" if waited else " (optimizer state copied in the background during the next rollout)")
 
 
-def _wait_for_exit(pids: list[int], timeout_s: float = 15.0) -> None:
-    """Wait until the actor processes are gone: a killed actor's directory locks end with its process,
-    and the driver's sweep must not mistake a dying actor for another run holding a directory."""
-    deadline = time.monotonic() + timeout_s
-    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
+def _actor_pids_by_node(summary: dict[str, Any]) -> dict[str, list[int]]:
+    """``{node: [pids of the run's actors there]}``, from the actors' infos (none when init did not finish)."""
+    out: dict[str, list[int]] = {}
+    for info in summary.get("train_ranks", []) + summary.get("rollout_engines", []):
+        out.setdefault(info["node_id"], []).append(info["pid"])
+    return out
 
 
-def _teardown(train_group, rollout, pg, sink, started_ray, failed, remove_pg) -> None:
+def _sweep_actor_nodes(config: RunConfig, actor_nodes: list[str],
+                       pids_by_node: dict[str, list[int]]) -> list[NodeSweep]:
+    """Wait for the actors of the driver's node to exit (that node is swept later, in :func:`run`), and sweep
+    the run root on every other node that hosted actors, while Ray is still up (none on one node)."""
     import ray
 
+    here = ray.get_runtime_context().get_node_id()
+    wait_for_exit(pids_by_node.get(here, []))  # a pid means something only on its own host
+    others = [node for node in actor_nodes if node != here]
+    return sweep_nodes(others, config.paths.root, config.run_id, pids_by_node)
+
+
+def _teardown(train_group, rollout, pg, sink, failed, remove_pg) -> None:
     grace = 5.0 if failed else 60.0  # a failed run may have ranks stuck in a collective: do not wait long
     if train_group is not None:
         train_group.shutdown(timeout_s=grace)
@@ -444,5 +464,3 @@ def _teardown(train_group, rollout, pg, sink, started_ray, failed, remove_pg) ->
         remove_pg(pg)
     if sink is not None:
         sink.close()
-    if started_ray:
-        ray.shutdown()

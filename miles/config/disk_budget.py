@@ -2,7 +2,9 @@
 
 Pure functions over the parsed flags and a parameter count; :func:`miles.config.validation.validate_args`
 compares the result with the free space of the filesystems holding ``--offload-train-disk-dir`` and
-``--save``. Every term is an upper estimate for all ranks and engines on one machine:
+``--save``. Every term is an upper estimate for the ranks and engines on one machine: all of them when the
+run starts its own single-node Ray, or as many as can land on the driver's node when it joins a cluster
+(:func:`ranks_on_driver_node`; :mod:`miles.ray.node_disk` then checks every node once Ray has placed them):
 
 - ``state``: the streamed optimizer state (``--stream-optimizer-state-to-disk``): fp32 masters plus the
   two moments as the store's own codecs encode them (12 B/param with fp32 moments, about 6 with fp8).
@@ -87,16 +89,35 @@ def streamed_state_bytes(params: int, moment_dtype: str) -> int:
     return FP32_BYTES * params + moments
 
 
-def disk_budget(a: argparse.Namespace, params: int, cuda: bool) -> DiskBudget:
-    """The run's :class:`DiskBudget` for the resolved flags ``a`` (offload_train and model_dtype set)."""
+def ranks_on_driver_node(num_train_ranks: int, node_slots: int) -> int:
+    """Train ranks that can land on the driver's node of a cluster: one bundle each, and the node holds at
+    most ``node_slots`` bundles (its GPUs, or its CPUs / --num-cpus-per-rank)."""
+    return max(0, min(num_train_ranks, node_slots))
+
+
+def colocated_engines_among(ranks: int, num_train_ranks: int, num_rollout_engines: int) -> int:
+    """At most this many colocated engines share ``ranks`` consecutive train ranks (the ranks of one node):
+    engines are spread evenly over the ranks (:func:`miles.ray.layout.colocated_rank`)."""
+    return min(num_rollout_engines, -(-ranks * num_rollout_engines // num_train_ranks))
+
+
+def disk_budget(a: argparse.Namespace, params: int, cuda: bool, ranks_here: int | None = None) -> DiskBudget:
+    """The run's :class:`DiskBudget` for the resolved flags ``a`` (offload_train and model_dtype set).
+
+    ``ranks_here``: the train ranks whose scratch lands on the checked filesystem (None: all of them, the
+    single-node case); their share of the sharded state and their colocated engines are counted."""
+    n = a.num_train_ranks
+    ranks = n if ranks_here is None else ranks_here
     streaming = a.stream_optimizer_state_to_disk
     optimizer_state = (streamed_state_bytes(params, a.stream_optimizer_state_moment_dtype) if streaming
                        else RESIDENT_ADAM_BYTES * params)
+    shard = -(-optimizer_state * ranks // n)  # ZeRO-1: these ranks' part of the state, rounded up
     weights = params * DTYPE_BYTES[a.model_dtype]
     disk_offload = a.offload_train and a.offload_train_target == "disk"
+    engines = colocated_engines_among(ranks, n, a.num_rollout_engines)
     return DiskBudget(
-        state=optimizer_state if streaming else 0,
-        trainer_offload=(weights * a.num_train_ranks + (0 if streaming else optimizer_state)) if disk_offload else 0,
-        rollout_backup=weights * a.num_rollout_engines if a.colocate and not cuda else 0,
+        state=shard if streaming else 0,
+        trainer_offload=(weights * ranks + (0 if streaming else shard)) if disk_offload else 0,
+        rollout_backup=weights * engines if a.colocate and not cuda else 0,
         checkpoint=weights + optimizer_state if a.save else 0,
     )

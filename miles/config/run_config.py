@@ -13,6 +13,7 @@ object; Ray pickles it to the actors (frozen dataclasses pickle as plain values)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from miles.config.arguments import (
     CheckpointConfig,
@@ -35,6 +36,8 @@ class RunConfig:
 
     ``model_source``: what ``miles.models.load_policy`` loads (one of :data:`MODEL_SOURCES`).
     ``paths``: the run's directory tree (:class:`miles.config.paths.RunPaths`).
+    ``ray_address``: the cluster the run joins (``RAY_ADDRESS``, which may span several nodes), or None:
+    the run starts its own single-node Ray.
     ``run_id``: names this run in the ownership records of the directories it locks and makes
     (``<YYYYmmdd-HHMMSS>-<pid>`` of the driver, the same id as the default root's and run dir's name).
     """
@@ -50,6 +53,7 @@ class RunConfig:
     paths: RunPaths
     model_source: str
     run_id: str
+    ray_address: Optional[str]
 
     @property
     def uses_rank_dirs(self) -> bool:

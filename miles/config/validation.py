@@ -16,7 +16,10 @@ Besides flag combinations it rejects, before any actor starts:
   writable;
 - a filesystem with less free space than the run will write there, computed from the model size
   (:mod:`miles.config.disk_budget`: streamed state, trainer offload, rollout engine backup, and the
-  checkpoint copy when ``--save`` is on the same filesystem).
+  checkpoint copy when ``--save`` is on the same filesystem). When the run joins an existing cluster
+  (``RAY_ADDRESS``), the root's filesystem is the driver's node's disk only: it must hold what the ranks
+  that can land on that node write; every node's disk is checked once Ray has placed the ranks
+  (:mod:`miles.ray.node_disk`).
 
 Resolved values (``None`` after parsing -> concrete in the config):
 
@@ -28,8 +31,9 @@ Resolved values (``None`` after parsing -> concrete in the config):
   ``/miles-run-<YYYYmmdd-HHMMSS>-<pid>`` (:func:`miles.config.paths.default_root`).
 - ``logging.metrics_file``: absolute; default ``<run dir>/metrics.jsonl``.
 
-Derived: ``model_source`` (``"hf_checkpoint"`` | ``"smollm2"`` | ``"tiny"``) and ``paths``
-(:class:`~miles.config.paths.RunPaths`: the disk root, whether the run chose it, the run dir).
+Derived: ``model_source`` (``"hf_checkpoint"`` | ``"smollm2"`` | ``"tiny"``), ``paths``
+(:class:`~miles.config.paths.RunPaths`: the disk root, whether the run chose it, the run dir) and
+``ray_address`` (``RAY_ADDRESS``, or None when the run starts its own Ray).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from miles.config.arguments import CONFIG_GROUPS
-from miles.config.disk_budget import GIB, disk_budget, model_params
+from miles.config.disk_budget import GIB, disk_budget, model_params, ranks_on_driver_node
 from miles.config.effective_flags import first_ineffective_flag
 from miles.config.paths import RunPaths, default_root, new_run_id
 from miles.config.run_config import RunConfig
@@ -84,6 +88,16 @@ def _cuda_available() -> bool:
         return bool(torch.cuda.is_available())
     except Exception:  # pragma: no cover - torch is a hard dependency
         return False
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _cpu_count() -> int:
+    return os.cpu_count() or 1
 
 
 def _check_prompt_data(path: str) -> Optional[str]:
@@ -140,6 +154,11 @@ class Environment:
     filesystem_id: Callable[[str], int] = _filesystem_id  # equal ids: the same filesystem
     read_json: Callable[[str], dict] = _read_json  # --hf-checkpoint's config.json, for the model size
     scratch_root: Optional[str] = None  # None: $SCRATCH or the system temp dir
+    # the cluster to join; None: the run starts its own single-node Ray (miles.train)
+    ray_address: Optional[str] = field(default_factory=lambda: os.environ.get("RAY_ADDRESS") or None)
+    # this machine's bundle slots, asked only when joining a cluster: GPUs (when CUDA is available) or CPUs
+    gpu_count: Callable[[], int] = _gpu_count
+    cpu_count: Callable[[], int] = _cpu_count
     run_id: Optional[str] = None  # None: "<YYYYmmdd-HHMMSS>-<pid>" (miles.config.paths.new_run_id)
 
 
@@ -390,13 +409,31 @@ def _check_directory(flag: str, path: str, env: Environment, is_default: bool = 
     return existing
 
 
-def _check_free(flag: str, where: str, existing: str, need: int, what: str, params: int, env: Environment) -> None:
+def _check_free(flag: str, where: str, existing: str, need: int, what: str, params: int, env: Environment,
+                scope: str = "") -> None:
+    """``scope``: which ranks the need counts, when not all of them (a cluster's driver node)."""
     free = env.disk_free_bytes(existing)
     if need > free:
         raise _err(f"{where}: the run needs about {need / GIB:.2f} GiB there ({what}, for {params / 1e6:.1f}M "
-                   f"params) and its filesystem has {free / GIB:.2f} GiB free.", (flag,),
+                   f"params{scope}) and its filesystem has {free / GIB:.2f} GiB free.", (flag,),
                    f"free space, pass {flag} on a larger disk, or shrink the run (e.g. "
                    "--stream-optimizer-state-moment-dtype fp8e4m3); `miles plan` sizes a run.")
+
+
+def _driver_node_slots(a: argparse.Namespace, env: Environment) -> int:
+    """Bundles the driver's machine can hold: one per GPU, or per --num-cpus-per-rank CPUs without CUDA."""
+    return env.gpu_count() if env.cuda_available() else env.cpu_count() // a.num_cpus_per_rank
+
+
+def _ranks_checked_here(a: argparse.Namespace, env: Environment) -> tuple[Optional[int], str]:
+    """The train ranks whose scratch the root's filesystem must hold (None: all, the run's own single-node
+    Ray) and how the error message says so. Joining a cluster, only the driver's node's share lands on this
+    disk; the other nodes' disks are checked by the per-node probe once Ray has placed the ranks."""
+    if env.ray_address is None:
+        return None, ""
+    ranks = ranks_on_driver_node(a.num_train_ranks, _driver_node_slots(a, env))
+    return ranks, (f"; at most {ranks} of the {a.num_train_ranks} train ranks can run on this node of the "
+                   f"cluster at {env.ray_address}, each other node's disk is checked when Ray places the ranks")
 
 
 def _model_param_count(a: argparse.Namespace, env: Environment, model_source: str) -> Optional[int]:
@@ -424,12 +461,13 @@ def _check_disk(a: argparse.Namespace, env: Environment, model_source: str, root
     params = _model_param_count(a, env, model_source)
     if params is None:
         return
-    budget = disk_budget(a, params, cuda=bool(a.colocate) and env.cuda_available())
+    ranks_here, scope = _ranks_checked_here(a, env) if root else (None, "")
+    budget = disk_budget(a, params, cuda=bool(a.colocate) and env.cuda_available(), ranks_here=ranks_here)
     save_with_root = bool(root and save) and env.filesystem_id(save) == env.filesystem_id(root)
     if root:
         need = budget.scratch + (budget.checkpoint if save_with_root else 0)
         _check_free(root_flag, _label(root_flag, a.offload_train_disk_dir, root_is_default), root, need,
-                    budget.describe(save_with_root), params, env)
+                    budget.describe(save_with_root), params, env, scope)
     if save and not save_with_root:
         _check_free("--save", f"--save {a.save}", save, budget.checkpoint, "one checkpoint", params, env)
 
@@ -487,4 +525,4 @@ def validate_args(args: argparse.Namespace, env: Environment | None = None) -> R
     _check_disk(a, env, model_source, root_is_default)
     paths = RunPaths(root=a.offload_train_disk_dir, run_dir=run_dir, root_is_default=root_is_default)
     groups = {title: _group(cls, a) for title, cls in CONFIG_GROUPS}
-    return RunConfig(**groups, paths=paths, model_source=model_source, run_id=run_id)
+    return RunConfig(**groups, paths=paths, model_source=model_source, run_id=run_id, ray_address=env.ray_address)

@@ -126,15 +126,21 @@ def free_bytes_on_node(path: str) -> tuple[str, int, str]:
     return ray.util.get_node_ip_address(), shutil.disk_usage(existing).free, existing
 
 
-def probe_nodes(node_ids: Sequence[str], path: str) -> dict[str, tuple[str, int, str]]:
-    """``{node: (address, free bytes, checked path)}`` from one task pinned to each node (no CPU reserved:
-    the placement group may hold all of them)."""
+def pinned_task(fn, node: str):
+    """``fn`` as a Ray task that runs on ``node`` and nowhere else, reserving no CPU (the placement group
+    may hold all of them), never retried."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    task = ray.remote(free_bytes_on_node)
-    refs = {node: task.options(num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-        node_id=node, soft=False)).remote(path) for node in node_ids}
+    return ray.remote(fn).options(num_cpus=0, max_retries=0,
+                                  scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False))
+
+
+def probe_nodes(node_ids: Sequence[str], path: str) -> dict[str, tuple[str, int, str]]:
+    """``{node: (address, free bytes, checked path)}`` from one task pinned to each node."""
+    import ray
+
+    refs = {node: pinned_task(free_bytes_on_node, node).remote(path) for node in node_ids}
     return {node: ray.get(ref) for node, ref in refs.items()}
 
 

@@ -12,12 +12,18 @@ test process's Ray connection; the subprocess writes what it saw as JSON and the
 2. a real run (torch backend, --tiny-model, streamed state + disk offload, colocated): 4 train ranks,
    2 per node, ranks 0-1 on one node and 2-3 on the other; the 2 rollout engines one per node; every
    `cell0_rank<j>` directory made (its `.miles-created` marker) by the pid of rank j's actor, on rank
-   j's node; the per-node disk check passed for both nodes;
+   j's node; the per-node disk check passed for both nodes; at the end a sweep task on each worker node
+   removed the folders this run made under the root (`trainer/`, `optimizer_state/`, `rollout/`), and a
+   file the run did not make stays and is listed in the one teardown warning, naming the node (the nodes
+   share this host's disk, so the first node's sweep removes the shared folders and every node lists the
+   file);
 3. GPU bundles on nodes of 4 logical GPUs: 8 ranks fill the two nodes 4 + 4 in rank order, each with
    its own GPU id on its node, the colocated engines on each node's first rank.
 """
 
+import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -92,6 +98,20 @@ def test_each_node_disk_was_checked_against_the_plan(seen):
     assert seen["run"]["need_per_rank"] > 0
 
 
+def test_each_worker_node_was_swept_and_its_foreign_file_listed(seen):
+    run = seen["run"]
+    sweeps = {n["node_id"]: n for n in run["node_sweeps"]}
+    assert set(sweeps) == set(seen["cpu_nodes"])  # not the driver's (head) node: the driver sweeps that one
+    root = run["root"]
+    parents = {os.path.join(root, d) for d in ("trainer", "optimizer_state", "rollout")}
+    assert parents <= {p for n in sweeps.values() for p in n["removed"]}
+    assert run["parents_after"] == []
+    assert run["foreign_after"], "a file the run did not make was removed"
+    (warning,) = run["warnings"]
+    for node in seen["cpu_nodes"]:
+        assert f"node {node[:12]} (" in warning and f"): {run['foreign']}" in warning
+
+
 def test_gpu_bundles_fill_each_node_in_rank_order(seen):
     gpu = seen["gpu_layout"]
     nodes = gpu["nodes"]
@@ -155,28 +175,49 @@ def _watch_markers(dirs, stop, found):
         time.sleep(0.02)
 
 
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 def _full_run(out):
-    """A real run over the two CPU nodes, watching who makes the rank directories."""
+    """A real run over the two CPU nodes, watching who makes the rank directories, with a file under the
+    root that the run did not make."""
     from miles.ray.node_disk import per_rank_disk_bytes
     from miles.config.disk_budget import model_tensors_of_run
     from miles.train import run
 
     cfg = _config(out, "run")
+    os.makedirs(cfg.paths.root)
+    foreign = os.path.join(cfg.paths.root, "notes.txt")
+    with open(foreign, "w") as f:
+        f.write("not the run's")
     dirs = [cfg.paths.rank_dir(0, r) for r in range(cfg.cluster.num_train_ranks)]
     found, stop = {}, threading.Event()
     watcher = threading.Thread(target=_watch_markers, args=(dirs, stop, found), daemon=True)
     watcher.start()
+    warnings = _Warnings()
+    logging.getLogger("miles.train").addHandler(warnings)
     try:
         summary = run(cfg)
     finally:
+        logging.getLogger("miles.train").removeHandler(warnings)
         stop.set()
         watcher.join()
+    parents = [cfg.paths.trainer, cfg.paths.optimizer_state, cfg.paths.rollout]
     ranks = [{"rank": r, "pid": info["pid"], "node_id": info["node_id"], "rank_dir": dirs[r]}
              for r, info in enumerate(summary["train_ranks"])]
     return {"train_ranks": ranks, "rollout_engines": [{"node_id": e["node_id"]} for e in summary["rollout_engines"]],
             "markers": found, "nodes": summary["nodes"],
             "need_per_rank": per_rank_disk_bytes(cfg, model_tensors_of_run(cfg.model_source, None)),
-            "left_after": [d for d in dirs if os.path.exists(d)]}
+            "left_after": [d for d in dirs if os.path.exists(d)],
+            "node_sweeps": [dataclasses.asdict(n) for n in summary.get("node_sweeps", [])],
+            "root": cfg.paths.root, "parents_after": [d for d in parents if os.path.exists(d)],
+            "foreign": foreign, "foreign_after": os.path.exists(foreign), "warnings": warnings.lines}
 
 
 def _where_am_i():
