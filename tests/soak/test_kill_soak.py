@@ -1,6 +1,7 @@
 """Soak (issue 13): random `kill -9` points across step, save, sleep and resume, at DP=2 over gloo.
 
     python -m pytest -m slow tests/soak -q            # MILES_SOAK_KILLS=100 (default), MILES_SOAK_SEED=0
+    MILES_SOAK_HOST_CACHE_MB=1 python -m pytest -m slow tests/soak -q   # the whole state in the host tier
 
 A job is two forked ranks (torch's ShardedMixedPrecisionAdam, its state streamed with verify on) that
 train STEPS steps and, every SAVE_EVERY steps, checkpoint (rank 0: model weights; each rank: its
@@ -38,6 +39,8 @@ pytestmark = pytest.mark.slow
 
 KILLS = int(os.environ.get("MILES_SOAK_KILLS", "100"))
 SEED = int(os.environ.get("MILES_SOAK_SEED", "0"))
+# 1 MiB holds this test's whole state: the write-back tier, whose bucket files lag until flush and save
+HOST_CACHE_MB = int(os.environ.get("MILES_SOAK_HOST_CACHE_MB", "0"))
 STEPS, SAVE_EVERY, WORLD = 6, 2, 2
 LAUNCH_TIMEOUT = 120
 
@@ -84,7 +87,7 @@ def _rank_main(rank, rendezvous, live, base, out, kill_rank, kill_at, reference)
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
     point, calls = _kill_points(rank, kill_rank, kill_at)
-    params, opt, store = build("sharded", live, verify=True)
+    params, opt, store = build("sharded", live, verify=True, host_cache_mb=HOST_CACHE_MB)
     point()
     start = 0
     latest = os.path.join(base, "latest")
@@ -220,7 +223,7 @@ def test_random_kill9_across_step_save_sleep_and_resume(tmp_path):
     reference = {k: _merged(_load(out, f"iter{k}_")) for k in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)}
     final = _load(out, "final")
     points = min(d["points"] for d in final)  # a whole run's kill points (rank 1's may differ slightly)
-    assert points > 100, points
+    assert points > 50, points  # the tier has fewer: its steps make no pread/pwrite
     shutil.rmtree(os.path.join(tmp, "ref_ckpt"))
     rng = random.Random(SEED)
     kills = resumes = episodes = launch = 0
