@@ -4,11 +4,14 @@
 #           streamed through disk, trainer offloaded to disk: 5 rollouts, a save, then a --load resume
 #           (the Llama run is also the "disk + streaming" arm of the sleep/wake comparison)
 #   sleep   the same Llama with trainer offload to cpu and to disk, optimizer state resident, 3 rollouts
-# Usage: scripts/validate_megatron.sh train [PRESET...] | sleep
+#   drain   the 8-expert MoE, streamed with a host tier (HOST_CACHE_MB, default 600), 3 rollouts each: the
+#           store's disk writes left to land during generation (default) vs waited for at every sleep
+#           (--stream-optimizer-state-flush-at-sleep); prints each rollout's exposed optimizer I/O
+# Usage: scripts/validate_megatron.sh train [PRESET...] | sleep | drain
 #   WORK=<dir with ~40 GB free> (default /tmp/miles-megatron); SLEEP_ROLLOUTS (default 3);
 #   RESUME_TO: the rollout count the resumed run trains to (default 7: two more)
 set -euo pipefail
-phase=${1:?usage: $0 train [PRESET...] | sleep}
+phase=${1:?usage: $0 train [PRESET...] | sleep | drain}
 shift
 WORK=${WORK:-/tmp/miles-megatron}
 mkdir -p "$WORK"
@@ -23,7 +26,8 @@ summary() {  # summary <metrics.jsonl>: one line per rollout
   python - "$1" <<'PY'
 import json, sys
 keys = ("rollout_id", "reward_mean", "loss", "optimizer_step_seconds", "sleep_seconds", "wake_seconds",
-        "offload_bytes", "device_used_gb_asleep", "stream_read_gb", "stream_written_gb", "step_seconds")
+        "offload_bytes", "device_used_gb_asleep", "stream_read_gb", "stream_written_gb", "step_seconds",
+        "stream_exposed_io_seconds", "stream_sleep_wait_seconds", "stream_exposed_io_per_rollout_seconds")
 for line in open(sys.argv[1]):
     r = json.loads(line)
     print({k: (round(r[k], 4) if isinstance(r[k], float) else r[k]) for k in keys if k in r})
@@ -54,5 +58,16 @@ sleep)
     summary "$WORK/sleep-$target.jsonl"
   done
   ;;
-*) echo "unknown phase $phase (train|sleep)" >&2; exit 2 ;;
+drain)
+  model qwen3-moe-8e
+  for arm in drain flush; do
+    extra=(); [ "$arm" = flush ] && extra=(--stream-optimizer-state-flush-at-sleep)
+    miles train "${common[@]}" --hf-checkpoint "$WORK/qwen3-moe-8e" --stream-optimizer-state-to-disk \
+      --offload-train-target=disk --offload-train-disk-dir "$WORK/disk-$arm" \
+      --stream-optimizer-state-host-cache-mb "${HOST_CACHE_MB:-600}" --num-rollout 3 \
+      --metrics-file "$WORK/$arm.jsonl" "${extra[@]}"
+    summary "$WORK/$arm.jsonl"
+  done
+  ;;
+*) echo "unknown phase $phase (train|sleep|drain)" >&2; exit 2 ;;
 esac
