@@ -82,10 +82,12 @@ class TrainBackend(abc.ABC):
     """
 
     def __init__(self, config: RunConfig, *, rank: int, world_size: int, cell: int = 0,
-                 rank_dir: Optional[str] = None):
+                 rank_dir: Optional[str] = None, ranks_on_node: Optional[int] = None):
         self.config = config
         self.rank = rank
         self.world_size = world_size
+        # train ranks of this run on this rank's node (they share its host RAM); None: all of them
+        self.ranks_on_node = ranks_on_node or world_size
         self.cell = cell
         self.rank_dir = rank_dir
         self.rank_dir_lock: Optional[DirectoryLock] = None

@@ -180,7 +180,7 @@ class OptimizerConfig:
         0, "Host tier per train rank, MiB of host RAM for write-back images of the streamed buckets: a step "
         "moves their bytes between the GPU and RAM only, and the disk gets them at checkpoints (or when the "
         f"run ends its use of them). '{HOST_CACHE_AUTO}': what the node has free when the store is built, less "
-        f"a {DEFAULT_HOST_CACHE_RESERVE_MB // 1024} GiB reserve, shared by the run's train ranks, at most the "
+        f"a {DEFAULT_HOST_CACHE_RESERVE_MB // 1024} GiB reserve, shared by the train ranks on the node, at most the "
         "state. 0 disables (docs/advanced/disk-offload.md: picking it; docs/benchmarks.md: half the state in "
         "RAM hid 55% of the disk time on the H200 host, measured before the tier was write-back).",
         metavar="MB|auto", parse=int_or_text,

@@ -56,7 +56,9 @@ def make_train_actors(cfg: RunConfig, pg, use_gpu: bool, cell: int = 0) -> list:
     backend = BACKENDS[cfg.training.train_backend]  # resolved here so the actor imports what the driver chose
     remote_cls = ray.remote(TrainActor)
     bundles = placement_group.rank_bundles(pg, n)
-    single_node = len(set(placement_group.bundle_nodes(pg))) == 1
+    nodes = placement_group.bundle_nodes(pg)
+    single_node = len(set(nodes)) == 1
+    rank_nodes = [nodes[b] for b in bundles]
     actors = []
     for rank in range(n):
         env = {**base_env(), **layout.rank_env(cfg, cell, rank, use_gpu=use_gpu, tms_library=tms,
@@ -66,7 +68,8 @@ def make_train_actors(cfg: RunConfig, pg, use_gpu: bool, cell: int = 0) -> list:
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                  placement_group_bundle_index=bundles[rank]),
             runtime_env={"env_vars": env},
-        ).remote(cfg, cell, rank, n, backend=backend, rank_dir=layout.rank_dir(cfg, cell, rank))
+        ).remote(cfg, cell, rank, n, backend=backend, rank_dir=layout.rank_dir(cfg, cell, rank),
+                 ranks_on_node=rank_nodes.count(rank_nodes[rank]))
         actors.append(actor)
     if cfg.uses_rank_dirs:
         logger.info("train ranks: per-rank directories %s (locked while in use, removed at exit if this run "

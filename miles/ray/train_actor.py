@@ -26,12 +26,13 @@ def node_id() -> str:
 
 class TrainActor:
     def __init__(self, config: RunConfig, cell: int, rank: int, world_size: int, *, backend: str,
-                 rank_dir: Optional[str] = None):
+                 rank_dir: Optional[str] = None, ranks_on_node: Optional[int] = None):
         configure_logging(config.logging.log_level)
         self.config = config
         self.cell, self.rank, self.world_size = cell, rank, world_size
         self.backend = backend
         self.rank_dir = rank_dir
+        self.ranks_on_node = ranks_on_node
         self.trainer = None
         atexit.register(self._at_exit)
 
@@ -58,8 +59,8 @@ class TrainActor:
 
         cls = resolve_backend(self.backend)
         self.trainer = cls(self.config, rank=self.rank, world_size=self.world_size, cell=self.cell,
-                           rank_dir=self.rank_dir)
-        return {**self.trainer.init(rendezvous), "node_id": node_id()}
+                           rank_dir=self.rank_dir, ranks_on_node=self.ranks_on_node)
+        return {**self.trainer.init(rendezvous), "node_id": node_id(), "ranks_on_node": self.ranks_on_node}
 
     def train(self, rollout_id: int, samples: list, advantages: list) -> dict[str, Any]:
         return self.trainer.train(rollout_id, samples, advantages)

@@ -73,6 +73,8 @@ def test_train_ranks_of_one_node_are_consecutive_and_engines_spread(seen):
     assert rank_nodes[0] == rank_nodes[1] != rank_nodes[2] == rank_nodes[3]
     assert set(rank_nodes) == set(nodes)  # nothing on the CPU-less head
     assert [e["node_id"] for e in run["rollout_engines"]] == [rank_nodes[0], rank_nodes[2]]
+    # what each rank was told shares its node's host RAM (the auto host tier divides by it)
+    assert [r["ranks_on_node"] for r in run["train_ranks"]] == [2, 2, 2, 2]
 
 
 def test_each_rank_directory_was_made_on_its_node_by_its_actor(seen):
@@ -209,7 +211,8 @@ def _full_run(out):
         stop.set()
         watcher.join()
     parents = [cfg.paths.trainer, cfg.paths.optimizer_state, cfg.paths.rollout]
-    ranks = [{"rank": r, "pid": info["pid"], "node_id": info["node_id"], "rank_dir": dirs[r]}
+    ranks = [{"rank": r, "pid": info["pid"], "node_id": info["node_id"], "rank_dir": dirs[r],
+              "ranks_on_node": info["ranks_on_node"]}
              for r, info in enumerate(summary["train_ranks"])]
     return {"train_ranks": ranks, "rollout_engines": [{"node_id": e["node_id"]} for e in summary["rollout_engines"]],
             "markers": found, "nodes": summary["nodes"],

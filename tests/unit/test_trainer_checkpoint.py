@@ -238,11 +238,11 @@ def test_store_config_leaves_defaults_to_the_store(tmp_path):
     from miles.backends.torch_backend.trainer import store_config
 
     cfg = _args(tmp_path, "--stream-optimizer-state-to-disk", "--offload-train-target=disk")
-    sc = store_config(cfg, rank=0)
+    sc = store_config(cfg, rank=0, ranks_on_node=1)
     assert sc.device_budget_mb is None and sc.bucket_numel is None and sc.depth is None
     cfg = _args(tmp_path, "--stream-optimizer-state-to-disk", "--offload-train-target=disk",
                 "--stream-optimizer-state-device-budget-mb", "512", "--stream-optimizer-state-bucket-numel", "1000")
-    sc = store_config(cfg, rank=0)
+    sc = store_config(cfg, rank=0, ranks_on_node=1)
     assert sc.device_budget_mb == 512 and sc.bucket_numel == 1000
 
 
@@ -272,6 +272,6 @@ def test_store_gets_its_own_chunk_flag(tmp_path):
     cfg = _args(tmp_path, "--stream-optimizer-state-to-disk", "--offload-train-target=disk",
                 "--stream-optimizer-state-chunk-mb", "8", "--offload-train-disk-chunk-mb", "32",
                 "--stream-optimizer-state-moment-dtype", "bf16")
-    sc = store_config(cfg, rank=3)
+    sc = store_config(cfg, rank=3, ranks_on_node=1)
     assert sc.chunk_mb == 8 and sc.moment_dtype == "bf16" and sc.rank == 3
     assert sc.dir == cfg.paths.optimizer_state

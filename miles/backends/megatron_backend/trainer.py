@@ -45,8 +45,9 @@ class MegatronTrainer(TrainBackend):
     """One data-parallel rank of the megatron backend."""
 
     def __init__(self, config: RunConfig, *, rank: int, world_size: int, cell: int = 0,
-                 rank_dir: Optional[str] = None):
-        super().__init__(config, rank=rank, world_size=world_size, cell=cell, rank_dir=rank_dir)
+                 rank_dir: Optional[str] = None, ranks_on_node: Optional[int] = None):
+        super().__init__(config, rank=rank, world_size=world_size, cell=cell, rank_dir=rank_dir,
+                         ranks_on_node=ranks_on_node)
         self.gpt = None  # the bare GPTModel: its state dict has the names convert.py maps
         self.ddp = None  # what runs forward/backward: DDP(Float16Module(gpt))
         self.hf_config = None
@@ -119,7 +120,8 @@ class MegatronTrainer(TrainBackend):
         if config.optimizer.stream_optimizer_state_to_disk:
             from miles_plugins.optimizers.nvme_stream import stream_optimizer_state
 
-            self.store = StoreSet(stream_optimizer_state(self.optimizer, config=store_config(config, self.rank)))
+            stream_config = store_config(config, self.rank, self.ranks_on_node)
+            self.store = StoreSet(stream_optimizer_state(self.optimizer, config=stream_config))
         self._model_view = HFModelView(self.hf_config, self._load_hf_state)
         self._info = {"rank": self.rank, "pid": os.getpid(), "device": str(device), "backend": "nccl",
                       "train_backend": "megatron", "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),

@@ -41,8 +41,9 @@ class TorchTrainer(TrainBackend):
     """One data-parallel rank of the torch backend (the :class:`TrainBackend` contract)."""
 
     def __init__(self, config: RunConfig, *, rank: int, world_size: int, cell: int = 0,
-                 rank_dir: Optional[str] = None):
-        super().__init__(config, rank=rank, world_size=world_size, cell=cell, rank_dir=rank_dir)
+                 rank_dir: Optional[str] = None, ranks_on_node: Optional[int] = None):
+        super().__init__(config, rank=rank, world_size=world_size, cell=cell, rank_dir=rank_dir,
+                         ranks_on_node=ranks_on_node)
         self.model = None
         self.tokenizer = None
         self.optimizer = None
@@ -132,7 +133,8 @@ class TorchTrainer(TrainBackend):
     def _build_store(self):
         from miles_plugins.optimizers.nvme_stream import stream_optimizer_state
 
-        return stream_optimizer_state(self.optimizer, config=store_config(self.config, self.rank))
+        config = store_config(self.config, self.rank, self.ranks_on_node)
+        return stream_optimizer_state(self.optimizer, config=config)
 
     def _store_info(self) -> Optional[dict[str, Any]]:
         if self.store is None:
@@ -300,14 +302,13 @@ class TorchTrainer(TrainBackend):
         self.release_rank_dir()
 
 
-def store_config(config: RunConfig, rank: int):
+def store_config(config: RunConfig, rank: int, ranks_on_node: int):
     """The store's :class:`StreamConfig` from the run's config (the store's own defaults for the rest).
     Flags at their defaults leave the choice to the store: the bucket size and depth it fits to the
     device budget, the budget one default bucket's worth.
 
-    A host tier of "auto" is shared by the ranks of a node. The config does not say how the ranks spread
-    over nodes, so every train rank of the run counts as on this node (exact on one node; on several,
-    each rank takes a smaller tier than it could, never more). No rank reserve: streaming requires
+    A host tier of "auto" is shared by the ranks of a node: ``ranks_on_node``, the train ranks the actor
+    factory placed on this rank's node (rank_nodes of the placement group). No rank reserve: streaming requires
     --offload-train-target=disk (validation), so a sleeping trainer keeps no cpu backup in host RAM (its
     disk offload stages through chunk buffers, which the node reserve covers). The megatron backend
     builds its stores from this too."""
@@ -320,7 +321,7 @@ def store_config(config: RunConfig, rank: int):
                         bucket_numel=None if bucket_numel == DEFAULT_BUCKET_NUMEL else bucket_numel,
                         device_budget_mb=opt.stream_optimizer_state_device_budget_mb or None,
                         host_cache_mb=opt.stream_optimizer_state_host_cache_mb,
-                        host_cache_ranks_per_node=config.cluster.num_train_ranks,
+                        host_cache_ranks_per_node=ranks_on_node,
                         verify=opt.stream_optimizer_state_verify, rank=rank)
 
 
