@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import resource
 import socket
 import sys
 import time
@@ -30,17 +29,23 @@ def say(spec: dict, msg: str) -> None:
     print(f"{PROGRESS_MARK}{spec['name']}: {msg}", flush=True)
 
 
-def rss_bytes() -> int:
-    """Current resident set (VmRSS) of this process."""
+def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
 
 
+def rss_bytes() -> int:
+    """Current resident set (VmRSS) of this process."""
+    return _status_bytes("VmRSS")
+
+
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    """Peak resident set of this process (VmHWM). Not getrusage's ru_maxrss: Linux carries that across
+    fork + exec, so an arm started by a parent holding 12 GB of compared params reported 12 GB itself."""
+    return _status_bytes("VmHWM")
 
 
 # ---- setup --------------------------------------------------------------------------------------------

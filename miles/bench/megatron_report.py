@@ -186,7 +186,7 @@ def report(results: dict) -> str:
                  "e2e s: the store's step until its writes are in the files (store.flush(): write-behind and the host "
                  "tier's dirty images; then fdatasync), no "
                  "read-ahead (no forward/backward to hide it behind); peak GB: max_memory_allocated during the "
-                 "step over the allocation before it; RSS GB: the arm process's ru_maxrss (its CUDA context and "
+                 "step over the allocation before it; RSS GB: the arm process's peak resident set, VmHWM (its CUDA context and "
                  "model build included); moved: the store's bytes read + written per step (cpu-offload's "
                  "grads-down / params-up traffic is not counted).")
     return "\n".join(lines)

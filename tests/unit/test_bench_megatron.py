@@ -280,3 +280,21 @@ def test_report_shows_where_host_memory_peaked():
     text = rep.report(results)
     assert "store-0 1.00 / 12.00 / 12.00 / 12.00 / 12.00 / 12.00" in text
     assert "since the previous step returned" in text
+
+
+def test_an_arm_reports_its_own_peak_rss_not_its_parents():
+    """getrusage's ru_maxrss survives fork + exec: an arm started by a parent that held 12 GB reported
+    12 GB (seen on the H200). The arm's peak is its own VmHWM."""
+    import subprocess
+    import sys
+
+    parent_bytes = 1536 << 20
+    held = bytearray(parent_bytes)
+    held[::4096] = b"\x01" * len(held[::4096])  # touch every page: resident
+    code = ("import resource; from miles.bench.megatron_arm import peak_rss_bytes; "
+            "print(peak_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    own, inherited = map(int, out.split())
+    assert inherited >= parent_bytes  # the artefact the bench no longer reports
+    assert own < parent_bytes / 2
+    del held
