@@ -181,8 +181,8 @@ class OptimizerConfig:
         "moves their bytes between the GPU and RAM only, and the disk gets them at checkpoints (or when the "
         f"run ends its use of them). '{HOST_CACHE_AUTO}': what the node has free when the store is built, less "
         f"a {DEFAULT_HOST_CACHE_RESERVE_MB // 1024} GiB reserve, shared by the train ranks on the node, at most the "
-        "state. 0 disables (docs/advanced/disk-offload.md: picking it; docs/benchmarks.md: half the state in "
-        "RAM hid 55% of the disk time on the H200 host, measured before the tier was write-back).",
+        "state. 0 disables (docs/advanced/disk-offload.md: picking it; docs/benchmarks.md: with the whole "
+        "state in the tier an H200 step took 34% of the time of Megatron's CPU offload).",
         metavar="MB|auto", parse=int_or_text,
     )
     stream_optimizer_state_flush_at_sleep: bool = knob(
@@ -281,7 +281,7 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hints: dict[str, Any]) -> None:
     tp, optional = _unwrap_optional(hints[f.name])
     md = f.metadata
-    # argparse %-formats help texts: a literal % (e.g. "55%") must be doubled
+    # argparse %-formats help texts: a literal % (e.g. "34%") must be doubled
     kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": md["help"].replace("%", "%%")}
     if tp is bool:
         if optional:  # tri-state: --x / --no-x / unset (None)
