@@ -56,6 +56,19 @@ def offload_stats(stats) -> dict[str, Any]:
             "bytes": stats.bytes, "seconds": stats.seconds, "path": stats.path}
 
 
+def stream_step_metrics(stores: list) -> dict[str, Any]:
+    """The last optimizer step's streamed I/O over a rank's stores (one for the torch backend, one per
+    chained optimizer for megatron): the ``stream_*`` metrics of a train step."""
+    steps = [s.stats.last_step for s in stores]
+    return {"stream_bytes_read": sum(int(t.bytes_read) for t in steps),
+            "stream_bytes_written": sum(int(t.bytes_written) for t in steps),
+            "stream_seconds": sum(float(t.wall_seconds) for t in steps),
+            "stream_io_seconds": sum(float(t.io_seconds) for t in steps),
+            "stream_buckets": sum(int(t.buckets) for t in steps),
+            "stream_prefetched_buckets": sum(int(t.prefetched_buckets) for t in steps),
+            "stream_peak_resident_bytes": max(int(s.stats.peak_resident_bytes) for s in stores)}
+
+
 def settle_store_for_sleep(store, flush: bool) -> dict[str, Any]:
     """Before the trainer sleeps: the streamed state's store gives back every device buffer it holds.
     ``flush`` (--stream-optimizer-state-flush-at-sleep) also waits until every write-back is on disk;

@@ -69,3 +69,17 @@ def test_megatron_store_set_settles_every_store(flush, call):
     stores = [_Store(), _Store()]
     settle_store_for_sleep(StoreSet(SimpleNamespace(stores=stores)), flush)
     assert [s.calls for s in stores] == [[call], [call]]
+
+
+def test_stream_metrics_sum_the_stores_of_a_rank():
+    """One function gives both backends their stream_* metrics: sums over the stores, the largest peak."""
+    from miles.backends.base import stream_step_metrics
+
+    def store(read, peak):
+        last = SimpleNamespace(bytes_read=read, bytes_written=2 * read, wall_seconds=1.0, io_seconds=0.5,
+                               buckets=3, prefetched_buckets=1)
+        return SimpleNamespace(stats=SimpleNamespace(last_step=last, peak_resident_bytes=peak))
+
+    m = stream_step_metrics([store(10, 7), store(5, 9)])
+    assert m["stream_bytes_read"] == 15 and m["stream_bytes_written"] == 30 and m["stream_buckets"] == 6
+    assert m["stream_io_seconds"] == 1.0 and m["stream_peak_resident_bytes"] == 9

@@ -133,17 +133,6 @@ class StoreSet:
         for s in self.stores:
             s.close()
 
-    def step_metrics(self) -> dict[str, Any]:
-        """The last step's I/O over all stores (the torch backend's ``stream_*`` metric names)."""
-        steps = [s.stats.last_step for s in self.stores]
-        return {"stream_bytes_read": sum(int(t.bytes_read) for t in steps),
-                "stream_bytes_written": sum(int(t.bytes_written) for t in steps),
-                "stream_seconds": sum(float(t.wall_seconds) for t in steps),
-                "stream_io_seconds": sum(float(t.io_seconds) for t in steps),
-                "stream_buckets": sum(int(t.buckets) for t in steps),
-                "stream_prefetched_buckets": sum(int(t.prefetched_buckets) for t in steps),
-                "stream_peak_resident_bytes": max(int(s.stats.peak_resident_bytes) for s in self.stores)}
-
     def info(self) -> dict[str, Any]:
         return {"num_buckets": sum(s.stats.num_buckets for s in self.stores),
                 "state_bytes": sum(s.stats.state_bytes for s in self.stores),

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from miles.backends.base import TrainBackend, offload_stats, settle_store_for_sleep
+from miles.backends.base import TrainBackend, offload_stats, settle_store_for_sleep, stream_step_metrics
 from miles.backends.torch_backend.trainer import loss_arguments, store_config
 from miles.config import RunConfig
 from miles.models import torch_dtype
@@ -274,7 +274,7 @@ class MegatronTrainer(TrainBackend):
             "train_seconds": time.perf_counter() - start,
         }
         if self.store is not None:
-            metrics.update(self.store.step_metrics())
+            metrics.update(stream_step_metrics(self.store.stores))
         return metrics
 
     # ---- checkpoints --------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from miles.backends.base import TrainBackend, offload_stats, settle_store_for_sleep
+from miles.backends.base import TrainBackend, offload_stats, settle_store_for_sleep, stream_step_metrics
 from miles.config import RunConfig
 from miles.models import torch_dtype
 from miles.offload import make_offloader, make_resizable
@@ -203,13 +203,7 @@ class TorchTrainer(TrainBackend):
             "train_seconds": time.perf_counter() - start,
         }
         if self.store is not None:
-            last = self.store.stats.last_step
-            metrics.update({
-                "stream_bytes_read": int(last.bytes_read), "stream_bytes_written": int(last.bytes_written),
-                "stream_seconds": float(last.wall_seconds), "stream_io_seconds": float(last.io_seconds),
-                "stream_buckets": int(last.buckets), "stream_prefetched_buckets": int(last.prefetched_buckets),
-                "stream_peak_resident_bytes": int(self.store.stats.peak_resident_bytes),
-            })
+            metrics.update(stream_step_metrics([self.store]))
         return metrics
 
     @torch.no_grad()
