@@ -79,6 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--arm-timeout", type=float, default=0, help="seconds an arm may run before it is killed and "
                    "reported as failed (0: no limit)")
+    p.add_argument("--after-load", action="store_true", help="store arms with a host tier: also time the "
+                   "first step after a save + load, at once and once the tier's read-ahead (fill) has landed")
     p.add_argument("--json", default=None, help="write every number here")
     p.add_argument("--verbose", action="store_true", help="echo the arms' whole output (Megatron's logs too), "
                    "not only their progress lines")
@@ -221,7 +223,7 @@ def run(args) -> int:
     say(f"arms, each in its own process, {args.warmup} warm-up + {args.steps} measured steps: "
         f"{', '.join(a['name'] for a in arms)}")
     common = {"shape": dataclasses.asdict(shape), "seed": args.seed, "lr": args.lr, "steps": args.steps,
-              "warmup": args.warmup, "dir": root}
+              "warmup": args.warmup, "dir": root, "after_load": args.after_load}
     reference = None
     try:
         for i, arm in enumerate(arms):

@@ -162,38 +162,83 @@ def run_steps(spec: dict, ddp, opt, stores: list) -> list[dict]:
     total = spec["warmup"] + spec["steps"]
     rows = []
     for i in range(total):
-        opt.zero_grad()
-        fill_grads(ddp, params, i, spec["seed"])
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        t0 = time.perf_counter()
-        ok, grad_norm, _ = opt.step()
-        torch.cuda.synchronize()
-        row = {"step": i + 1, "measured": i >= spec["warmup"], "seconds": time.perf_counter() - t0,
-               "grad_norm": None if grad_norm is None else float(grad_norm), "pre_step_allocated": base}
-        if not ok:
-            raise RuntimeError(f"step {i + 1}: the Megatron optimizer skipped its step (non-finite grads)")
-        msg = f"step {i + 1}/{total}{'' if row['measured'] else ' (warm-up)'}: {row['seconds']:.3f} s"
-        if stores:
-            for store in stores:
-                store.flush()  # the write-behind lands: the end-to-end time
-                # fdatasync of buffered writes; the next step reads from the disk, not the page cache
-                store.stager.drop_page_cache([b.file for b in store.buckets])
-            torch.cuda.synchronize()
-            row["end_to_end_seconds"] = time.perf_counter() - t0
-            for key in ("bytes_read", "bytes_written", "disk_bytes_read", "cache_bytes_read", "disk_bytes_written"):
-                row[key] = sum(getattr(s.stats.last_step, key, 0) for s in stores)
-            row["store_peak_resident_bytes"] = max(s.stats.last_step.peak_resident_bytes for s in stores)
-            msg += (f" returned, {row['end_to_end_seconds']:.3f} s end to end; read {row['bytes_read'] / 1e9:.2f} GB "
-                    f"(disk {row['disk_bytes_read'] / 1e9:.2f}, host cache {row['cache_bytes_read'] / 1e9:.2f}), "
-                    f"wrote {row['bytes_written'] / 1e9:.2f} GB (to disk during the step "
-                    f"{row['disk_bytes_written'] / 1e9:.2f} GB)")
-        row["peak_bytes"] = torch.cuda.max_memory_allocated() - base
-        row["rss_peak_bytes"] = peak_rss_bytes()  # where in the arm host memory peaked
+        row = timed_step(spec, ddp, opt, stores, params, i)
+        row["measured"] = i >= spec["warmup"]
         rows.append(row)
-        say(spec, msg + f"; GPU peak +{row['peak_bytes'] / 1e9:.3f} GB")
+        say(spec, f"step {i + 1}/{total}{'' if row['measured'] else ' (warm-up)'}: {row['summary']}")
     return rows
+
+
+def timed_step(spec: dict, ddp, opt, stores: list, params: list, i: int) -> dict:
+    """One optimizer step on step i's grads: its time, GPU peak over the pre-step allocation, and for the
+    store its end-to-end time (flushed, page cache dropped) and bytes moved."""
+    opt.zero_grad()
+    fill_grads(ddp, params, i, spec["seed"])
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    ok, grad_norm, _ = opt.step()
+    torch.cuda.synchronize()
+    row = {"step": i + 1, "seconds": time.perf_counter() - t0,
+           "grad_norm": None if grad_norm is None else float(grad_norm), "pre_step_allocated": base}
+    if not ok:
+        raise RuntimeError(f"step {i + 1}: the Megatron optimizer skipped its step (non-finite grads)")
+    msg = f"{row['seconds']:.3f} s"
+    if stores:
+        for store in stores:
+            store.flush()  # the write-behind lands: the end-to-end time
+            # fdatasync of buffered writes; the next step reads from the disk, not the page cache
+            store.stager.drop_page_cache([b.file for b in store.buckets])
+        torch.cuda.synchronize()
+        row["end_to_end_seconds"] = time.perf_counter() - t0
+        for key in ("bytes_read", "bytes_written", "disk_bytes_read", "cache_bytes_read", "disk_bytes_written",
+                    "tier_fill_bytes"):
+            row[key] = sum(getattr(s.stats.last_step, key, 0) for s in stores)
+        row["store_peak_resident_bytes"] = max(s.stats.last_step.peak_resident_bytes for s in stores)
+        msg += (f" returned, {row['end_to_end_seconds']:.3f} s end to end; read {row['bytes_read'] / 1e9:.2f} GB "
+                f"(disk {row['disk_bytes_read'] / 1e9:.2f}, host cache {row['cache_bytes_read'] / 1e9:.2f}), "
+                f"wrote {row['bytes_written'] / 1e9:.2f} GB (to disk during the step "
+                f"{row['disk_bytes_written'] / 1e9:.2f} GB)")
+    row["peak_bytes"] = torch.cuda.max_memory_allocated() - base
+    row["rss_peak_bytes"] = peak_rss_bytes()  # where in the arm host memory peaked
+    row["summary"] = msg + f"; GPU peak +{row['peak_bytes'] / 1e9:.3f} GB"
+    return row
+
+
+def first_steps_after_load(spec: dict, ddp, opt, stores: list) -> dict:
+    """The first step after a resume, for a store with a host tier: save the state, load it back (the
+    load drops the tier's images; store.fill_host_tier reads them back on the I/O threads), then step
+    at once; load again, wait until the fill has landed (in `miles train` the first rollout's
+    generation runs meanwhile), then step. Both steps take the same grads from the same state."""
+    import shutil
+
+    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    base = os.path.join(spec["dir"], f"{spec['name']}-after-load")
+    out: dict = {}
+    try:
+        t0 = time.perf_counter()
+        for store in stores:
+            store.save_to(base)
+        out["save_seconds"] = time.perf_counter() - t0
+        index = spec["warmup"] + spec["steps"]
+        for label, wait_for_fill in (("at_once", False), ("after_fill", True)):
+            t0 = time.perf_counter()
+            for store in stores:
+                store.load_from(base)
+            out[f"{label}_load_seconds"] = time.perf_counter() - t0
+            if wait_for_fill:
+                t0 = time.perf_counter()
+                for store in stores:
+                    store.stager.wait_all()
+                out["fill_seconds"] = time.perf_counter() - t0
+            row = out[label] = timed_step(spec, ddp, opt, stores, params, index)
+            say(spec, f"first step after a load, {label.replace('_', ' ')}"
+                + (f" (the fill took {out['fill_seconds']:.2f} s more)" if wait_for_fill else "")
+                + f": {row['summary']}; read ahead into the tier {row['tier_fill_bytes'] / 1e9:.2f} GB")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return out
 
 
 # ---- final values -------------------------------------------------------------------------------------
@@ -286,6 +331,8 @@ def run_arm(spec: dict) -> dict:
         say(spec, f"host RSS peak {result['rss_peak_bytes'] / 1e9:.2f} GB, now {result['rss_bytes'] / 1e9:.2f} GB; "
             "saving the final params")
         result.update(save_final(spec, gpt, opt))
+        if spec.get("after_load") and stores and result["host_cache_mb"]:
+            result["after_load"] = first_steps_after_load(spec, ddp, opt, stores)
         result["ok"] = True
     except Exception as e:  # noqa: BLE001 - reported in place of numbers; the run goes on
         result["error"] = f"{type(e).__name__}: {e}"

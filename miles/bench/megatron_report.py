@@ -172,6 +172,8 @@ def report(results: dict) -> str:
                              + (f"{s['disk_bytes_written'] / GB:.2f} GB written to disk since the previous step "
                                 "returned (the bench's flush after that step included)" if "disk_bytes_written" in s
                                 else "written back on flush"))
+            if a.get("after_load"):
+                lines.append("    " + after_load_text(a["after_load"]))
         elif not a.get("ok"):
             lines.append(f"  {name} failed: {a.get('error')}")
     base_rss = [f"{n} {a['rss_before_optimizer_bytes'] / GB:.2f}" for n, a in arms.items()
@@ -190,6 +192,17 @@ def report(results: dict) -> str:
                  "model build included); moved: the store's bytes read + written per step (cpu-offload's "
                  "grads-down / params-up traffic is not counted).")
     return "\n".join(lines)
+
+
+def after_load_text(al: dict) -> str:
+    """The --after-load line of a store arm: the first step after a load, at once and after the fill."""
+    now, later = al["at_once"], al["after_fill"]
+    return (f"first step after a load: at once {now['seconds']:.3f} s (disk {now['disk_bytes_read'] / GB:.2f} GB, "
+            f"host cache {now['cache_bytes_read'] / GB:.2f} GB); after the tier's read-ahead landed "
+            f"({al['fill_seconds']:.2f} s after the load) {later['seconds']:.3f} s (disk "
+            f"{later['disk_bytes_read'] / GB:.2f} GB, host cache {later['cache_bytes_read'] / GB:.2f} GB); "
+            f"ratio {later['seconds'] / now['seconds']:.3f}x; save {al['save_seconds']:.2f} s, load "
+            f"{al['after_fill_load_seconds']:.2f} s")
 
 
 def _rss_stages(arm: dict) -> str:

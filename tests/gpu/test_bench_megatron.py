@@ -19,7 +19,7 @@ pytest.importorskip("megatron.core")
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--hidden", "256", "--layers", "2", "--heads", "4", "--ffn", "512", "--vocab", "1024", "--seq-len", "128",
-        "--steps", "2", "--warmup", "1", "--budget-mb", "4", "--arm-timeout", "300"]
+        "--steps", "2", "--warmup", "1", "--budget-mb", "4", "--arm-timeout", "300", "--after-load"]
 
 
 def test_every_arm_runs_and_the_store_is_bit_identical(tmp_path):
@@ -47,6 +47,9 @@ def test_every_arm_runs_and_the_store_is_bit_identical(tmp_path):
             assert all(0.99 * state <= s["bytes_read"] <= a["state_bytes"] and s["bytes_written"] > 0 for s in measured)
             assert a["identical"]["identical"] is True, f"{name}: {a['identical']}"
     assert arms["store-100"]["host_cache_mb"] * (1 << 20) >= arms["store-100"]["state_bytes"]
+    after = arms["store-100"]["after_load"]  # --after-load: the tier refilled in the background
+    assert after["after_fill"]["disk_bytes_read"] == 0 and after["after_fill"]["tier_fill_bytes"] > 0
+    assert "after_load" not in arms["store-0"] and "first step after a load" in r["report"]
     assert arms["store-budget"]["store"]["device_budget_bytes"] == 4 << 20
     assert arms["store-budget"]["store"]["residency_bound_bytes"] <= 4 << 20
     if arms["cpu-offload"]["ok"]:

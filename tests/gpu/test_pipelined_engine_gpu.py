@@ -187,3 +187,31 @@ def test_error_in_a_worker_raises_from_step_on_cuda(tmp_path, monkeypatch):
     monkeypatch.setattr(engine_mod, "pread_into", real)
     store.close()
     assert not os.path.exists(store.path)
+
+
+def test_a_load_refills_the_host_tier_on_cuda(tmp_path):
+    """After save + load the tier's images are read back in the background (pinned host RAM, O_DIRECT);
+    release_device does not wait for that; the next step reads no disk and matches the sync engine."""
+    ref, ref_hist = run(tmp_path / "sync", io_engine="sync", steps=4)
+    params = make_model()
+    opt = make_opt(params)
+    store = stream_optimizer_state(opt, dir=str(tmp_path / "pipe"), bucket_numel=BUCKET, chunk_mb=1,
+                                   host_cache_mb=256)
+    for k in range(3):
+        set_grads(params, k)
+        opt.step()
+        if k == 2:
+            opt.param_groups[1]["lr"] = 1e-3
+    store.save_to(str(tmp_path / "ckpt"))
+    assert store.load_from(str(tmp_path / "ckpt"))
+    assert store.stager.counters.fill_bytes_read > 0
+    store.release_device()
+    store.stager.wait_all()
+    set_grads(params, 3)
+    opt.step()
+    last = store.stats.last_step
+    assert last.disk_bytes_read == 0 and last.tier_fill_bytes > 0 and last.cache_bytes_read == last.bytes_read
+    assert all(torch.equal(x, y) for x, y in zip(ref_hist[3], params)), "params differ after the refilled step"
+    assert file_bytes(ref) == file_bytes(store), "bucket files differ"
+    ref.close()
+    store.close()

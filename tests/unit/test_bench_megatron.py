@@ -298,3 +298,15 @@ def test_an_arm_reports_its_own_peak_rss_not_its_parents():
     assert inherited >= parent_bytes  # the artefact the bench no longer reports
     assert own < parent_bytes / 2
     del held
+
+
+def test_report_shows_the_first_step_after_a_load():
+    results = fake_results()
+    step = {"seconds": 8.0, "disk_bytes_read": 0, "cache_bytes_read": 16.4e9}
+    results["arms"]["store-100"]["after_load"] = {
+        "save_seconds": 20.0, "at_once_load_seconds": 9.0, "after_fill_load_seconds": 9.5, "fill_seconds": 7.5,
+        "at_once": step, "after_fill": step | {"seconds": 0.5}}
+    line = next(l for l in rep.report(results).splitlines() if "first step after a load" in l)
+    assert "at once 8.000 s" in line and "after the tier's read-ahead landed (7.50 s after the load) 0.500 s" in line
+    assert "ratio 0.062x" in line and "host cache 16.40 GB" in line
+    assert "first step after a load" not in rep.report(fake_results())  # only with --after-load

@@ -18,7 +18,9 @@ streams). A bucket's storage is released once its write-back no longer needs it.
                their reads and writes cost a host<->device copy and no disk I/O. Their bytes reach the
                files only on flush(), save_to() and load_from() (and set_io, which flushes); close()
                removes the files without writing them. release_device() frees the device without
-               waiting for the disk.
+               waiting for the disk. Images are fixed per file once given; a load or set_io drops them,
+               and fill_host_tier() (called by load_from, set_io and prefetch) reads the buckets back
+               into the tier in the background, so the next step finds them in host RAM.
 Device budget (StreamConfig.device_budget_mb; default one DEFAULT_BUCKET_NUMEL bucket's worth, config.py):
 the store picks bucket_numel and depth with plan.fit_to_device_budget so that the residency bound stays
 within it. Residency bound (StoreStats.residency_bound_bytes <= device_budget_bytes): at most
@@ -89,6 +91,8 @@ class StepStats:
     prefetched_buckets: int = 0  # buckets whose reads started before the step (prefetch)
     pending_writes: int = 0  # buckets whose write-back was still in flight when the step returned
     peak_resident_bytes: int = 0  # this step's peak
+    tier_fill_bytes: int = 0  # disk bytes read ahead into the host tier since the previous step
+    #   (fill_host_tier); the step then reads them from the tier, as part of cache_bytes_read
 
 
 @dataclass
@@ -293,12 +297,12 @@ class NVMeOptimizerStateStore:
         """Make the next step walk the buckets as a saved run's next step would have (checkpoint load)."""
         self._order_flipped = descending != (self.stats.steps % 2 == 1)
 
-    def _read_marks(self) -> tuple[int, int, int, float]:
+    def _read_marks(self) -> tuple[int, int, int, float, int]:
         """The engine's counters a step's stats are differences of: disk bytes read, host-cache bytes
-        read, disk bytes written, task seconds."""
+        read, disk bytes written, task seconds, bytes read ahead into the host tier."""
         c = self.stager.counters
         return (c.bytes_read - c.cache_bytes_read, c.cache_bytes_read, c.disk_bytes_written,
-                c.read_seconds + c.write_seconds)
+                c.read_seconds + c.write_seconds, c.fill_bytes_read)
 
     def _track_residency(self, scratch: int = 0) -> None:
         """Measure the state bytes on the device now: every bucket in flight, plus `scratch` while a
@@ -419,15 +423,39 @@ class NVMeOptimizerStateStore:
         self.stager.wait_all(raise_errors=False)
         self._release_pipeline()
 
+    def fill_host_tier(self) -> int:
+        """Read-ahead into the host tier's free space: start reading, on the I/O threads, the buckets the
+        tier has room for but holds no image of, in the next step's order. Nothing waits for these
+        reads but the step's reads of the same buckets, which then cost a host->device copy instead of
+        a disk read. The tier has free space after a load or set_io dropped its images (both call this:
+        in `miles train` the reads then land during the first rollout's generation) or while images
+        are still being handed out; prefetch() calls it too. Returns the bytes started."""
+        self._check_usable()
+        started, buckets = 0, 0
+        with self._poisons_on_failure("reading ahead into the host tier"):  # a failed read breaks the engine
+            for bucket in self.next_bucket_order():
+                names = bucket.segments_to_fetch()
+                if not names or self._host_cached(bucket, names) or bucket.index in self._fetching:
+                    continue
+                spans = [(bucket.layout.segments[n].offset, bucket.layout.segments[n].nbytes) for n in names]
+                nbytes = self.stager.fill_host_tier(bucket.file, spans)
+                started, buckets = started + nbytes, buckets + (nbytes > 0)
+        if started:
+            logger.info("host tier: reading %d buckets (%.3f GB) from disk into host RAM ahead of the next step",
+                        buckets, started / GB)
+        return started
+
     @torch.no_grad()
     def prefetch(self) -> int:
         """Read-ahead: start reading the next step's first buckets now, while the disk would otherwise
-        be idle (call it before forward/backward). Starts up to `depth` reads, skipping buckets that
-        need no disk read (still resident from their write-back, or in the host cache); they stay
-        resident until the step consumes them (or flush()). Returns the number of reads started."""
+        be idle (call it before forward/backward). First fills the host tier's free space
+        (fill_host_tier), then starts up to `depth` reads to the device, skipping buckets that need no
+        disk read (still resident from their write-back, or in the host cache); they stay resident
+        until the step consumes them (or flush()). Returns the number of device reads started."""
         self._check_usable()
         with self._poisons_on_failure("a previous step's write-behind"):
             self.stager.check()
+        self.fill_host_tier()
         if self.depth == 0:
             return 0
         self._release_written(self.depth)
@@ -494,6 +522,7 @@ class NVMeOptimizerStateStore:
         self.config = config
         self.depth, self.write_behind = depth, _write_behind(config)
         self._update_io_stats()
+        self.fill_host_tier()  # the new engine starts without images
 
     @torch.no_grad()
     def step(self) -> StepStats:
@@ -529,15 +558,15 @@ class NVMeOptimizerStateStore:
             self._abort()
             raise
         wall = time.perf_counter() - start
-        disk0, cache0, disk_written0, task0 = self._marks
-        self._marks = disk1, cache1, disk_written1, task1 = self._read_marks()
+        disk0, cache0, disk_written0, task0, fill0 = self._marks
+        self._marks = disk1, cache1, disk_written1, task1, fill1 = self._read_marks()
         pending = sum(1 for b in self.buckets if self.stager.writes_in_flight(b.file))
         last = StepStats(bytes_read=self._step_read, bytes_written=self.stager.counters.bytes_written - written0,
                          buckets=len(self.buckets), io_seconds=wall - compute, io_task_seconds=task1 - task0,
                          compute_seconds=compute, wall_seconds=wall, disk_bytes_read=disk1 - disk0,
                          cache_bytes_read=cache1 - cache0, disk_bytes_written=disk_written1 - disk_written0,
                          reused_bytes=self._step_reused, prefetched_buckets=prefetched, pending_writes=pending,
-                         peak_resident_bytes=self._step_peak)
+                         peak_resident_bytes=self._step_peak, tier_fill_bytes=fill1 - fill0)
         self.stats.steps += 1
         self.stats.bytes_read += last.bytes_read
         self.stats.bytes_written += last.bytes_written
@@ -615,6 +644,8 @@ class NVMeOptimizerStateStore:
             logger.warning("optimizer-state store %s recovered from %s: the state is the checkpoint's",
                            self.relative_dir, checkpoint_base)
             self.poisoned_by = None
+        if self.poisoned_by is None:
+            self.fill_host_tier()  # the load dropped the tier's images
         return loaded
 
     # ---- failures -----------------------------------------------------------------------------

@@ -30,6 +30,8 @@ pipelined  This module. Requests are cut into chunk-sized tasks (small shards of
                         to a file with an image lands in the image only, and its dirty chunks go to the
                         file when the file must hold them (write_back_images, drop_cache, forget, or a
                         read/partial write that needs the file's bytes under them; hostcache.py).
+                        fill_image reads a file into a new image ahead of need (read-ahead into the
+                        tier's free space, after a load dropped the images).
 
 Ordering: a read of a file waits (in the worker, not the caller) for that file's earlier writes of the
 same bytes: until they are in the file, or only until they are in the host image when the read is
@@ -217,6 +219,36 @@ class PipelinedEngine:
             self.counters.disk_bytes_written += total
         return ticket
 
+    def fill_image(self, file, spans: list[tuple[int, int]]) -> int:
+        """Read-ahead into the host tier: when `file` has no image and the tier has room for one, give
+        it one and start reading the byte ranges `spans` [(offset, nbytes)] of the file into it, on the
+        reader threads. Reads of those bytes are served from the image from now on (they wait for the
+        fill's chunks); nothing waits for the fill otherwise, wait_device included. Returns the bytes
+        started: 0 when the file has an image already or the tier has no room left."""
+        self._check_open()
+        state = self._state(file)
+        if state.slot is not None or not spans:
+            return 0
+        slot = self.cache.slot_for_write(state, file.nbytes)
+        if slot is None:
+            return 0
+        dfd = self._dfd(file)
+        total = 0
+        for offset, nbytes in spans:
+            chunks = cut_into_chunks(offset, [slot.image[offset:offset + nbytes]], self.chunk_bytes)
+            ticket = Ticket(len(chunks), [])
+            ticket.span, ticket.host_only = (offset, align_up(offset + nbytes)), True
+            deps = [(t, "finished") for t in state.writes + state.reads if overlap(t.span, ticket.span)]
+            slot.mark_valid(offset, offset + nbytes)
+            for file_off, n, _ in chunks:
+                self.cache.pin(slot)
+                self._readers.submit(lambda t=ticket, o=file_off, k=n, d=deps:
+                                     self._image_task("read", file, dfd, t, slot, o, k, True, d))
+            state.writes.append(ticket)  # the image's writer: reads from the image order after it
+            total += nbytes
+        self.counters.fill_bytes_read += total
+        return total
+
     def _write_back_partly_covered(self, state: FileState, start: int, stop: int) -> None:
         """Before a write into the image: write back the dirty chunks it overlaps only in part (their
         other bytes are still the file's to receive; the ones it covers whole it replaces)."""
@@ -242,7 +274,7 @@ class PipelinedEngine:
             deps = [(t, "finished") for t in state.writes + state.reads if overlap(t.span, ticket.span)]
             self.cache.pin(slot)
             self._writers.submit(lambda t=ticket, o=file_off, k=n, p=pad, d=deps:
-                                 self._image_write_task(file, dfd, t, slot, o, k, p, d))
+                                 self._image_task("write", file, dfd, t, slot, o, k, p, d))
             state.writes.append(ticket)
             self.counters.disk_bytes_written += n
 
@@ -264,7 +296,8 @@ class PipelinedEngine:
             for t in state.reads:
                 t.wait()
             for t in state.writes:
-                t.wait("consumed")
+                if not t.host_only:
+                    t.wait("consumed")
 
     def pending(self, file, kind: str) -> list[Ticket]:
         state = self._files.get(id(file))
@@ -395,17 +428,25 @@ class PipelinedEngine:
                 self.cache.unpin(slot)
             ticket.finish_chunk(error)
 
-    def _image_write_task(self, file, dfd, ticket, slot, file_off, n, pad, deps) -> None:
-        """A write-back: a dirty chunk of a host image -> the file (verify records it as it lands)."""
+    def _image_task(self, op: str, file, dfd, ticket, slot, file_off, n, pad, deps) -> None:
+        """A chunk between a host image and its file: "write", a write-back of a dirty chunk (verify
+        records it as it lands); "read", a fill (verify checks it as it arrives)."""
         error = None
         try:
             for dep, level in deps:
                 dep.wait_dependency(level)
             t0 = time.perf_counter()
-            self._transfer("write", file, dfd, slot.image[file_off:], file_off, n, pad)
-            file.checksums.written(file_off, [slot.image[file_off:file_off + n]])
+            self._transfer(op, file, dfd, slot.image[file_off:], file_off, n, pad)
+            chunk = [slot.image[file_off:file_off + n]]
+            if op == "write":
+                file.checksums.written(file_off, chunk)
+            else:
+                file.checksums.read(file_off, chunk)
             with self._lock:
-                self.counters.write_seconds += time.perf_counter() - t0
+                if op == "write":
+                    self.counters.write_seconds += time.perf_counter() - t0
+                else:
+                    self.counters.fill_seconds += time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001
             error = e
             self._failed(e)

@@ -281,6 +281,12 @@ class Stager:
         """True when the host cache holds these bytes (a read of them costs no disk I/O)."""
         return self.engine.is_cached(file, offset, nbytes)
 
+    def fill_host_tier(self, file: BucketFile, spans: list[tuple[int, int]]) -> int:
+        """Start reading the byte ranges `spans` [(offset, nbytes)] of `file` into a new host image, when
+        the file has none and the tier has room (read-ahead; nothing waits for it but reads of those
+        bytes). Returns the bytes started (0: no room, an image already, or no tier)."""
+        return self.engine.fill_image(file, spans)
+
     def wait_all(self, raise_errors: bool = True) -> None:
         """Every request in flight has ended (a write into a host image ends in the image)."""
         self.engine.wait_all(raise_errors=raise_errors)

@@ -94,6 +94,10 @@ class SyncEngine:
     def is_cached(self, file, offset: int, nbytes: int) -> bool:
         return False
 
+    def fill_image(self, file, spans: list[tuple[int, int]]) -> int:
+        """No host tier: nothing to read ahead into."""
+        return 0
+
     def wait_all(self, raise_errors: bool = True) -> None:
         pass
 

@@ -25,6 +25,9 @@ class IOCounters:
     disk_bytes_written: int = 0
     read_seconds: float = 0.0  # time spent in read tasks (summed over worker threads)
     write_seconds: float = 0.0
+    # read-ahead into the host tier (engine.fill_image): disk reads no step asked for, counted apart
+    fill_bytes_read: int = 0
+    fill_seconds: float = 0.0
 
 
 # ---- tickets --------------------------------------------------------------------------------------
@@ -40,6 +43,7 @@ class Ticket:
         self._unfinished = chunks
         self._holds = holds  # tensors kept alive until the request no longer needs them (consumed)
         self.span = (0, 0)  # file bytes the request touches (padded to 4 KiB)
+        self.host_only = False  # touches no device memory (a host-tier fill): wait_device skips it
         if chunks == 0:
             self.consumed.set()
             self.finished.set()
