@@ -179,10 +179,11 @@ class OptimizerConfig:
     stream_optimizer_state_host_cache_mb: Union[int, str] = knob(
         0, "Host tier per train rank, MiB of host RAM for write-back images of the streamed buckets: a step "
         "moves their bytes between the GPU and RAM only, and the disk gets them at checkpoints (or when the "
-        f"run ends its use of them). '{HOST_CACHE_AUTO}': what the node has free when the store is built, less "
+        f"run ends its use of them); after --load the tier is read back from disk while the first rollout "
+        f"generates. '{HOST_CACHE_AUTO}': what the node has free when the store is built, less "
         f"a {DEFAULT_HOST_CACHE_RESERVE_MB // 1024} GiB reserve, shared by the train ranks on the node, at most the "
         "state. 0 disables (docs/advanced/disk-offload.md: picking it; docs/benchmarks.md: with the whole "
-        "state in the tier an H200 step took 34% of the time of Megatron's CPU offload).",
+        "state in the tier an H200 step took 41% of the time of Megatron's CPU offload).",
         metavar="MB|auto", parse=int_or_text,
     )
     stream_optimizer_state_flush_at_sleep: bool = knob(
@@ -281,7 +282,7 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hints: dict[str, Any]) -> None:
     tp, optional = _unwrap_optional(hints[f.name])
     md = f.metadata
-    # argparse %-formats help texts: a literal % (e.g. "34%") must be doubled
+    # argparse %-formats help texts: a literal % (e.g. "41%") must be doubled
     kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": md["help"].replace("%", "%%")}
     if tp is bool:
         if optional:  # tri-state: --x / --no-x / unset (None)
