@@ -130,3 +130,44 @@ def test_the_sync_engine_has_no_tier_to_fill(tmp_path):
     params, opt, store = tiered("plain", tmp_path / "live", 0, io_engine="sync")
     train(params, opt, range(1))
     assert store.fill_host_tier() == 0
+
+
+def test_a_resumed_trainer_refills_its_tier_while_asleep_and_trains_bit_identically(tmp_path):
+    """The torch trainer's `--load` with a host tier: the load starts the tier's read-ahead, the trainer
+    sleeps (as it does while the first rollout generates) without waiting for it, and the first step
+    after the wake reads the tier, not the disk; the weights match the run that never stopped."""
+    from test_trainer_checkpoint import _args, _params, _rendezvous, _same, _samples
+
+    from miles import checkpoint
+    from miles.backends.torch_backend.trainer import TorchTrainer
+
+    samples, adv = _samples()
+    (tmp_path / "offload").mkdir()
+    flags = ("--stream-optimizer-state-to-disk", "--offload-train-target=disk", "--offload-train",
+             "--stream-optimizer-state-bucket-numel", "20000", "--stream-optimizer-state-host-cache-mb", "64")
+    a = TorchTrainer(_args(tmp_path, *flags), rank=0, world_size=1, rank_dir=str(tmp_path / "a"))
+    try:
+        a.init(_rendezvous())
+        for i in range(2):
+            a.train(i, samples, adv)
+        base = checkpoint.prepare(str(tmp_path / "ckpt"), 2)
+        a.save(base)
+        checkpoint.write_meta(base, next_rollout_id=2, data_state={"consumed_prompts": 8}, world_size=1)
+        checkpoint.publish(str(tmp_path / "ckpt"), base)
+        a.train(2, samples, adv)
+        expected = _params(a)
+    finally:
+        a.shutdown()
+    b = TorchTrainer(_args(tmp_path, *flags), rank=0, world_size=1, rank_dir=str(tmp_path / "b"))
+    try:
+        b.init(_rendezvous())
+        b.load(checkpoint.resolve(str(tmp_path / "ckpt")), load_optimizer=True)
+        assert b.store.stager.counters.fill_bytes_read > 0, "the load did not start the tier's read-ahead"
+        assert not b.sleep()["skipped"]
+        b.wake()
+        b.train(2, samples, adv)
+        last = b.store.stats.last_step
+        assert last.disk_bytes_read == 0 and last.tier_fill_bytes > 0
+        assert _same(_params(b), expected)
+    finally:
+        b.shutdown()
