@@ -173,14 +173,8 @@ class PipelinedEngine:
             self._write_back(state, span)  # the file lacks what the image holds dirty here: a dependency
         level = "consumed" if slot is not None else "finished"
         deps = [(t, level) for t in state.writes if overlap(t.span, span)]
-        ready = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
         dfd = self._dfd(file) if slot is None else -1
-        ticket = Ticket(len(chunks), list(dsts))
-        ticket.span = span
-        for chunk in chunks:
-            if slot is not None:
-                self.cache.pin(slot)
-            self._readers.submit(lambda c=chunk: self._read_task(file, dfd, ticket, c, deps, ready, slot))
+        ticket = self._submit("read", file, dfd, chunks, dsts, span, deps, slot)
         state.reads.append(ticket)
         self.counters.bytes_read += total
         if slot is not None:
@@ -203,20 +197,28 @@ class PipelinedEngine:
             slot.mark_valid(offset, offset + total)
             for i, (file_off, n, _) in enumerate(chunks):
                 slot.mark_dirty(file_off, n, pad_tail and i == len(chunks) - 1)
-        ready = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
         dfd = self._dfd(file)
-        ticket = Ticket(len(chunks), list(srcs))
-        ticket.span = span
-        last = len(chunks) - 1
-        for i, chunk in enumerate(chunks):
-            if slot is not None:
-                self.cache.pin(slot)
-            pad = pad_tail and i == last
-            self._writers.submit(lambda c=chunk, p=pad: self._write_task(file, dfd, ticket, c, deps, ready, slot, p))
+        ticket = self._submit("write", file, dfd, chunks, srcs, span, deps, slot, pad_tail)
         state.writes.append(ticket)
         self.counters.bytes_written += total
         if slot is None:
             self.counters.disk_bytes_written += total
+        return ticket
+
+    def _submit(self, op: str, file, dfd: int, chunks, tensors, span, deps, slot, pad_tail: bool = False) -> Ticket:
+        """The request's ticket, and a task per chunk on the readers ("read") or the writers ("write")."""
+        ready = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
+        ticket = Ticket(len(chunks), list(tensors))
+        ticket.span = span
+        workers = self._readers if op == "read" else self._writers
+        last = len(chunks) - 1
+        for i, chunk in enumerate(chunks):
+            if slot is not None:
+                self.cache.pin(slot)
+            # a read may fill any chunk's padding from the segment's reserved tail; a write pads only its
+            # last chunk, and only when the caller says the tail is reserved
+            pad = op == "read" or (pad_tail and i == last)
+            workers.submit(lambda c=chunk, p=pad: self._chunk_task(op, file, dfd, ticket, c, deps, ready, slot, p))
         return ticket
 
     def fill_image(self, file, spans: list[tuple[int, int]]) -> int:
@@ -359,39 +361,10 @@ class PipelinedEngine:
                 self.error = error
 
     # ---- tasks (worker threads) -------------------------------------------------------------------
-    def _read_task(self, file, dfd, ticket, chunk, deps, ready, slot) -> None:
-        file_off, n, pieces = chunk
-        error = None
-        try:
-            for dep, level in deps:
-                dep.wait_dependency(level)
-            t0 = time.perf_counter()
-            if slot is not None:
-                self._copy_in(slot.image[file_off:file_off + n], pieces, ready)
-            elif not self.cuda and dfd < 0:
-                views = [v[s:s + k] for v, s, k in pieces]
-                pread_into(file.fd, [host_buffer(v) for v in views], file_off)
-                file.checksums.read(file_off, views)
-            else:
-                buf = self._read_staging.acquire()
-                try:
-                    self._transfer("read", file, dfd, buf.tensor, file_off, n, pad=True)
-                    file.checksums.read(file_off, [buf.tensor[:n]])
-                    self._copy_in(buf.tensor[:n], pieces, ready)
-                finally:
-                    self._read_staging.release(buf)
-            with self._lock:
-                self.counters.read_seconds += time.perf_counter() - t0
-        except BaseException as e:  # noqa: BLE001 - raised by whoever waits on the ticket
-            error = e
-            self._failed(e)
-        finally:
-            if slot is not None:
-                self.cache.unpin(slot)
-            ticket.consume_chunk()
-            ticket.finish_chunk(error)
-
-    def _write_task(self, file, dfd, ticket, chunk, deps, ready, slot, pad) -> None:
+    def _chunk_task(self, op: str, file, dfd, ticket, chunk, deps, ready, slot, pad) -> None:
+        """One chunk of a request: "read", file or image -> destination pieces; "write", source pieces ->
+        image or file. Without an image, CPU tensors with buffered I/O move straight between their memory
+        and the file; anything else goes through a staging buffer."""
         file_off, n, pieces = chunk
         consumed, error = False, None
         try:
@@ -399,33 +372,43 @@ class PipelinedEngine:
                 dep.wait_dependency(level)
             t0 = time.perf_counter()
             if slot is not None:
-                # write-back: the image holds the bytes now and the chunk is dirty (marked when the write
-                # was submitted); the file gets them when it must hold them (_write_back)
-                self._copy_out(pieces, slot.image[file_off:file_off + n], ready)
+                # a write is write-back: the image holds the bytes now and the chunk is dirty (marked when
+                # the write was submitted); the file gets them when it must hold them (_write_back)
+                self._copy(op, pieces, slot.image[file_off:file_off + n], ready)
             elif not self.cuda and dfd < 0:
                 views = [v[s:s + k] for v, s, k in pieces]
-                pwrite_all(file.fd, [host_buffer(v) for v in views], file_off)
-                file.checksums.written(file_off, views)
+                io = pread_into if op == "read" else pwrite_all
+                io(file.fd, [host_buffer(v) for v in views], file_off)
+                self._checksum(op, file, file_off, views)
             else:
-                buf = self._write_staging.acquire()
+                staging = self._read_staging if op == "read" else self._write_staging
+                buf = staging.acquire()
                 try:
-                    self._copy_out(pieces, buf.tensor[:n], ready)
-                    ticket.consume_chunk()
-                    consumed = True
-                    self._transfer("write", file, dfd, buf.tensor, file_off, n, pad)
-                    file.checksums.written(file_off, [buf.tensor[:n]])
+                    staged = buf.tensor[:n]
+                    if op == "write":
+                        self._copy(op, pieces, staged, ready)
+                        # the sources are in staging: the caller may release them before the disk write
+                        ticket.consume_chunk()
+                        consumed = True
+                    self._transfer(op, file, dfd, buf.tensor, file_off, n, pad)
+                    self._checksum(op, file, file_off, [staged])
+                    if op == "read":
+                        self._copy(op, pieces, staged, ready)
                 finally:
-                    self._write_staging.release(buf)
+                    staging.release(buf)
             with self._lock:
-                self.counters.write_seconds += time.perf_counter() - t0
-        except BaseException as e:  # noqa: BLE001
+                if op == "read":
+                    self.counters.read_seconds += time.perf_counter() - t0
+                else:
+                    self.counters.write_seconds += time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001 - raised by whoever waits on the ticket
             error = e
             self._failed(e)
         finally:
-            if not consumed:
-                ticket.consume_chunk()
             if slot is not None:
                 self.cache.unpin(slot)
+            if not consumed:
+                ticket.consume_chunk()
             ticket.finish_chunk(error)
 
     def _image_task(self, op: str, file, dfd, ticket, slot, file_off, n, pad, deps) -> None:
@@ -437,11 +420,7 @@ class PipelinedEngine:
                 dep.wait_dependency(level)
             t0 = time.perf_counter()
             self._transfer(op, file, dfd, slot.image[file_off:], file_off, n, pad)
-            chunk = [slot.image[file_off:file_off + n]]
-            if op == "write":
-                file.checksums.written(file_off, chunk)
-            else:
-                file.checksums.read(file_off, chunk)
+            self._checksum(op, file, file_off, [slot.image[file_off:file_off + n]])
             with self._lock:
                 if op == "write":
                     self.counters.write_seconds += time.perf_counter() - t0
@@ -455,33 +434,31 @@ class PipelinedEngine:
             ticket.consume_chunk()
             ticket.finish_chunk(error)
 
-    def _copy_in(self, src: torch.Tensor, pieces, ready) -> None:
-        """Host bytes -> destination pieces, on the H2D stream (after `ready`: the destination's
-        allocation is ordered on the compute stream)."""
-        pairs, pos = [], 0
-        for view, start, k in pieces:
-            pairs.append((view[start:start + k], src[pos:pos + k]))
-            pos += k
-        self._copy(pairs, self._h2d if self.cuda else None, ready)
-
-    def _copy_out(self, pieces, dst: torch.Tensor, ready) -> None:
-        """Source pieces -> host bytes `dst`, on the D2H stream (after `ready`: the update and publish of
-        this bucket ran on the compute stream)."""
-        pairs, pos = [], 0
-        for view, start, k in pieces:
-            pairs.append((dst[pos:pos + k], view[start:start + k]))
-            pos += k
-        self._copy(pairs, self._d2h if self.cuda else None, ready)
-
     @staticmethod
-    def _copy(pairs, stream, ready) -> None:
-        """dst.copy_(src) for each pair; returns once every destination holds its bytes. On CUDA the
-        copies run on `stream` after the event `ready` and this worker waits for their event (GIL
-        released), so the host buffer of a finished read or write may be reused."""
-        if stream is None:
+    def _checksum(op: str, file, off: int, chunk: list[torch.Tensor]) -> None:
+        """verify (io/verify.py): check the bytes a read brought from the file, record those a write sent."""
+        if op == "read":
+            file.checksums.read(off, chunk)
+        else:
+            file.checksums.written(off, chunk)
+
+    def _copy(self, op: str, pieces, host: torch.Tensor, ready) -> None:
+        """Host bytes `host` -> the pieces ("read") or the pieces -> `host` ("write"), back to back;
+        returns once every destination holds its bytes. On CUDA the copies run on the H2D or D2H stream
+        after the event `ready`, recorded on the compute stream when the request was made (a read's
+        destination was allocated there; a write's bucket update and publish were queued there), and
+        this worker waits for their event (GIL released), so the host buffer of a finished read or
+        write may be reused."""
+        pairs, pos = [], 0
+        for view, start, k in pieces:
+            piece, host_bytes = view[start:start + k], host[pos:pos + k]
+            pairs.append((piece, host_bytes) if op == "read" else (host_bytes, piece))
+            pos += k
+        if not self.cuda:
             for dst, src in pairs:
                 dst.copy_(src)
             return
+        stream = self._h2d if op == "read" else self._d2h
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
             for dst, src in pairs:

@@ -44,44 +44,39 @@ class SyncEngine:
         self._expected_file_bytes = max_nbytes
 
     def read(self, file, offset: int, dsts: list[torch.Tensor]) -> Ticket:
-        start = time.perf_counter()
-        for file_off, n, pieces in cut_into_chunks(offset, dsts, self.chunk_bytes):
-            views = [v[s:s + k] for v, s, k in pieces]
-            if self._staging is None:
-                pread_into(file.fd, [host_buffer(v) for v in views], file_off)
-                file.checksums.read(file_off, views)
-                continue
-            staged = self._staging[:n]
-            pread_into(file.fd, [host_buffer(staged)], file_off)
-            file.checksums.read(file_off, [staged])
-            pos = 0
-            for view in views:
-                view.copy_(staged[pos:pos + view.numel()])
-                pos += view.numel()
-        self.counters.bytes_read += sum(as_bytes(t).numel() for t in dsts)
-        self.counters.read_seconds += time.perf_counter() - start
-        return finished_ticket()
+        return self._move("read", file, offset, dsts)
 
     def write(self, file, offset: int, srcs: list[torch.Tensor], pad_tail: bool = False) -> Ticket:
         if file.before_write is not None:
             file.before_write()
+        return self._move("write", file, offset, srcs)
+
+    def _move(self, op: str, file, offset: int, tensors: list[torch.Tensor]) -> Ticket:
+        """The bytes of the file at `offset` -> `tensors` ("read"), or `tensors` -> the file ("write")."""
+        io = pread_into if op == "read" else pwrite_all
+        checksum = file.checksums.read if op == "read" else file.checksums.written
         start = time.perf_counter()
-        for file_off, n, pieces in cut_into_chunks(offset, srcs, self.chunk_bytes):
+        for file_off, n, pieces in cut_into_chunks(offset, tensors, self.chunk_bytes):
             views = [v[s:s + k] for v, s, k in pieces]
             if self._staging is None:
-                pwrite_all(file.fd, [host_buffer(v) for v in views], file_off)
-                file.checksums.written(file_off, views)
+                io(file.fd, [host_buffer(v) for v in views], file_off)
+                checksum(file_off, views)
                 continue
             staged = self._staging[:n]
-            pos = 0
-            for view in views:
-                staged[pos:pos + view.numel()].copy_(view)
-                pos += view.numel()
-            pwrite_all(file.fd, [host_buffer(staged)], file_off)
-            file.checksums.written(file_off, [staged])
-        self.counters.bytes_written += sum(as_bytes(t).numel() for t in srcs)
-        self.counters.disk_bytes_written += sum(as_bytes(t).numel() for t in srcs)
-        self.counters.write_seconds += time.perf_counter() - start
+            if op == "write":
+                _copy(op, views, staged)
+            io(file.fd, [host_buffer(staged)], file_off)
+            checksum(file_off, [staged])
+            if op == "read":
+                _copy(op, views, staged)
+        nbytes = sum(as_bytes(t).numel() for t in tensors)
+        if op == "read":
+            self.counters.bytes_read += nbytes
+            self.counters.read_seconds += time.perf_counter() - start
+        else:
+            self.counters.bytes_written += nbytes
+            self.counters.disk_bytes_written += nbytes
+            self.counters.write_seconds += time.perf_counter() - start
         return finished_ticket()
 
     # Nothing is ever in flight; errors raise in the caller.
@@ -115,3 +110,15 @@ class SyncEngine:
 
     def close(self) -> None:
         self._staging = None
+
+
+def _copy(op: str, views: list[torch.Tensor], staged: torch.Tensor) -> None:
+    """Staging -> the views ("read") or the views -> staging ("write"), back to back."""
+    pos = 0
+    for view in views:
+        part = staged[pos:pos + view.numel()]
+        if op == "read":
+            view.copy_(part)
+        else:
+            part.copy_(view)
+        pos += view.numel()
