@@ -84,6 +84,9 @@ def rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, sa
             "stream_bytes_written_per_rank": written,
             "stream_read_gb": sum(read) / GB,
             "stream_written_gb": sum(written) / GB,
+            "stream_disk_read_gb": sum(int(r["stream_disk_bytes_read"]) for r in ranks) / GB,
+            "stream_disk_written_gb": sum(int(r["stream_disk_bytes_written"]) for r in ranks) / GB,
+            "stream_tier_fill_gb": sum(int(r["stream_tier_fill_bytes"]) for r in ranks) / GB,
             "stream_seconds": wall,
             "stream_gbps": (sum(read) + sum(written)) / GB / wall if wall > 0 else 0.0,
             "stream_peak_resident_bytes": max(int(r["stream_peak_resident_bytes"]) for r in ranks),
@@ -104,6 +107,7 @@ def format_rollout_line(rec: dict[str, Any], num_rollout: int) -> str:
              f"step {rec['step_seconds']:.2f}s (gen {rec['generate_seconds']:.2f}s, train {rec['train_seconds']:.2f}s)"]
     if "stream_read_gb" in rec:
         parts.append(f"streamed {rec['stream_read_gb']:.3f} GB read + {rec['stream_written_gb']:.3f} GB written "
+                     f"(disk {rec['stream_disk_read_gb']:.3f} + {rec['stream_disk_written_gb']:.3f}) "
                      f"in {rec['stream_seconds']:.2f}s ({rec['stream_gbps']:.2f} GB/s), exposed "
                      f"{rec['stream_exposed_io_per_rollout_seconds']:.2f}s")
     parts.append(f"sleep {rec['sleep_seconds']:.2f}s wake {rec['wake_seconds']:.2f}s "

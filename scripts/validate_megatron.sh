@@ -7,11 +7,13 @@
 #   drain   the 8-expert MoE, streamed with a host tier (HOST_CACHE_MB, default 600), 3 rollouts each: the
 #           store's disk writes left to land during generation (default) vs waited for at every sleep
 #           (--stream-optimizer-state-flush-at-sleep); prints each rollout's exposed optimizer I/O
-# Usage: scripts/validate_megatron.sh train [PRESET...] | sleep | drain
+#   resume  the same MoE with a host tier that holds its whole state: 2 rollouts, a save, then a --load
+#           resume of 2 more; the load reads the tier back from disk during the first resumed rollout
+# Usage: scripts/validate_megatron.sh train [PRESET...] | sleep | drain | resume
 #   WORK=<dir with ~40 GB free> (default /tmp/miles-megatron); SLEEP_ROLLOUTS (default 3);
 #   RESUME_TO: the rollout count the resumed run trains to (default 7: two more)
 set -euo pipefail
-phase=${1:?usage: $0 train [PRESET...] | sleep | drain}
+phase=${1:?usage: $0 train [PRESET...] | sleep | drain | resume}
 shift
 WORK=${WORK:-/tmp/miles-megatron}
 mkdir -p "$WORK"
@@ -27,7 +29,8 @@ summary() {  # summary <metrics.jsonl>: one line per rollout
 import json, sys
 keys = ("rollout_id", "reward_mean", "loss", "optimizer_step_seconds", "sleep_seconds", "wake_seconds",
         "offload_bytes", "device_used_gb_asleep", "stream_read_gb", "stream_written_gb", "step_seconds",
-        "stream_exposed_io_seconds", "stream_sleep_wait_seconds", "stream_exposed_io_per_rollout_seconds")
+        "stream_exposed_io_seconds", "stream_sleep_wait_seconds", "stream_exposed_io_per_rollout_seconds",
+        "stream_disk_read_gb", "stream_disk_written_gb", "stream_tier_fill_gb")
 for line in open(sys.argv[1]):
     r = json.loads(line)
     print({k: (round(r[k], 4) if isinstance(r[k], float) else r[k]) for k in keys if k in r})
@@ -69,5 +72,15 @@ drain)
     summary "$WORK/$arm.jsonl"
   done
   ;;
-*) echo "unknown phase $phase (train|sleep|drain)" >&2; exit 2 ;;
+resume)
+  model qwen3-moe-8e
+  tier=(--hf-checkpoint "$WORK/qwen3-moe-8e" --stream-optimizer-state-to-disk --offload-train-target=disk
+        --offload-train-disk-dir "$WORK/disk-resume" --stream-optimizer-state-host-cache-mb 4096)
+  miles train "${common[@]}" "${tier[@]}" --num-rollout 2 --save "$WORK/ckpt-resume" --metrics-file "$WORK/resume-a.jsonl"
+  summary "$WORK/resume-a.jsonl"
+  miles train "${common[@]}" "${tier[@]}" --num-rollout 4 --load "$WORK/ckpt-resume" --metrics-file "$WORK/resume-b.jsonl"
+  summary "$WORK/resume-b.jsonl"
+  rm -rf "$WORK/ckpt-resume"
+  ;;
+*) echo "unknown phase $phase (train|sleep|drain|resume)" >&2; exit 2 ;;
 esac

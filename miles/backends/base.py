@@ -62,6 +62,11 @@ def stream_step_metrics(stores: list) -> dict[str, Any]:
     steps = [s.stats.last_step for s in stores]
     return {"stream_bytes_read": sum(int(t.bytes_read) for t in steps),
             "stream_bytes_written": sum(int(t.bytes_written) for t in steps),
+            # of those, what the disk moved (the rest: the host tier or still resident), and what was read
+            # ahead into the host tier since the previous step (after a load)
+            "stream_disk_bytes_read": sum(int(t.disk_bytes_read) for t in steps),
+            "stream_disk_bytes_written": sum(int(t.disk_bytes_written) for t in steps),
+            "stream_tier_fill_bytes": sum(int(t.tier_fill_bytes) for t in steps),
             "stream_seconds": sum(float(t.wall_seconds) for t in steps),
             "stream_io_seconds": sum(float(t.io_seconds) for t in steps),
             "stream_buckets": sum(int(t.buckets) for t in steps),

@@ -212,7 +212,9 @@ def run(args) -> int:
     say = Progress()
     root = os.path.abspath(args.dir)
     os.makedirs(root, exist_ok=True)
-    saved = tempfile.mkdtemp(prefix="saved-", dir=root)
+    # everything the arms write (store files, saved params, results) goes under a directory this run
+    # made, removed whole at the end: a closed store leaves its directory behind
+    work = tempfile.mkdtemp(prefix="run-", dir=root)
     counts = param_count(shape)
     results: dict = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "shape": dataclasses.asdict(shape),
                      "params_predicted": counts["total"], "params_breakdown": counts,
@@ -223,16 +225,16 @@ def run(args) -> int:
     say(f"arms, each in its own process, {args.warmup} warm-up + {args.steps} measured steps: "
         f"{', '.join(a['name'] for a in arms)}")
     common = {"shape": dataclasses.asdict(shape), "seed": args.seed, "lr": args.lr, "steps": args.steps,
-              "warmup": args.warmup, "dir": root, "after_load": args.after_load}
+              "warmup": args.warmup, "dir": work, "after_load": args.after_load}
     reference = None
     try:
         for i, arm in enumerate(arms):
             say(f"arm {i + 1}/{len(arms)}: {arm['name']} ...")
-            spec = common | arm | {"saved_params": os.path.join(saved, f"{arm['name']}.params.pt"),
-                                   "saved_mains": os.path.join(saved, f"{arm['name']}.mains.pt"),
-                                   "result": os.path.join(saved, f"{arm['name']}.result.json")}
+            spec = common | arm | {"saved_params": os.path.join(work, f"{arm['name']}.params.pt"),
+                                   "saved_mains": os.path.join(work, f"{arm['name']}.mains.pt"),
+                                   "result": os.path.join(work, f"{arm['name']}.result.json")}
             t0 = time.perf_counter()
-            r = run_arm(spec, saved, say, verbose=args.verbose, timeout=args.arm_timeout or None)
+            r = run_arm(spec, work, say, verbose=args.verbose, timeout=args.arm_timeout or None)
             r["arm_seconds"] = time.perf_counter() - t0
             if r.get("ok") and r.get("params") != counts["total"]:
                 say(f"  note: the model has {r['params']:,} params, the shape formula says {counts['total']:,}")
@@ -252,7 +254,7 @@ def run(args) -> int:
             say(f"arm {arm['name']} " + (f"done in {r['arm_seconds']:.0f} s" if r.get("ok")
                                          else f"FAILED after {r['arm_seconds']:.0f} s: {r.get('error')}"))
     finally:
-        shutil.rmtree(saved, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
         try:
             os.rmdir(root)
         except OSError:

@@ -48,7 +48,8 @@ def test_exposed_io_per_rollout_adds_the_sleep_wait():
     rank = {"loss": 0.0, "grad_norm": 0.0, "clipfrac": 0.0, "train_rollout_logprob_abs_diff": 0.0,
             "optimizer_step_seconds": 1.0, "stream_bytes_read": 10, "stream_bytes_written": 10,
             "stream_seconds": 1.0, "stream_io_seconds": 0.25, "stream_peak_resident_bytes": 1,
-            "stream_prefetched_buckets": 0}
+            "stream_prefetched_buckets": 0, "stream_disk_bytes_read": 4 << 30, "stream_disk_bytes_written": 6 << 30,
+            "stream_tier_fill_bytes": 0}
     sleep = [{"rank": 0, "bytes": 1, "seconds": 0.1, "store_wait_seconds": 0.5}]
     samples = [SimpleNamespace(response_ids=[1, 2])]
     rec = rollout_record(0, [1.0], samples, [rank], wake=[], sleep=sleep,
@@ -58,6 +59,7 @@ def test_exposed_io_per_rollout_adds_the_sleep_wait():
     assert rec["stream_sleep_wait_seconds"] == 0.5
     assert rec["stream_exposed_io_per_rollout_seconds"] == 0.75
     assert "exposed 0.75s" in format_rollout_line(rec, 1)
+    assert "(disk 4.295 + 6.442)" in format_rollout_line(rec, 1) and rec["stream_tier_fill_gb"] == 0
 
 
 @pytest.mark.parametrize("flush, call", [(False, "release_device"), (True, "flush")])
@@ -77,9 +79,11 @@ def test_stream_metrics_sum_the_stores_of_a_rank():
 
     def store(read, peak):
         last = SimpleNamespace(bytes_read=read, bytes_written=2 * read, wall_seconds=1.0, io_seconds=0.5,
-                               buckets=3, prefetched_buckets=1)
+                               buckets=3, prefetched_buckets=1, disk_bytes_read=read - 1, disk_bytes_written=read,
+                               tier_fill_bytes=1)
         return SimpleNamespace(stats=SimpleNamespace(last_step=last, peak_resident_bytes=peak))
 
     m = stream_step_metrics([store(10, 7), store(5, 9)])
     assert m["stream_bytes_read"] == 15 and m["stream_bytes_written"] == 30 and m["stream_buckets"] == 6
     assert m["stream_io_seconds"] == 1.0 and m["stream_peak_resident_bytes"] == 9
+    assert m["stream_disk_bytes_read"] == 13 and m["stream_disk_bytes_written"] == 15 and m["stream_tier_fill_bytes"] == 2
