@@ -45,6 +45,7 @@ def test_the_step_after_a_load_reads_the_tier_not_the_disk(tmp_path, monkeypatch
     train(params, opt, range(2, 3))
     last = store.stats.last_step
     assert spy.reads == 0 and last.disk_bytes_read == 0, "the step after the load read the disk"
+    assert spy.writes == 0 and last.disk_bytes_written == 0, "the load's own write-back counted as the step's"
     assert last.tier_fill_bytes == last.cache_bytes_read == last.bytes_read > 0
     train(params, opt, range(3, 4))
     assert store.stats.last_step.tier_fill_bytes == 0

@@ -85,8 +85,9 @@ class StepStats:
     wall_seconds: float = 0.0
     disk_bytes_read: int = 0  # of bytes_read, read from the files (including read-ahead before the step)
     cache_bytes_read: int = 0  # of bytes_read, served from the host cache
-    disk_bytes_written: int = 0  # bytes sent to the files during the step (buckets without a host image;
-    #   0 when the host tier holds every bucket: the images' bytes go to disk on flush/save)
+    disk_bytes_written: int = 0  # bytes sent to the files since the previous step (buckets without a host
+    #   image, and write-backs of dirty images by flush/save in between; 0 on steady steps when the host tier
+    #   holds every bucket; counted from the end of a load_from, whose own write-back is not a step's)
     reused_bytes: int = 0  # of bytes_read, still resident from the previous step's write-back
     prefetched_buckets: int = 0  # buckets whose reads started before the step (prefetch)
     pending_writes: int = 0  # buckets whose write-back was still in flight when the step returned
@@ -644,6 +645,7 @@ class NVMeOptimizerStateStore:
             logger.warning("optimizer-state store %s recovered from %s: the state is the checkpoint's",
                            self.relative_dir, checkpoint_base)
             self.poisoned_by = None
+        self._marks = self._read_marks()  # the next step's stats count from here: not the load's own I/O
         if self.poisoned_by is None:
             self.fill_host_tier()  # the load dropped the tier's images
         return loaded
