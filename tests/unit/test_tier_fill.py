@@ -172,3 +172,28 @@ def test_a_resumed_trainer_refills_its_tier_while_asleep_and_trains_bit_identica
         assert _same(_params(b), expected)
     finally:
         b.shutdown()
+
+
+def test_verify_checks_what_the_fill_reads(tmp_path):
+    """With verify on, the tier's read-ahead checks each chunk against what the store wrote: a file
+    changed on disk while the tier was off is caught at the next step, not trained on."""
+    from miles_plugins.optimizers.nvme_stream import StateCorruptionError
+
+    params, opt, store = tiered("sharded", tmp_path / "live", 0, verify=True)
+    train(params, opt, range(3))
+    store.flush()
+    bucket = store.buckets[1]
+    seg = bucket.layout.segments["exp_avg"]
+    with open(bucket.file.path, "r+b") as f:
+        f.seek(seg.offset + 100)
+        byte = f.read(1)
+        f.seek(seg.offset + 100)
+        f.write(bytes([byte[0] ^ 0x40]))
+    try:
+        store.set_io(host_cache_mb=64)  # the new tier is filled from the files
+    except StateCorruptionError:
+        pass  # the fill's chunk failed before set_io had submitted every bucket: raised (and poisoned) here
+    else:
+        with pytest.raises(StateCorruptionError, match=f"bucket {bucket.index}, segment exp_avg"):
+            train(params, opt, range(3, 4))
+    assert store.poisoned_by is not None
