@@ -195,7 +195,7 @@ def missing_requirements() -> str | None:
     if not missing:
         return None
     return (f"needs a CUDA GPU and megatron-core, but {' and '.join(missing)}; run it on a GPU host with "
-            "megatron-core installed (pip install -e '.[gpu,megatron]', or source .device-bundle/use-bundle.sh)")
+            "megatron-core installed (pip install -e '.[gpu,megatron]')")
 
 
 # ---- the run ------------------------------------------------------------------------------------------
