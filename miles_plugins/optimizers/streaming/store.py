@@ -19,7 +19,7 @@ streams). A bucket's storage is released once its write-back no longer needs it.
                files only on flush(), save_to() and load_from() (and set_io, which flushes); close()
                removes the files without writing them. release_device() frees the device without
                waiting for the disk. Images are fixed per file once given; a load or set_io drops them,
-               and fill_host_tier() (called by load_from, set_io and prefetch) reads the buckets back
+               and fill_host_tier() (called by both) reads the buckets back
                into the tier in the background, so the next step finds them in host RAM.
 Device budget (StreamConfig.device_budget_mb; default one DEFAULT_BUCKET_NUMEL bucket's worth, config.py):
 the store picks bucket_numel and depth with plan.fit_to_device_budget so that the residency bound stays
@@ -428,9 +428,10 @@ class NVMeOptimizerStateStore:
         """Read-ahead into the host tier's free space: start reading, on the I/O threads, the buckets the
         tier has room for but holds no image of, in the next step's order. Nothing waits for these
         reads but the step's reads of the same buckets, which then cost a host->device copy instead of
-        a disk read. The tier has free space after a load or set_io dropped its images (both call this:
-        in `miles train` the reads then land during the first rollout's generation) or while images
-        are still being handed out; prefetch() calls it too. Returns the bytes started."""
+        a disk read. The tier has free space only after a load or set_io dropped its images, and both
+        call this (in `miles train` the reads then land during the first rollout's generation): while
+        the store runs, a file gets an image at its first write as long as the budget lasts, and keeps
+        it. Returns the bytes started."""
         self._check_usable()
         started, buckets = 0, 0
         with self._poisons_on_failure("reading ahead into the host tier"):  # a failed read breaks the engine
@@ -449,14 +450,12 @@ class NVMeOptimizerStateStore:
     @torch.no_grad()
     def prefetch(self) -> int:
         """Read-ahead: start reading the next step's first buckets now, while the disk would otherwise
-        be idle (call it before forward/backward). First fills the host tier's free space
-        (fill_host_tier), then starts up to `depth` reads to the device, skipping buckets that need no
-        disk read (still resident from their write-back, or in the host cache); they stay resident
-        until the step consumes them (or flush()). Returns the number of device reads started."""
+        be idle (call it before forward/backward). Starts up to `depth` reads, skipping buckets that
+        need no disk read (still resident from their write-back, or in the host cache); they stay
+        resident until the step consumes them (or flush()). Returns the number of reads started."""
         self._check_usable()
         with self._poisons_on_failure("a previous step's write-behind"):
             self.stager.check()
-        self.fill_host_tier()
         if self.depth == 0:
             return 0
         self._release_written(self.depth)
