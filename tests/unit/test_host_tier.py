@@ -20,7 +20,7 @@ from test_checkpoint import (  # noqa: E402,F401  (_restarted_process: autouse f
     _restarted_process, assert_same, build, groups_of, load, make_params, restart, save, state, train)
 
 from miles.backends.torch_backend.sharded_optimizer import ShardedMixedPrecisionAdam  # noqa: E402
-from miles_plugins.optimizers.nvme_stream import StateCorruptionError, StorePoisonedError  # noqa: E402
+from miles_plugins.optimizers.nvme_stream import CheckpointError, StateCorruptionError, StorePoisonedError  # noqa: E402
 from miles_plugins.optimizers.streaming.io import engine as engine_mod  # noqa: E402
 from miles_plugins.optimizers.streaming.io.stager import Stager  # noqa: E402
 from miles_plugins.optimizers.streaming.units import MiB  # noqa: E402
@@ -454,17 +454,27 @@ def test_trainer_sleep_releases_the_device_and_leaves_the_tier_dirty(tmp_path):
     assert _same(results[True], results[False])
 
 
-def test_a_failed_write_back_before_a_load_poisons_and_the_next_load_recovers(tmp_path, monkeypatch):
+def test_a_load_drops_dirty_images_unwritten_and_a_refused_load_keeps_them(tmp_path, monkeypatch):
+    """The load rewrites every file, so the tier's dirty images are not written back first (the disk
+    would get bytes the load overwrites); a checkpoint that fails its checks leaves them as they were."""
     params, opt, store = tiered("plain", tmp_path / "live", 1.0)
     train(params, opt, range(2))
     save(params, store, str(tmp_path / "ckpt"))
     at_save = state(store, params)
     train(params, opt, range(2, 3))
-    failing_writes(monkeypatch)
-    with pytest.raises(OSError, match="injected write-back error"):
-        load(params, opt, store, str(tmp_path / "ckpt"))
-    assert store.poisoned_by is not None
-    monkeypatch.undo()
-    assert load(params, opt, store, str(tmp_path / "ckpt")) is True
+    live = state(store, params)
+    assert all(slot.dirty for slot in images(store).values())
+    failing_writes(monkeypatch)  # a write-back would fail the load
+    manifest = next((tmp_path / "ckpt").rglob("manifest.json"))
+    good = manifest.read_bytes()
+    manifest.write_bytes(good.replace(b'"file_bytes": ', b'"file_bytes": 1', 1))  # the checksum no longer fits
+    with pytest.raises(CheckpointError):
+        store.load_from(str(tmp_path / "ckpt"))  # the streamed state alone: the weights stay the live ones
+    assert store.poisoned_by is None and all(slot.dirty for slot in images(store).values())
+    assert_same(state(store, params), live, "after a refused load")
+    manifest.write_bytes(good)
+    assert load(params, opt, store, str(tmp_path / "ckpt")) is True  # no write-back: the injected error never fires
     assert store.poisoned_by is None
-    assert_same(state(store, params), at_save, "recovered")
+    assert_same(state(store, params), at_save, "loaded over dirty images")
+
+

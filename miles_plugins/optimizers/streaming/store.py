@@ -16,11 +16,11 @@ streams). A bucket's storage is released once its write-back no longer needs it.
                in the page cache with buffered I/O, or still resident on the device).
   host tier    optional (host_cache_mb): write-back images of buckets in host RAM (io/hostcache.py):
                their reads and writes cost a host<->device copy and no disk I/O. Their bytes reach the
-               files only on flush(), save_to() and load_from() (and set_io, which flushes); close()
-               removes the files without writing them. release_device() frees the device without
-               waiting for the disk. Images are fixed per file once given; a load or set_io drops them,
-               and fill_host_tier() (called by both) reads the buckets back
-               into the tier in the background, so the next step finds them in host RAM.
+               files only on flush() and save_to() (and set_io, which flushes); load_from() replaces
+               the state and close() removes the files, neither writes them. release_device() frees
+               the device without waiting for the disk. Images are fixed per file once given; a load
+               or set_io drops them, and fill_host_tier() (called by both) reads the buckets back into
+               the tier in the background, so the next step finds them in host RAM.
 Device budget (StreamConfig.device_budget_mb; default one DEFAULT_BUCKET_NUMEL bucket's worth, config.py):
 the store picks bucket_numel and depth with plan.fit_to_device_budget so that the residency bound stays
 within it. Residency bound (StoreStats.residency_bound_bytes <= device_budget_bytes): at most
@@ -635,9 +635,9 @@ class NVMeOptimizerStateStore:
         a successful load clears the poison; a checkpoint without streamed state (False) leaves it."""
         self._check_open()
         self.wait_for_save()
-        if self.poisoned_by is None:  # a load finding no streamed state keeps the live one: whole in the files
-            with self._poisons_on_failure("writing the host images back before a load"):
-                self.stager.write_back()
+        if self.poisoned_by is None:  # an earlier write-behind that failed poisons first; nothing is written back
+            with self._poisons_on_failure("a previous step's write-behind"):
+                self.stager.wait_all()
         self._recover_io()  # a poisoned store's images are dropped unwritten: its state is torn anyway
         loaded = checkpoint.load(self, checkpoint_base)
         if loaded and self.poisoned_by is not None:

@@ -48,8 +48,9 @@ blocks, requantize.py; the noise restarts from the seeds). Moments saved in anot
 store's (moment_dtype changed since the save) take the reshard path on any layout: decoded to fp32,
 encoded in the store's format; the recorded format must fit each segment's bytes. Then it restores the
 per-piece Adam steps and points the moments at the bucket buffers, so the first step streams them.
-A load that fails after touching the live files resets the store to fresh state (mains <- model
-params, no moments, noise from the seeds).
+Nothing live is touched until every check has passed; the host tier's images are then dropped
+without writing them back, since every file is rewritten. A load that fails after touching the live
+files resets the store to fresh state (mains <- model params, no moments, noise from the seeds).
 """
 
 from __future__ import annotations
@@ -392,7 +393,6 @@ def load(store, base: str) -> bool:
         has = m.get("resident") is not None
         raise CheckpointError(f"{own}: the checkpoint {'holds' if has else 'lacks'} the state of a resident Adam "
                               f"(native-fp32 params), which this store {'lacks' if has else 'has'}")
-    store.stager.drain()
     if diff is None:
         for b, sb in zip(store.buckets, m["buckets"]):
             if sb["file_bytes"] != b.file.nbytes:
@@ -411,6 +411,9 @@ def load(store, base: str) -> bool:
     else:
         copies, requants, steps, moments = _reshard(store, base, own, diff)
     sources = {}
+    # the checkpoint passed its checks: every file is rewritten from here on, so the host tier's dirty
+    # images are dropped unwritten (a load that fails its checks above leaves the live state as it was)
+    store.stager.drain(write_back=False)
     store.stager.files_rewritten([b.file for b in store.buckets])
     try:
         for path, crc, src_off, dst_fd, dst_off, nbytes in copies:

@@ -325,12 +325,17 @@ class PipelinedEngine:
         if first is not None and raise_errors:
             raise first
 
-    def drop_cache(self) -> None:
+    def drop_cache(self, write_back: bool = True) -> None:
         """Write the images' dirty chunks back, then forget every image (whoever drops them may change
         the files behind the engine's back). After a failure the dirty chunks are lost with the images:
-        the store is poisoned then, and only a checkpoint load rebuilds its state."""
+        the store is poisoned then, and only a checkpoint load rebuilds its state. write_back=False:
+        wait for every request, then forget the images with their dirty chunks unwritten (the caller
+        rewrites every file next)."""
         try:
-            self.write_back_images()
+            if write_back:
+                self.write_back_images()
+            else:
+                self.wait_all()
         finally:
             self.cache.drop()
 

@@ -5,8 +5,9 @@ is free once it lands) and marks the chunks it wrote dirty; the disk is not touc
 the image holds is served from RAM. So when the budget holds every bucket, a step reads and writes no
 disk at all. Dirty chunks reach the file only when someone needs the file to hold them
 (engine.write_back_images: store.flush, store.save_to), when the image is dropped or its file closed
-with its contents kept (drop_cache, set_engine, forget), and when a read or a partial write needs the
-file's bytes under them. Files get images at their first write while the budget lasts and keep them.
+with its contents kept (drop_cache, set_engine, forget; a load drops them unwritten: it rewrites the
+files), and when a read or a partial write needs the file's bytes under them. Files get images at
+their first write while the budget lasts (or from engine.fill_image, after a load) and keep them.
 The engine (engine.py) does the copies and the I/O; this module only decides which file has which
 image, what it holds and which of its chunks the file lacks.
 """

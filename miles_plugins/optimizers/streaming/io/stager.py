@@ -310,13 +310,13 @@ class Stager:
         """`hook` runs at the end of every drain() (the store releases its prefetched buckets there)."""
         self._drain_hooks.append(hook)
 
-    def drain(self) -> None:
+    def drain(self, write_back: bool = True) -> None:
         """Return once every read and write issued so far has ended and the files hold every write, the
-        host images' dirty bytes included (a load rewrites the files after this). The images are
-        forgotten and the drain hooks run, since whoever drains may change the files behind the
-        engine's back."""
+        host images' dirty bytes included. The images are forgotten and the drain hooks run, since
+        whoever drains may change the files behind the engine's back. write_back=False: the images'
+        dirty bytes are forgotten unwritten, for a caller that rewrites every file next (a load)."""
         try:
-            self.engine.drop_cache()
+            self.engine.drop_cache(write_back)
         finally:
             for hook in self._drain_hooks:
                 hook()

@@ -105,8 +105,8 @@ class SyncEngine:
     def wait_device(self) -> None:
         """Nothing in flight."""
 
-    def drop_cache(self) -> None:
-        pass
+    def drop_cache(self, write_back: bool = True) -> None:
+        """No host images to drop."""
 
     def close(self) -> None:
         self._staging = None
