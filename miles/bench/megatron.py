@@ -28,6 +28,7 @@ where an arm holds them) are bit-identical to `resident`'s. Run it as a module o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import collections
 import dataclasses
 import importlib.util
@@ -255,10 +256,8 @@ def run(args) -> int:
                                          else f"FAILED after {r['arm_seconds']:.0f} s: {r.get('error')}"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        try:
+        with contextlib.suppress(OSError):  # --dir itself only when the run left it empty: it may be the user's
             os.rmdir(root)
-        except OSError:
-            pass
     results["ratios"] = ratios(results)
     results["report"] = report(results)
     print(results["report"], flush=True)

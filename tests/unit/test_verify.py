@@ -8,30 +8,20 @@ stands: the flip is trained on silently (test_verify_off_trains_on_the_flipped_b
 """
 
 import os
+import sys
 
 import pytest
 import torch
 
-from miles.backends.torch_backend.sharded_optimizer import ShardedMixedPrecisionAdam
 from miles_plugins.optimizers.nvme_stream import StateCorruptionError, StorePoisonedError, stream_optimizer_state
 
-SIZES = ((37, 29), (1000,), (3,), (4099,), (257, 31))
+sys.path.insert(0, os.path.dirname(__file__))
+from test_store_sharded import make_opt, make_model_params as make_params  # noqa: E402  (same sizes and groups)
+
 BUCKET = 4096 + 50  # several buckets, params split across them
 ENGINES = ("pipelined", "sync")
 MOMENT_DTYPES = ("fp32", "bf16", "fp8e4m3")
 SEGMENTS = ("main", "exp_avg", "exp_avg_sq")
-
-
-def make_params():
-    g = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(s, generator=g).to(torch.bfloat16)) for s in SIZES]
-
-
-def make_opt(params):
-    return ShardedMixedPrecisionAdam([
-        {"params": params[:2], "lr": 1e-2, "weight_decay": 0.1},
-        {"params": params[2:], "lr": 3e-3, "weight_decay": 0.0},
-    ], betas=(0.9, 0.95))
 
 
 def streamed(root, **config):
