@@ -14,6 +14,14 @@ A checkpoint becomes visible only when every rank wrote its part and the driver 
 and then replaced the ``latest`` marker (write + rename): a crash mid-save leaves the previous
 checkpoint as the latest. ``--load`` accepts the save root (uses the marker) or one checkpoint folder.
 
+Saving a rollout that already has a complete checkpoint (a run resumed from an older checkpoint with
+the same ``--save``) never removes it before its replacement is complete: ``prepare`` renames it to
+``<name>.prev-<pid>`` and, when ``latest`` named it, points ``latest`` at that name; ``publish`` points
+``latest`` at the new one and removes the copy set aside. A crash in between leaves ``latest`` naming a
+complete checkpoint (``resolve`` also finds the copy set aside when the crash fell between the rename and
+the marker). The next save removes copies of dead processes that ``latest`` does not name, and puts one
+back in place of its own replacement when that never completed.
+
 Loading order in each rank: model weights -> ``optimizer.reload_model_params()`` (bound to the store's
 ``refresh_main_from_model_params`` when streaming, which routes the write through the store) -> the
 optimizer state, either ``optimizer.load_state_dict`` or ``store.load_from(<checkpoint>)``.
@@ -26,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from typing import Any, Optional
@@ -59,13 +68,73 @@ def optimizer_file(base: str, rank: int) -> str:
 
 
 # ---- driver side ----------------------------------------------------------------------------------
+_SET_ASIDE = re.compile(r"^(rollout_\d{6,})\.prev-(\d+)$")  # a complete checkpoint kept while it is replaced
+
+
 def prepare(save_dir: str, completed_rollouts: int) -> str:
-    """Create (or empty, if a previous attempt left it incomplete) the folder of a new checkpoint."""
+    """Create the folder of a new checkpoint. A complete checkpoint already there is set aside, still
+    loadable, until ``publish`` replaces it (module doc); an incomplete one (an attempt that died) is
+    removed."""
+    os.makedirs(save_dir, exist_ok=True)
+    _tidy_set_aside(save_dir)
     base = checkpoint_path(save_dir, completed_rollouts)
-    if os.path.exists(base):
+    if os.path.exists(os.path.join(base, META_FILE)):
+        _set_aside(save_dir, base)
+    elif os.path.lexists(base):
         shutil.rmtree(base)
     os.makedirs(base)
     return base
+
+
+def _set_aside(save_dir: str, base: str) -> None:
+    """Rename the complete checkpoint ``base`` to ``<base>.prev-<pid>``, then point ``latest`` there if it
+    named ``base``: ``latest`` never names a checkpoint that is being rewritten."""
+    aside = f"{base}.prev-{os.getpid()}"
+    named = _latest_name(save_dir) == os.path.basename(base)
+    os.rename(base, aside)
+    _fsync_dir(save_dir)
+    logger.info("kept %s as %s until its replacement is complete", base, aside)
+    if named:
+        _atomic_write(os.path.join(save_dir, LATEST_FILE), os.path.basename(aside) + "\n")
+
+
+def _latest_name(save_dir: str) -> Optional[str]:
+    try:
+        with open(os.path.join(save_dir, LATEST_FILE)) as f:
+            return f.read(4096).strip()
+    except FileNotFoundError:
+        return None
+
+
+def _tidy_set_aside(save_dir: str, replaced: Optional[str] = None) -> None:
+    """Copies set aside by processes that are gone (or of ``replaced``, just published), except the one
+    ``latest`` names: removed when their checkpoint was replaced by a complete one, put back in place of
+    a replacement that never completed. Only names of ``_SET_ASIDE``'s form are touched."""
+    latest = _latest_name(save_dir)
+    for name in sorted(os.listdir(save_dir)):
+        match = _SET_ASIDE.match(name)
+        if match is None or name == latest:
+            continue
+        original, pid = match.group(1), int(match.group(2))
+        if original != replaced and pid != os.getpid() and pid_alive(pid):
+            continue  # another live process's save in progress
+        aside, target = os.path.join(save_dir, name), os.path.join(save_dir, original)
+        if os.path.exists(os.path.join(target, META_FILE)):
+            shutil.rmtree(aside)
+            logger.info("removed %s: %s replaced it", aside, target)
+        elif original != replaced:
+            if os.path.lexists(target):
+                shutil.rmtree(target)  # the replacement's save died before its meta was written
+            os.rename(aside, target)
+            logger.warning("put %s back as %s: its replacement never completed", aside, target)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_meta(base: str, *, next_rollout_id: int, data_state: dict[str, Any], world_size: int,
@@ -81,6 +150,7 @@ def publish(save_dir: str, base: str) -> None:
     if not os.path.exists(os.path.join(base, META_FILE)):
         raise CheckpointError(f"refusing to publish {base}: it has no {META_FILE}")
     _atomic_write(os.path.join(save_dir, LATEST_FILE), os.path.basename(base) + "\n")
+    _tidy_set_aside(save_dir, replaced=os.path.basename(base))
 
 
 def resolve(load_dir: str) -> Optional[str]:
@@ -93,10 +163,18 @@ def resolve(load_dir: str) -> Optional[str]:
     if not os.path.exists(marker):
         return None
     with open(marker) as f:
-        name = f.read().strip()
+        name = f.read(4096).strip()
     base = os.path.join(load_dir, name)
     if not os.path.exists(os.path.join(base, META_FILE)):
-        raise CheckpointError(f"{marker} names {name!r}, but {base} has no {META_FILE}")
+        # a crash between setting the checkpoint aside and pointing the marker at it (prepare)
+        aside = [os.path.join(load_dir, n) for n in sorted(os.listdir(load_dir))
+                 if (m := _SET_ASIDE.match(n)) and m.group(1) == name and os.path.exists(
+                     os.path.join(load_dir, n, META_FILE))]
+        if not aside:
+            raise CheckpointError(f"{marker} names {name!r}, but {base} has no {META_FILE}")
+        logger.warning("%s names %s, whose save was interrupted: loading %s, set aside for it", marker, name,
+                       aside[-1])
+        return aside[-1]
     return base
 
 
@@ -205,8 +283,6 @@ def load_model_weights(model, model_dir: str) -> int:
 def _read_model_state(model_dir: str) -> dict:
     import glob
 
-    import torch
-
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if files:
         from safetensors.torch import load_file
@@ -217,15 +293,28 @@ def _read_model_state(model_dir: str) -> dict:
         return state
     pt = os.path.join(model_dir, "model.pt")
     if os.path.exists(pt):
-        return torch.load(pt, map_location="cpu", weights_only=True)
+        return _load_tensors(pt)
     raise CheckpointError(f"no model weights in {model_dir}")
+
+
+def _load_tensors(path: str, hint: str = ""):
+    """A torch file of tensors and plain containers (an optimizer's state_dict). weights_only: a pickle
+    that would build any other object, or run code, is refused before it does."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        raise CheckpointError(f"{path} cannot be loaded safely: it holds more than tensors and plain containers, "
+                              f"or is corrupt ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e}). "
+                              f"Resume from a checkpoint this project wrote{hint}") from None
 
 
 def load_train_state(base: str, *, model, optimizer, store, rank: int, world_size: int,
                      load_optimizer: bool) -> dict[str, Any]:
     """Load this rank's part of a checkpoint. Returns what was loaded."""
-    import torch
-
     start = time.perf_counter()
     meta = read_meta(base)
     n = load_model_weights(model, os.path.join(base, MODEL_DIR))
@@ -251,7 +340,7 @@ def load_train_state(base: str, *, model, optimizer, store, rank: int, world_siz
         else:
             path = optimizer_file(base, rank)
             if os.path.exists(path):
-                optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+                optimizer.load_state_dict(_load_tensors(path, ", or pass --no-load-optim to load the weights alone"))
                 info["optimizer"] = "state_dict"
             else:
                 logger.warning("rank %d: %s has no optimizer state for this rank (%s): fresh optimizer state",

@@ -11,6 +11,8 @@ takes its own subdirectory, and no two processes ever share a directory, so clea
 
 The run's own outputs (metrics, TensorBoard) go to ``run_dir``: ``--save`` if given, else
 ``./runs/<run id>``. Nothing here creates a directory; whoever writes a file creates its folder.
+The run creates the root only when its parent exists, and removes what it created at its end
+(:meth:`RunPaths.removed_at_exit`), so no output of the run may lie inside those directories.
 """
 
 from __future__ import annotations
@@ -67,6 +69,11 @@ class RunPaths:
     def rollout(self) -> str:
         """``<root>/rollout``: parent of the rollout engines' backup directories."""
         return os.path.join(self.root, ROLLOUT_SUBDIR)
+
+    def removed_at_exit(self, root_exists: bool) -> tuple[str, ...]:
+        """The directories this run creates and removes when it ends, with everything written in them:
+        ``trainer/``, ``optimizer_state/``, ``rollout/``, and the root itself when it does not exist yet."""
+        return ((self.root,) if not root_exists else ()) + (self.trainer, self.optimizer_state, self.rollout)
 
     def rank_dir(self, cell: int, rank: int) -> str:
         """``<root>/trainer/cell<i>_rank<j>``."""

@@ -8,14 +8,19 @@ filesystem. So once the actors are gone, one task pinned to each other node runs
 :func:`~miles_plugins.optimizers.streaming.io.ownership.sweep` there (only what this run's markers name is
 removed) and reports what it removed and what it left; the driver logs that with its own result, in one
 line of each kind (:func:`removed_line`, :func:`left_entries`).
+
+Every sweep of a run root leaves a checkpoint whole (:func:`checkpoint_reason`), wherever it lies: a
+``--save`` that ended up inside the run's scratch is never removed with it.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from miles.checkpoint import LATEST_FILE, META_FILE
 from miles_plugins.optimizers.streaming.io.ownership import Sweep, pid_alive, sweep
 
 SWEEP_TIMEOUT_S = 60.0  # a node that does not answer in this time is reported, not waited for
@@ -42,13 +47,27 @@ def wait_for_exit(pids: Sequence[int], timeout_s: float = 15.0) -> None:
         time.sleep(0.05)
 
 
+def checkpoint_reason(directory: str) -> str | None:
+    """"holds a checkpoint" when ``directory`` is a checkpoint folder (``meta.json``) or a ``--save`` folder
+    (``latest_checkpointed_rollout.txt``), as :mod:`miles.checkpoint` lays them out; else None."""
+    for name in (LATEST_FILE, META_FILE):
+        if os.path.lexists(os.path.join(directory, name)):
+            return f"holds a checkpoint ({name})"
+    return None
+
+
+def sweep_run_root(root: str, run_id: str) -> Sweep:
+    """Sweep a run root: what the run made goes, except a checkpoint, which stays whole and is reported."""
+    return sweep(root, run_id, keep=checkpoint_reason)
+
+
 def sweep_here(root: str, run_id: str, pids: Sequence[int]) -> tuple[str, list[str], list[str]]:
     """Runs on the swept node: wait for the run's actors there to exit, then sweep. Returns the node's
     address, what was removed and what was left."""
     import ray
 
     wait_for_exit(pids)
-    result = sweep(root, run_id)
+    result = sweep_run_root(root, run_id)
     return ray.util.get_node_ip_address(), result.removed, result.left
 
 

@@ -99,7 +99,9 @@ def test_state_dict_marker_and_store_attribute(tmp_path):
     store = stream_optimizer_state(opt, dir=str(tmp_path))
     assert opt._nvme_state_store is store
     assert "nvme_stream" in opt.state_dict()
-    assert opt.load_state_dict({"anything": 1}) is None
+    assert opt.load_state_dict(opt.state_dict()) is None
+    with pytest.raises(StoreConfigError, match=r"store.load_from"):
+        opt.load_state_dict({"anything": 1})
     store.close()
 
 
@@ -147,11 +149,11 @@ def test_files_removed_at_normal_exit_and_leftovers_wiped_after_sigkill(tmp_path
     child.send_signal(signal.SIGKILL)
     child.wait()
     assert os.path.isdir(path), "a SIGKILLed store leaves its files behind"
-    open(os.path.join(path, "stale.bin"), "w").close()
+    open(os.path.join(path, "bucket00099.bin"), "w").close()
 
     nxt = subprocess.Popen([sys.executable, "-c", CHILD, root, "hang"], stdout=subprocess.PIPE, text=True, env=env)
     assert nxt.stdout.readline().strip() == path  # same identity on restart
-    assert "stale.bin" not in os.listdir(path)
+    assert "bucket00099.bin" not in os.listdir(path)
     nxt.terminate()
     nxt.wait()
 

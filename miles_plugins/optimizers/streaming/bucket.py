@@ -68,6 +68,17 @@ def step_device_bytes(codecs: dict, names, largest_numel: int, in_flight: int) -
     return in_flight * inflight_bytes(codecs, names, largest_numel) + codec_scratch_bytes(codecs, names, largest_numel)
 
 
+def storage_identity(tensor: torch.Tensor) -> tuple:
+    """Which storage `tensor` views and where: it changes when `tensor.data` is replaced, and not when the
+    bytes of the same storage move (an in-place resize to 0 and back by a sleep/wake offload, share_memory_())."""
+    return tensor.untyped_storage()._cdata, tensor.storage_offset()
+
+
+# Set on an optimizer by torch.amp.GradScaler for the duration of its step when the optimizer unscales
+# and skips overflowed steps itself (fused Adam: `_step_supports_amp_scaling`; torch/amp/grad_scaler.py).
+AMP_SCALING_ATTRIBUTES = ("grad_scale", "found_inf")
+
+
 def adam_constructor_kwargs(master: torch.optim.Optimizer) -> dict:
     accepted = inspect.signature(type(master).__init__).parameters
     return {k: v for k, v in master.defaults.items() if k in accepted and k != "params"}
@@ -185,10 +196,17 @@ class Bucket:
             group.update(self._hyperparameters(g))
         for piece, param in zip(self.pieces, self.params):
             grad = self.entries[piece.entry].main.grad
-            param.grad = None if grad is None else grad.detach().view(-1)[piece.start:piece.stop]
-        self.optimizer.step()
-        for param in self.params:
-            param.grad = None
+            # reshape, not view: a non-contiguous grad is copied (transiently) into the param's element order
+            param.grad = None if grad is None else grad.detach().reshape(-1)[piece.start:piece.stop]
+        amp_scaling = {k: v for k, v in vars(self.master).items() if k in AMP_SCALING_ATTRIBUTES}
+        vars(self.optimizer).update(amp_scaling)
+        try:
+            step_without_hooks(self.optimizer)
+        finally:
+            for k in amp_scaling:
+                delattr(self.optimizer, k)
+            for param in self.params:
+                param.grad = None
 
     def publish(self) -> None:
         """Copy updated mains into the model's low-precision storage (cast on the device)."""
@@ -281,6 +299,15 @@ class Bucket:
         """Back to a fresh bucket: no Adam state, no moments on disk (a failed checkpoint load)."""
         self.optimizer.state.clear()
         self.moments_on_disk = False
+
+
+def step_without_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's own step, without torch's step hooks (global and per instance): a per-bucket
+    instance is internal, and the bound optimizer runs the hooks once around the whole streamed step."""
+    step = type(optimizer).step
+    if vars(step).get("hooked"):  # torch.optim.Optimizer wraps each class's step once (profile_hook_step)
+        step = step.__wrapped__
+    step(optimizer)
 
 
 def _adam_step_dtype() -> torch.dtype:

@@ -52,6 +52,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -60,12 +61,13 @@ import torch
 from tqdm import tqdm
 
 from .checkpoint import save_load as checkpoint
-from .bucket import Bucket, StreamEntry, codec_scratch_bytes, inflight_bytes, step_device_bytes
+from .bucket import Bucket, StreamEntry, codec_scratch_bytes, inflight_bytes, step_device_bytes, storage_identity
 from .codec import Fp32Codec, make_moment_codecs
 from .config import DEFAULT_DEPTH, HOST_CACHE_AUTO, StreamConfig, check_config
-from .errors import StateCorruptionError, StoreConfigError, StorePoisonedError
-from .io.stager import Stager, available_host_memory
-from .layout import EXP_AVG, EXP_AVG_SQ, MAIN, bucket_filename, bucket_layout, store_identity, store_relative_dir
+from .errors import CheckpointError, StateCorruptionError, StoreConfigError, StorePoisonedError
+from .io.stager import Stager, available_host_memory, on_a_worker_thread
+from .layout import (EXP_AVG, EXP_AVG_SQ, MAIN, STREAMED_DIR, bucket_filename, bucket_layout, store_identity,
+                     store_relative_dir)
 from .plan import (DEFAULT_BUCKET_NUMEL, MIN_BUCKET_NUMEL, buckets_in_flight, fit_host_cache, fit_to_device_budget,
                    plan_buckets)
 from .units import GB, MiB
@@ -179,23 +181,31 @@ class NVMeOptimizerStateStore:
                                 bucket_inflight_bytes=inflight_bytes(self.codecs, names, largest),
                                 codec_scratch_bytes=codec_scratch_bytes(self.codecs, names, largest),
                                 device_budget_bytes=self.device_budget_bytes)
-        _refuse_shared_directory(os.path.join(os.path.abspath(config.dir), self.relative_dir))
+        live_path = os.path.join(os.path.abspath(config.dir), self.relative_dir)
+        _refuse_directory_in_a_checkpoint(live_path)
+        _refuse_shared_directory(live_path)
         self.host_cache_bytes = self._host_cache_bytes(config)
         self.stager = Stager(self.device, config.chunk_mb * MiB, io_engine=config.io_engine,
                              io_threads=config.io_threads, direct_io=config.direct_io,
                              host_cache_bytes=self.host_cache_bytes)
-        self.stager.on_drain(self._release_pipeline)
+        # weakly: the stager outlives a dropped store in its finalizer, and must not keep it alive
+        self.stager.on_drain(_call_if_alive(weakref.WeakMethod(self._release_pipeline)))
+        self._resources = _Resources(self.stager)
+        self._finalizer = weakref.finalize(self, _release_dropped_store, self._resources, self.relative_dir)
+        self._finalizer.atexit = False  # at exit, _close_live_stores closes the live ones in full
         self._bound = self._binding()
         self._update_io_stats()
         self._closed = False
         _LIVE_STORES.add(self)
         try:
             self.directory_lock = self.stager.prepare_directory(config.dir, self.relative_dir, sum(file_bytes))
+            self._resources.directory_lock = self.directory_lock
             self.path = self.directory_lock.directory
             self.stager.expect_files(max(file_bytes, default=0))
             for i, (plan, layout) in enumerate(zip(plans, layouts)):
                 file = self.stager.create_file(os.path.join(self.path, bucket_filename(i)), layout.file_bytes,
                                                layout=layout, bucket=i, verify=config.verify)
+                self._resources.files.append(file)
                 self.buckets.append(Bucket(i, plan, entries, master, self.codecs, file, self.device,
                                            self.streams_main))
             self._evict_mains()
@@ -587,10 +597,14 @@ class NVMeOptimizerStateStore:
     @torch.no_grad()
     def refresh_main_from_model_params(self) -> None:
         """After the model weights were replaced (checkpoint load): mains <- model params. Allowed on a
-        poisoned store (the recovery restores the model weights, then calls load_from)."""
+        poisoned store (the recovery restores the model weights, refreshes, then calls load_from): the
+        failed engine is replaced, what it held is dropped unwritten, and the store stays poisoned until a
+        load restores the moments."""
         self._check_open()
-        self._recover_io()
-        self.flush()  # no write-back in flight may land over the refreshed mains; prefetched mains are stale
+        if self.poisoned_by is None:
+            self.flush()  # no write-back in flight may land over the refreshed mains; prefetched mains are stale
+        else:
+            self._recover_io()  # nothing in flight after it, no image: the torn state is not written back
         for bucket in self.buckets if self.streams_main else ():
             bucket.refresh_main(self.stager)
 
@@ -603,6 +617,7 @@ class NVMeOptimizerStateStore:
         `wait_for_save()` before treating the checkpoint as complete. Returns the save's stats when waited.
         """
         self._check_usable()
+        self._refuse_overlap(checkpoint_base, "save to")
         self.wait_for_save()
         with self._poisons_on_failure("a previous step's write-behind or writing the host images back"):
             self.stager.write_back()  # a torn state must never be published; the copy reads the files
@@ -634,6 +649,7 @@ class NVMeOptimizerStateStore:
         On a poisoned store (a step failed part way) this is the recovery: the I/O engine is rebuilt and
         a successful load clears the poison; a checkpoint without streamed state (False) leaves it."""
         self._check_open()
+        self._refuse_overlap(checkpoint_base, "load from")
         self.wait_for_save()
         if self.poisoned_by is None:  # an earlier write-behind that failed poisons first; nothing is written back
             with self._poisons_on_failure("a previous step's write-behind"):
@@ -648,6 +664,17 @@ class NVMeOptimizerStateStore:
         if self.poisoned_by is None:
             self.fill_host_tier()  # the load dropped the tier's images
         return loaded
+
+    def _refuse_overlap(self, checkpoint_base: str, what: str) -> None:
+        """A checkpoint's streamed folder inside the live directory (or around it) is deleted with the
+        live files at close(): refuse it, naming both."""
+        streamed = os.path.join(os.path.abspath(checkpoint_base), STREAMED_DIR)
+        for a, b in ((streamed, self.path), (os.path.realpath(streamed), os.path.realpath(self.path))):
+            if os.path.commonpath([a, b]) in (a, b):
+                raise CheckpointError(
+                    f"cannot {what} {checkpoint_base}: its streamed state {streamed} overlaps the store's live "
+                    f"directory {self.path}, which close() removes; pass a checkpoint directory outside "
+                    f"{self.config.dir}")
 
     # ---- failures -----------------------------------------------------------------------------
     def _poison(self, error: BaseException, during: str) -> None:
@@ -668,7 +695,7 @@ class NVMeOptimizerStateStore:
         """What the store was bound to: the master's param groups (by identity) and the storage of the
         params it updates in place (plain Adam). A step over anything else would train nothing."""
         groups = tuple(tuple(id(p) for p in g["params"]) for g in self.master.param_groups)
-        storage = tuple((e.main.data_ptr(), tuple(e.main.shape)) for e in self.entries if e.model_view is None)
+        storage = tuple((storage_identity(e.main), tuple(e.main.shape)) for e in self.entries if e.model_view is None)
         return groups, storage
 
     def _check_binding(self) -> None:
@@ -715,7 +742,9 @@ class NVMeOptimizerStateStore:
             raise RuntimeError(f"the optimizer-state store {self.relative_dir} under {self.config.dir} is closed")
 
     def close(self) -> None:
-        """Close and remove the bucket files. Runs at exit too; safe to call twice."""
+        """Close and remove the bucket files, stop the I/O threads. Runs at exit too, and when the store
+        is garbage-collected unclosed (without waiting for a save: a save in flight keeps it alive);
+        safe to call twice."""
         if self._closed:
             return
         try:  # a checkpoint still copying from the live files finishes first
@@ -725,12 +754,48 @@ class NVMeOptimizerStateStore:
         self._closed = True
         self.stager.wait_all(raise_errors=False)  # write-behind in flight ends before its files close
         self._release_pipeline()
-        for bucket in self.buckets:  # removed next: dirty host images are not written
-            self.stager.close_file(bucket.file, write_back=False)
-        if self.directory_lock is not None:  # None: construction failed before the directory was locked
+        if self._finalizer.detach() is not None:
+            self._resources.release()
+        _LIVE_STORES.discard(self)
+
+
+class _Resources:
+    """What a store holds beyond its memory: the I/O engine's threads and staging, its files'
+    descriptors, its directory and lock. Kept apart from the store (and never pointing at it), so that
+    a finalizer can release them once the store is unreachable."""
+
+    def __init__(self, stager: Stager):
+        self.stager = stager
+        self.files = []  # every bucket file created, in order
+        self.directory_lock = None  # None until the directory is locked
+
+    def release(self) -> None:
+        self.stager.wait_all(raise_errors=False)  # write-behind in flight ends before its files close
+        for file in self.files:  # removed next: dirty host images are not written
+            self.stager.close_file(file, write_back=False)
+        if self.directory_lock is not None:
             self.stager.remove_directory(self.directory_lock)
         self.stager.close()
-        _LIVE_STORES.discard(self)
+
+
+def _release_dropped_store(resources: _Resources, relative_dir: str) -> None:
+    """The finalizer of a store garbage-collected without close(). A collection may run on one of the
+    engine's own threads, which cannot wait for or stop themselves: the release then runs on a thread
+    of its own."""
+    logger.warning("optimizer-state store %s was dropped without close(): removing its files and stopping its "
+                   "I/O threads now; call store.close() when done with it", relative_dir)
+    if on_a_worker_thread():
+        threading.Thread(target=resources.release, name="miles-store-release", daemon=True).start()
+    else:
+        resources.release()
+
+
+def _call_if_alive(method_ref: "weakref.WeakMethod"):
+    def call() -> None:
+        method = method_ref()
+        if method is not None:
+            method()
+    return call
 
 
 _LIVE_STORES: "weakref.WeakSet[NVMeOptimizerStateStore]" = weakref.WeakSet()
@@ -745,6 +810,18 @@ def _close_live_stores() -> None:
 def _write_behind(config: StreamConfig) -> bool:
     """Whether the step may return before its write-backs land: never with the sync engine."""
     return config.write_behind and config.io_engine != "sync"
+
+
+def _refuse_directory_in_a_checkpoint(path: str) -> None:
+    """The store empties its directory and close() removes it: one inside a checkpoint would delete
+    that checkpoint. Refuse it before anything is touched."""
+    found = checkpoint.enclosing_checkpoint(path)
+    if found is not None:
+        base, why = found
+        raise StoreConfigError(
+            f"the optimizer-state directory {path} lies inside the checkpoint {base} ({why}); the store empties "
+            "its directory and removes it at close, which would delete that checkpoint: choose a store directory "
+            "outside every checkpoint (dir=..., --offload-train-disk-dir)")
 
 
 def _refuse_shared_directory(path: str) -> None:

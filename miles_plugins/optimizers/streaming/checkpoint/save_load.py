@@ -32,12 +32,15 @@ With verify on, the bytes copied are checked against verify's chunk checksums of
 when the bucket is copied): a live file changed outside the store fails the save (StateCorruptionError,
 nothing published; the store poisons itself).
 
-Load trusts nothing in a manifest (checkpoints may come from elsewhere): the manifest is size-bounded
-before it is parsed; every file it lists must be a plain name inside the checkpoint directory (no
-absolute path, no `..`, no symbolic link out; opened with O_NOFOLLOW); every declared size is bounded by
-what this store's layout expects (a bucket file: its live file's bytes; codec_rng.pt: RNG_RECORD_MAX_BYTES;
-resident_adam.pt: what the resident Adam's state can hold); and a resharded checkpoint must hold exactly
-the model's params (`store.model_params`), named and sized alike. Each violation is a CheckpointError.
+Load trusts nothing in a manifest (checkpoints may come from elsewhere): the manifest's size and JSON
+nesting are bounded before it is parsed, and every field is checked for type and range (manifest.py);
+every file it lists must be a plain name inside the checkpoint directory (no absolute path, no `..`, no
+symbolic link out) and is opened once, before any live file changes, as a regular file (O_NOFOLLOW: a
+link is refused even inside the checkpoint), and read only through that descriptor; every declared size
+is bounded by what this store's layout expects (a bucket file: its live file's bytes; codec_rng.pt:
+RNG_RECORD_MAX_BYTES; resident_adam.pt: what the resident Adam's state can hold); and a resharded
+checkpoint must hold exactly the model's params (`store.model_params`), named and sized alike. Each
+violation is a CheckpointError, raised while the live state is still untouched.
 
 Load checks format, mains and codecs, then restores the same layout (copying each file back, its
 crc32 checked on the way, and the generators' states: bit-identical resume for every moment_dtype) or
@@ -55,6 +58,8 @@ files resets the store to fresh state (mains <- model params, no moments, noise 
 
 from __future__ import annotations
 
+import errno
+import glob
 import json
 import logging
 import os
@@ -71,6 +76,7 @@ from ..io import stager as io
 from ..layout import MAIN, STREAMED_DIR, bucket_filename
 from . import requantize
 from . import rng as codec_rng
+from .manifest import ManifestError, check_manifest, check_nesting
 from .reshard import ReshardError, entry_meta, plan_reshard, segment_names
 
 logger = logging.getLogger(__name__)
@@ -93,6 +99,24 @@ def build_manifest(store) -> dict:
             "streams_main": store.streams_main,
             "segments": {n: store.codecs[n].describe() for n in segment_names(store)},
             "entries": [entry_meta(e) for e in store.entries], "group_steps": group_steps, "buckets": buckets}
+
+
+def enclosing_checkpoint(path: str) -> tuple[str, str] | None:
+    """(checkpoint base, why) when `path` lies in a checkpoint of streamed state, else None: the nearest
+    folder, `path` itself or one above it, that is named nvme_opt_state (its parent is the checkpoint)
+    or holds `nvme_opt_state/rank*/*/manifest.json`. Both the path as given and its real path are walked."""
+    for candidate in dict.fromkeys((os.path.abspath(path), os.path.realpath(path))):
+        folder = candidate
+        while True:
+            if os.path.basename(folder) == STREAMED_DIR:
+                return os.path.dirname(folder), f"{folder} is a checkpoint's {STREAMED_DIR} folder"
+            if io.glob_paths(os.path.join(glob.escape(folder), STREAMED_DIR, "rank*", "*", MANIFEST)):
+                return folder, f"{folder} holds {STREAMED_DIR}/ with a manifest"
+            parent = os.path.dirname(folder)
+            if parent == folder:
+                break
+            folder = parent
+    return None
 
 
 # ---- save -----------------------------------------------------------------------------------------
@@ -250,17 +274,26 @@ def _check_listed_files(m: dict, directory: str, root: str) -> None:
 
 
 def _read_manifest(directory: str, root: str, store) -> dict:
-    """The manifest of `directory` (inside the checkpoint `root`), size-bounded, checksummed, and every
-    file it lists confined to the checkpoint."""
+    """The manifest of `directory` (inside the checkpoint `root`): size and nesting bounded before it is
+    parsed, checksummed, every field checked (manifest.py), every file it lists confined to the checkpoint."""
     path = _confined(directory, MANIFEST, root)
     try:
-        m = json.loads(io.read_file(path, _manifest_limit(store)))
+        text = io.read_regular(path, _manifest_limit(store))
+        check_nesting(text)
+        m = json.loads(text)
+        if not isinstance(m, dict):
+            raise ValueError(f"it holds a JSON {type(m).__name__}, not an object")
         if m.pop("manifest_crc32", None) != zlib.crc32(json.dumps(m, sort_keys=True).encode()):
             raise ValueError("its checksum does not match")
-        _check_listed_files(m, directory, root)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: manifest is truncated or unreadable ({e}); this checkpoint of "
-                              "optimizer state is incomplete or corrupt") from e
+                              "optimizer state is incomplete or corrupt: resume from another checkpoint") from e
+    try:
+        check_manifest(m)
+    except ManifestError as e:
+        raise CheckpointError(f"{path}: {e}; the manifest is corrupt or was edited: resume from another "
+                              "checkpoint") from None
+    _check_listed_files(m, directory, root)
     return m
 
 
@@ -275,24 +308,25 @@ def _check_format(m: dict, directory: str, store) -> str | None:
         raise CheckpointError(f"{directory}: checkpoint holds {what(m['streams_main'])}, this store streams "
                               f"{what(store.streams_main)}")
     changed = []
-    for name in segment_names(store):
-        saved, live = m["segments"].get(name), store.codecs[name].describe()
-        if saved == live:
-            continue
-        if name == MAIN or saved is None:
-            raise CheckpointError(f"{directory}: {name} is stored as {saved} in the checkpoint, as {live} by this "
-                                  "store; this build cannot convert it")
-        try:
-            decoder = codec_from_description(saved)
-        except StoreConfigError as e:
-            raise CheckpointError(f"{directory}: {e}") from None
+    for name in segment_names(store):  # manifest.py checked that the manifest describes exactly these
+        saved, live = m["segments"][name], store.codecs[name].describe()
+        decoder = store.codecs[name]
+        if saved != live:
+            if name == MAIN:
+                raise CheckpointError(f"{directory}: {name} is stored as {saved} in the checkpoint, as {live} by "
+                                      "this store; this build cannot convert it")
+            try:
+                decoder = codec_from_description(saved)
+            except StoreConfigError as e:
+                raise CheckpointError(f"{directory}: {e}") from None
+            changed.append(f"{name} {saved.get('name')} -> {live['name']}")
         for sb in m["buckets"]:  # the bytes must be what the recorded format says, or they decode to garbage
             if sb["segments"][name][1] != decoder.encoded_nbytes(sb["numel"]):
                 raise CheckpointError(
                     f"{directory}: {name} of {sb['file']} holds {sb['segments'][name][1]} bytes, but its recorded "
-                    f"format {saved.get('name')} stores {sb['numel']} elements in {decoder.encoded_nbytes(sb['numel'])}; "
+                    f"format {saved.get('name')} stores {sb['numel']} elements in "
+                    f"{decoder.encoded_nbytes(sb['numel'])}; "
                     "the manifest does not describe the file: the checkpoint is corrupt")
-        changed.append(f"{name} {saved['name']} -> {live['name']}")
     return f"moment storage changed since the save ({', '.join(changed)})" if changed else None
 
 
@@ -322,13 +356,25 @@ def _layout_diff(m: dict, store) -> str | None:
     return None
 
 
-def _checked_size(path: str, expected: int) -> None:
+def _unreadable(path: str, error: OSError) -> CheckpointError:
+    what = "missing from" if error.errno == errno.ENOENT else "not a plain file of"
+    return CheckpointError(f"{path}: {what} the checkpoint ({error.strerror}); resume from another checkpoint")
+
+
+def _open_listed(path: str, expected: int, opened: dict[str, int]) -> int:
+    """Open a file the manifest lists (its name already confined) as a regular file, never following a
+    link, and check its size; the descriptor goes into `opened` (path -> fd, the caller closes them), and
+    the load reads the file only through it. Raises CheckpointError."""
+    if path in opened:
+        return opened[path]
     try:
-        size = io.file_size(path)  # the path was confined first: stat discloses nothing outside
+        fd, size = io.open_regular(path)
     except OSError as e:
-        raise CheckpointError(f"{path}: missing from the checkpoint ({e})") from e
+        raise _unreadable(path, e) from None
+    opened[path] = fd
     if size != expected:
         raise CheckpointError(f"{path}: {size} bytes, the manifest says {expected} (truncated or corrupt)")
+    return fd
 
 
 def _read_verified(directory: str, meta: dict, limit: int) -> bytes:
@@ -339,8 +385,12 @@ def _read_verified(directory: str, meta: dict, limit: int) -> bytes:
     if not isinstance(declared, int) or not 0 <= declared <= limit:
         raise CheckpointError(f"{path}: the manifest declares {declared!r} bytes, but a file of its kind holds at "
                               f"most {limit} for this store; the manifest is corrupt or was edited")
-    _checked_size(path, declared)
-    data = io.read_file(path, limit)
+    try:
+        data = io.read_regular(path, limit)
+    except OSError as e:
+        raise _unreadable(path, e) from None
+    if len(data) != declared:
+        raise CheckpointError(f"{path}: {len(data)} bytes, the manifest says {declared} (truncated or corrupt)")
     if zlib.crc32(data) != meta["crc32"]:
         raise CheckpointError(f"{path}: checksum mismatch; the file is corrupt")
     return data
@@ -359,12 +409,9 @@ def _rng_record(directory: str, m: dict, store):
                               "resume from another checkpoint, or without this optimizer state") from None
 
 
-def _copy_checked(path: str, expected_crc: int, nbytes: int, dst_fd: int | None) -> None:
-    fd = io.open_read(path)
-    try:
-        crc = io.copy_with_crc(fd, dst_fd, nbytes)
-    finally:
-        io.close_fd(fd)
+def _copy_checked(fd: int, path: str, expected_crc: int, nbytes: int, dst_fd: int | None) -> None:
+    """Copy (dst_fd None: only read) the whole checkpoint file open as `fd`, checking its crc32."""
+    crc = io.copy_with_crc(fd, dst_fd, nbytes)
     if crc != expected_crc:
         raise CheckpointError(f"{path}: checksum mismatch (crc32 {crc:08x}, manifest {expected_crc:08x}); "
                               "the file is corrupt")
@@ -374,6 +421,64 @@ def _resident_limit(resident) -> int:
     """The most bytes the resident Adam's saved state may hold: two fp32 moments per param, plus framing."""
     params = [p for g in resident.param_groups for p in g["params"]]
     return (1 << 20) + sum(8 * p.numel() + 4096 for p in params)
+
+
+def _plan_same_layout(store, m: dict, own: str, sources: dict[str, int]):
+    """A load onto the saved layout: whole-file copies. Every file is opened and its size checked, the
+    small ones read and verified, before anything live changes."""
+    resident, resident_state = _resident(store), None
+    if (resident is None) != (m.get("resident") is None):
+        has = m.get("resident") is not None
+        raise CheckpointError(f"{own}: the checkpoint {'holds' if has else 'lacks'} the state of a resident Adam "
+                              f"(native-fp32 params), which this store {'lacks' if has else 'has'}")
+    copies = []
+    for b, sb in zip(store.buckets, m["buckets"]):
+        path = os.path.join(own, sb["file"])
+        if sb["file_bytes"] != b.file.nbytes:
+            raise CheckpointError(f"{path}: the manifest declares {sb['file_bytes']!r} bytes, bucket {b.index} of "
+                                  f"this layout holds {b.file.nbytes}; the manifest is corrupt or was edited")
+        _open_listed(path, sb["file_bytes"], sources)
+        copies.append((path, sb["crc32"], 0, b.file.fd, 0, sb["file_bytes"]))
+    if resident is not None:
+        data = _read_verified(own, m["resident"], _resident_limit(resident))
+        try:
+            resident_state = torch.load(BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:  # weights_only refuses anything but tensors and plain containers
+            raise CheckpointError(f"{os.path.join(own, m['resident']['file'])}: not a state of the resident Adam "
+                                  f"this build writes ({type(e).__name__}: {e}); resume from another "
+                                  "checkpoint") from None
+    rng = _rng_record(own, m, store)
+    steps = [[p[3] for p in sb["pieces"]] for sb in m["buckets"]]
+    return copies, [], steps, [sb["moments"] for sb in m["buckets"]], resident_state, rng
+
+
+def _install(store, copies, requants, steps, moments, resident_state, rng, diff, sources) -> None:
+    """Write the checkpoint's state into the live files and buckets. A failure here resets the store to
+    fresh state (the live files are partly rewritten)."""
+    resident = _resident(store)
+    try:
+        for path, crc, src_off, dst_fd, dst_off, nbytes in copies:
+            if diff is None:
+                _copy_checked(sources[path], path, crc, nbytes, dst_fd)  # a whole file, checked on the way
+            else:
+                io.copy_with_crc(sources[path], dst_fd, nbytes, src_off, dst_off)
+        requantize.apply(store, requants, sources)
+        for b, s, mo in zip(store.buckets, steps, moments):
+            b.install_moments(s, mo)
+        if resident_state is not None:
+            resident.load_state_dict(resident_state)
+        codec_rng.restore(store, rng, f"not the saved layout or formats: {diff}" if diff is not None
+                          else "the checkpoint predates the record of the generators")
+    except BaseException:
+        logger.error("loading optimizer state failed after the live files were rewritten: resetting the store %s "
+                     "to fresh state", store.relative_dir)
+        for b in store.buckets:
+            b.reset_state()
+        if resident is not None:
+            resident.state.clear()
+        codec_rng.reset(store)
+        store.refresh_main_from_model_params()
+        raise
 
 
 def load(store, base: str) -> bool:
@@ -388,57 +493,15 @@ def load(store, base: str) -> bool:
         converted = _check_format(m, own, store)
         # another moment_dtype than the save's: decoded and encoded again, through the reshard plan
         diff = "; ".join(d for d in (converted, diff) if d) or None
-    resident, resident_state, rng = _resident(store), None, None
-    if diff is None and (resident is None) != (m.get("resident") is None):
-        has = m.get("resident") is not None
-        raise CheckpointError(f"{own}: the checkpoint {'holds' if has else 'lacks'} the state of a resident Adam "
-                              f"(native-fp32 params), which this store {'lacks' if has else 'has'}")
-    if diff is None:
-        for b, sb in zip(store.buckets, m["buckets"]):
-            if sb["file_bytes"] != b.file.nbytes:
-                raise CheckpointError(f"{os.path.join(own, sb['file'])}: the manifest declares {sb['file_bytes']!r} "
-                                      f"bytes, bucket {b.index} of this layout holds {b.file.nbytes}; the manifest "
-                                      "is corrupt or was edited")
-            _checked_size(os.path.join(own, sb["file"]), sb["file_bytes"])
-        if resident is not None:
-            resident_state = torch.load(BytesIO(_read_verified(own, m["resident"], _resident_limit(resident))),
-                                        map_location="cpu", weights_only=True)
-        rng = _rng_record(own, m, store)
-        copies = [(os.path.join(own, sb["file"]), sb["crc32"], 0, b.file.fd, 0, sb["file_bytes"])
-                  for b, sb in zip(store.buckets, m["buckets"])]
-        steps = [[p[3] for p in sb["pieces"]] for sb in m["buckets"]]
-        moments, requants = [sb["moments"] for sb in m["buckets"]], []
-    else:
-        copies, requants, steps, moments = _reshard(store, base, own, diff)
-    sources = {}
-    # the checkpoint passed its checks: every file is rewritten from here on, so the host tier's dirty
-    # images are dropped unwritten (a load that fails its checks above leaves the live state as it was)
-    store.stager.drain(write_back=False)
-    store.stager.files_rewritten([b.file for b in store.buckets])
+    sources: dict[str, int] = {}  # every checkpoint file the load reads, opened before a live file changes
     try:
-        for path, crc, src_off, dst_fd, dst_off, nbytes in copies:
-            if diff is None:
-                _copy_checked(path, crc, nbytes, dst_fd)  # a whole file, checked on the way
-                continue
-            if path not in sources:
-                sources[path] = io.open_read(path)
-            io.copy_with_crc(sources[path], dst_fd, nbytes, src_off, dst_off)
-        requantize.apply(store, requants, sources)
-        for b, s, mo in zip(store.buckets, steps, moments):
-            b.install_moments(s, mo)
-        if resident_state is not None:
-            resident.load_state_dict(resident_state)
-        codec_rng.restore(store, rng, f"not the saved layout or formats: {diff}" if diff is not None
-                          else "the checkpoint predates the record of the generators")
-    except BaseException:
-        logger.error("loading optimizer state from %s failed: resetting the store to fresh state", own)
-        for b in store.buckets:
-            b.reset_state()
-        if resident is not None:
-            resident.state.clear()
-        codec_rng.reset(store)
-        store.refresh_main_from_model_params()
-        raise
+        copies, requants, steps, moments, resident_state, rng = (
+            _plan_same_layout(store, m, own, sources) if diff is None else _reshard(store, base, own, diff, sources))
+        # the checkpoint passed its checks: every file is rewritten from here on, so the host tier's dirty
+        # images are dropped unwritten (a load that fails its checks above leaves the live state as it was)
+        store.stager.drain(write_back=False)
+        store.stager.files_rewritten([b.file for b in store.buckets])
+        _install(store, copies, requants, steps, moments, resident_state, rng, diff, sources)
     finally:
         for fd in sources.values():
             io.close_fd(fd)
@@ -465,8 +528,9 @@ def _check_coverage(manifests: list[tuple[str, dict]], store) -> None:
                        "now. Load a checkpoint of this model")
 
 
-def _reshard(store, base: str, own: str, diff: str):
-    """Plan the copies from every rank's state of this store identity, verify the files they read."""
+def _reshard(store, base: str, own: str, diff: str, sources: dict[str, int]):
+    """Plan the copies from every rank's state of this store identity; open (into `sources`) and verify
+    every file they read."""
     root = os.path.join(os.path.abspath(base), STREAMED_DIR)
     identity = os.path.basename(store.relative_dir)
     paths = io.glob_paths(os.path.join(root, "rank*", identity, MANIFEST))
@@ -487,9 +551,8 @@ def _reshard(store, base: str, own: str, diff: str):
         raise CheckpointError(f"{own}: the checkpoint differs from this store ({diff}) and cannot be mapped "
                               f"onto it: {e}") from None
     for path, meta in sorted(used.items()):  # every file we read from, before touching the live files
-        _checked_size(path, meta["file_bytes"])
-        _copy_checked(path, meta["crc32"], meta["file_bytes"], None)
+        _copy_checked(_open_listed(path, meta["file_bytes"], sources), path, meta["crc32"], meta["file_bytes"], None)
     logger.info("resharding streamed optimizer state from %s (%s)%s", root, diff,
                 f"; re-quantizing {len(requants)} block-scaled moment ranges" if requants else "")
-    return copies, requants, steps, moments
+    return copies, requants, steps, moments, None, None
 

@@ -67,6 +67,13 @@ from .sync import SyncEngine
 from .tickets import IOCounters, Ticket, Workers, overlap
 
 logger = logging.getLogger(__name__)
+WORKER_THREAD_PREFIX = "miles-io-"
+
+
+def on_a_worker_thread() -> bool:
+    """Whether the calling thread is an I/O worker of some engine: code there must not wait for the
+    engine's requests nor close it (the requests may be queued behind the caller itself)."""
+    return threading.current_thread().name.startswith(WORKER_THREAD_PREFIX)
 
 
 class PipelinedEngine:
@@ -95,8 +102,8 @@ class PipelinedEngine:
         if self.cuda:
             self._h2d = torch.cuda.Stream(self.device)
             self._d2h = torch.cuda.Stream(self.device)
-        self._readers = Workers("miles-io-read", threads, self.device)
-        self._writers = Workers("miles-io-write", threads, self.device)
+        self._readers = Workers(f"{WORKER_THREAD_PREFIX}read", threads, self.device)
+        self._writers = Workers(f"{WORKER_THREAD_PREFIX}write", threads, self.device)
         self._closed = False
 
     @property

@@ -9,9 +9,15 @@ a teardown that removes "whatever is there" deletes other people's data. So:
   so a lock left by a dead process is taken over on the next acquire, and the takeover is logged.
 - `make_directory(path, run_id)` creates a directory and records in `<path>/.miles-created` that this
   run created it; `remove_created(path, run_id)` removes a directory only when that record names this
-  run, and otherwise leaves it and reports why. Teardown deletes nothing it did not create.
+  run, and otherwise leaves it and reports why. Teardown deletes nothing it did not create. A run root
+  is created only when its parent exists: nothing above it is ever made (or left behind marked).
 - `sweep(root, run_id)` is a run's last cleanup of a whole tree: it removes every directory this run
-  made (and what the run wrote in them) and reports everything else it found, so one warning can list it.
+  made (and what the run wrote in them) and reports everything else it found, so one warning can list it
+  (`listing` keeps that warning short).
+- `remove_own_entries(directory, is_own)` empties a locked directory of what its owner made, and
+  refuses, removing nothing, when anything else is there.
+- `system_directory_reason(path, home)` says why `path` may not be a root a run creates things in;
+  `path_within(path, top)` is the containment test both sides use.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ import shutil
 import socket
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
+
+from ..errors import StoreConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +44,14 @@ _RECORD_MAX_BYTES = 4096  # a record is a few hundred bytes; anything larger is 
 
 class DirectoryInUseError(RuntimeError):
     """Another live process holds the directory."""
+
+
+class LockUnsupportedError(OSError):
+    """The filesystem refuses file locks (NFS without a lock manager, some FUSE mounts); `errno` says how."""
+
+
+# flock's answer when the lock is free to take but the filesystem cannot lock at all
+_NO_LOCKS = (errno.ENOLCK, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS)
 
 
 @dataclass(frozen=True)
@@ -93,12 +110,20 @@ class DirectoryLock:
         `what` names the directory in messages ("optimizer-state directory", "run root")."""
         path = os.path.join(directory, LOCK_FILE)
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            fd, created = _open_lock_file(path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
                 os.close(fd)
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    if created:
+                        _unlink_if_present(path)
+                    if e.errno in _NO_LOCKS:
+                        raise LockUnsupportedError(
+                            e.errno, f"{what} {directory}: the filesystem cannot lock {path} (flock failed with "
+                            f"{errno.errorcode.get(e.errno, e.errno)}: {os.strerror(e.errno)}), so two runs on this "
+                            "directory could not be kept apart; use a local filesystem with file locks (ext4, XFS "
+                            "on a node-local disk), not NFS or a mount without locks", path) from None
                     raise
                 holder = read_record(path)
                 who = holder.describe() if holder else "another process (no readable owner record)"
@@ -129,12 +154,30 @@ class DirectoryLock:
         """Remove the lock file and drop the lock. Safe to call twice."""
         if self._fd < 0:
             return
-        try:
-            os.unlink(os.path.join(self.directory, LOCK_FILE))
-        except FileNotFoundError:
-            pass
+        _unlink_if_present(os.path.join(self.directory, LOCK_FILE))
         os.close(self._fd)
         self._fd = -1
+
+
+def _open_lock_file(path: str) -> tuple[int, bool]:
+    """The lock file's descriptor, and whether this call created the file (a failed lock then removes it)."""
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+    while True:
+        try:
+            return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:
+            pass
+        try:
+            return os.open(path, flags), False
+        except FileNotFoundError:  # its holder released it between the two opens: create it again
+            continue
+
+
+def _unlink_if_present(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def pid_alive(pid: int) -> bool:
@@ -153,14 +196,31 @@ def process_run_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def make_directory(path: str, run_id: str) -> bool:
-    """Create `path` and mark it as this run's; True when this call created it. Missing parents are
-    made and marked the same way, so a teardown can remove them too once they are empty.
+# A run makes its root only when the root's parent exists, and inside it at most two levels of its own
+# layout on the way to a directory (<root>/trainer/cell<i>_rank<j>, <root>/rollout/engine<i>): an actor on
+# a node where the root is missing makes those. So a directory is made with at most this many missing
+# parents; more means the root's parent is missing, and nothing is created.
+RUN_TREE_PARENTS = 2
+
+
+def make_directory(path: str, run_id: str, parents: int = RUN_TREE_PARENTS) -> bool:
+    """Create `path` and mark it as this run's; True when this call created it. Up to `parents` missing
+    parents are made and marked the same way, so a teardown can remove them too once they are empty;
+    with more missing, FileNotFoundError names the highest one and nothing is created.
 
     An existing directory is left unmarked: this run did not make it, so its teardown leaves it."""
-    parent = os.path.dirname(os.path.abspath(path))
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
     if not os.path.isdir(parent):
-        make_directory(parent, run_id)
+        if parents <= 0:
+            missing = parent
+            while not os.path.isdir(os.path.dirname(missing)):
+                missing = os.path.dirname(missing)
+            raise FileNotFoundError(
+                errno.ENOENT, f"cannot create {path}: {missing} does not exist, and a run creates a missing root "
+                "only when the root's parent exists (never the parents themselves); create the parent first, or "
+                "choose a directory whose parent exists", missing)
+        make_directory(parent, run_id, parents - 1)
     try:
         os.mkdir(path)
     except FileExistsError:
@@ -195,26 +255,48 @@ def remove_created(path: str, run_id: str) -> str | None:
     return None
 
 
-def claim_directory(path: str, run_id: str, what: str = "directory") -> DirectoryLock:
-    """Make `path` if it is missing (marked as this run's) and lock it; raises DirectoryInUseError.
+Keep = Callable[[str], "str | None"]  # why a sweep must leave a directory whole (None: no reason)
+
+
+def claim_directory(path: str, run_id: str, what: str = "directory", parents: int = RUN_TREE_PARENTS,
+                    keep: Keep | None = None) -> DirectoryLock:
+    """Make `path` if it is missing (marked as this run's; `parents` as in make_directory) and lock it;
+    raises DirectoryInUseError.
 
     A directory left by a run that died on this host (its maker's process is gone and nobody holds its
     lock) is first swept as that run's teardown would have: what the dead run made goes, anything else
-    stays and is reported. So a crashed run's scratch does not pile up under a reused root."""
-    _sweep_dead_maker(path, what)
-    make_directory(path, run_id)
-    return DirectoryLock.acquire(path, run_id, what)
+    (and every directory `keep` gives a reason for) stays and is reported. So a crashed run's scratch
+    does not pile up under a reused root."""
+    _sweep_dead_maker(path, what, keep)
+    created = make_directory(path, run_id, parents)
+    try:
+        return DirectoryLock.acquire(path, run_id, what)
+    except BaseException:
+        if created:  # refused (held, or a filesystem without locks): leave no trace of this attempt
+            remove_created(path, run_id)
+        raise
 
 
-def _sweep_dead_maker(path: str, what: str) -> None:
+def _sweep_dead_maker(path: str, what: str, keep: Keep | None) -> None:
     made = read_record(os.path.join(path, CREATED_FILE))
     if (made is None or made.host != socket.gethostname() or pid_alive(made.pid)
             or _lock_is_held(os.path.join(path, LOCK_FILE))):
         return  # ours to keep, someone else's, or not decidable from this host
-    result = sweep(path, made.run_id)
+    result = sweep(path, made.run_id, keep)
     logger.warning("%s %s was left by %s, which is no longer running: removed %d of its directories%s",
                    what, path, made.describe(), len(result.removed),
-                   f"; left what it did not make: {', '.join(result.left)}" if result.left else "")
+                   f"; left what it did not make: {listing(result.left)}" if result.left else "")
+
+
+LISTED = 5  # entries a warning names; the rest are counted
+
+
+def listing(entries: list[str], shown: int = LISTED) -> str:
+    """``a; b`` for a few entries, ``40000 entries, first 5: a; b; c; d; e`` for more: one warning line stays
+    short whatever a directory holds."""
+    if len(entries) <= shown:
+        return "; ".join(entries)
+    return f"{len(entries)} entries, first {shown}: {'; '.join(entries[:shown])}"
 
 
 @dataclass
@@ -228,20 +310,23 @@ class Sweep:
 _BOOKKEEPING = (LOCK_FILE, CREATED_FILE)
 
 
-def sweep(root: str, run_id: str) -> Sweep:
+def sweep(root: str, run_id: str, keep: Keep | None = None) -> Sweep:
     """Remove what run `run_id` made under `root` (root included), leave and report everything else.
 
     A directory is this run's when its marker names the run, or when it has no marker and lies inside
     one of the run's directories (folders a run makes with plain makedirs). A directory marked by another
-    run, or locked by another run, is left whole and reported as one entry; in a directory that existed
-    before the run, each file is left and reported."""
+    run, or locked by another run, or one `keep` gives a reason for (a checkpoint), is left whole and
+    reported as one entry; in a directory that existed before the run, each file is left and reported."""
     result = Sweep([], [])
     if os.path.isdir(root) and not os.path.islink(root):
-        _sweep(os.path.abspath(root), run_id, inside_ours=False, result=result)
+        _sweep(os.path.abspath(root), run_id, inside_ours=False, result=result, keep=keep)
     return result
 
 
-def _foreign_reason(path: str, run_id: str) -> str | None:
+def _foreign_reason(path: str, run_id: str, keep: Keep | None) -> str | None:
+    kept = keep(path) if keep is not None else None
+    if kept is not None:
+        return f"{path} ({kept})"
     made = read_record(os.path.join(path, CREATED_FILE))
     if made is not None and made.run_id != run_id:
         return f"{path} (made by {made.describe()})"
@@ -268,9 +353,9 @@ def _lock_is_held(lock_file: str) -> bool:
         os.close(fd)  # also drops the shared lock taken to test
 
 
-def _sweep(path: str, run_id: str, inside_ours: bool, result: Sweep) -> bool:
+def _sweep(path: str, run_id: str, inside_ours: bool, result: Sweep, keep: Keep | None) -> bool:
     """Sweep one directory; True when it is gone."""
-    foreign = _foreign_reason(path, run_id)
+    foreign = _foreign_reason(path, run_id, keep)
     if foreign is not None:
         result.left.append(foreign)
         return False
@@ -279,7 +364,7 @@ def _sweep(path: str, run_id: str, inside_ours: bool, result: Sweep) -> bool:
         if entry.name in _BOOKKEEPING:
             continue
         if entry.is_dir(follow_symlinks=False):
-            _sweep(entry.path, run_id, ours, result)
+            _sweep(entry.path, run_id, ours, result, keep)
         elif ours:
             os.unlink(entry.path)
         else:
@@ -291,3 +376,46 @@ def _sweep(path: str, run_id: str, inside_ours: bool, result: Sweep) -> bool:
     shutil.rmtree(path)
     result.removed.append(path)
     return True
+
+
+def remove_own_entries(directory: str, is_own: Callable[[str], bool], what: str) -> None:
+    """Empty `directory` (locked by the caller) of the entries its owner made: the names `is_own` accepts;
+    the lock file stays. Anything else in it is someone else's: then nothing is removed and
+    StoreConfigError names it (a few names and the count)."""
+    with os.scandir(directory) as scan:
+        entries = sorted((e for e in scan if e.name != LOCK_FILE), key=lambda e: e.name)
+    foreign = [e.name for e in entries if e.is_dir(follow_symlinks=False) or not is_own(e.name)]
+    if foreign:
+        count = f"{len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'}"
+        raise StoreConfigError(
+            f"{what} {directory} holds {count} the store did not make: {listing(foreign)}. The store clears its "
+            "directory at start and removes it at the end, so it works only in a directory that holds nothing "
+            "else; move them elsewhere, or choose another dir")
+    for entry in entries:
+        os.unlink(entry.path)
+
+
+# Where a run must not create and remove its folders: the filesystem root, the system's own trees, and a
+# home directory itself (inside home is fine). /lib* covers /lib, /lib32, /lib64, /libx32.
+SYSTEM_DIRECTORIES = ("/proc", "/sys", "/dev", "/etc", "/usr", "/bin", "/sbin", "/boot", "/var", "/run")
+SCRATCH_UNDER_SYSTEM = ("/var/tmp", "/dev/shm")  # the system's scratch (on disk, in RAM): made for files like these
+
+
+def path_within(path: str, top: str) -> bool:
+    """True when the normalized absolute `path` is `top` or lies below it (by path, not by inode)."""
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def system_directory_reason(path: str, home: str) -> str | None:
+    """Why the absolute, normalized `path` may not be a root a run creates folders in and removes them
+    from (None when it may). The caller asks about the path as given and as resolved (symlinks)."""
+    if path == "/":
+        return "it is the filesystem root"
+    if home and path == os.path.normpath(home):
+        return "it is the home directory itself"
+    if any(path_within(path, scratch) for scratch in SCRATCH_UNDER_SYSTEM):
+        return None
+    top = "/" + path.split("/")[1]
+    if top in SYSTEM_DIRECTORIES or top.startswith("/lib"):
+        return f"it is the system directory {top}" if path == top else f"it lies in the system directory {top}"
+    return None

@@ -16,6 +16,7 @@ import errno
 import logging
 import os
 import shutil
+import stat
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,7 +25,7 @@ import torch
 from ..config import IO_ENGINES
 from ..errors import StoreConfigError
 from ..layout import BucketLayout, align_up  # noqa: F401 - align_up: miles/bench/floor.py
-from .engine import make_engine
+from .engine import make_engine, on_a_worker_thread  # noqa: F401 - on_a_worker_thread: the store's finalizer
 from .fileops import (  # noqa: F401 - checkpoint/ uses them through the stager
     open_read, open_new, close_fd, reflink, copy_with_crc, file_size, read_file,
     read_at, write_at, write_file_durable, fsync_dir, make_dirs, publish_dir, remove_tree, glob_paths)
@@ -62,6 +63,39 @@ def check_host_cache_budget(budget_bytes: int, available_bytes: int | None) -> N
             "that every rank on the node takes its own")
 
 
+
+
+class NotARegularFileError(OSError):
+    """A checkpoint lists a path that is a symbolic link, a directory, a FIFO or a device."""
+
+
+def open_regular(path: str) -> tuple[int, int]:
+    """Open a file of a checkpoint for reading: (fd, size in bytes). The last component is never
+    followed (a symbolic link is refused), and anything but a regular file is refused before a byte is
+    read (O_NONBLOCK: opening a FIFO must not wait for a writer). Raises NotARegularFileError or OSError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotARegularFileError(e.errno, "a symbolic link, which a load never follows", path) from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotARegularFileError(errno.EINVAL, "not a regular file", path)
+    return fd, st.st_size
+
+
+def read_regular(path: str, limit: int) -> bytes:
+    """The whole of a small checkpoint file (open_regular's refusals), its size bounded by `limit`
+    before anything is read."""
+    fd, size = open_regular(path)
+    try:
+        if size > limit:
+            raise OSError(errno.EFBIG, f"{size} bytes, more than the {limit} a file of its kind may hold", path)
+        return bytes(read_at(fd, 0, size))
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -136,9 +170,25 @@ class Stager:
         Returns the held lock (its `directory` is the store's path); `remove_directory` releases it.
         Nothing is deleted before every check has passed and the lock is held (another live process
         using the directory gets DirectoryInUseError naming it), and nothing outside the store's own
-        directory is ever touched.
+        directory is ever touched. Emptying removes only what a store makes there (its bucket files and
+        lock file); anything else is refused with StoreConfigError naming it, and nothing is deleted.
+        A missing root is created only when its parent exists; a system directory is refused.
         """
+        from ..layout import bucket_filename  # the store's own file names: what emptying may remove
+        from .ownership import remove_own_entries, system_directory_reason
+
         root = os.path.abspath(root)
+        for candidate in dict.fromkeys((root, os.path.realpath(root))):
+            why = system_directory_reason(candidate, os.path.expanduser("~"))
+            if why is not None:
+                raise StoreConfigError(
+                    f"optimizer-state root {root!r}: {why}; the store creates and removes its folders there, so "
+                    "pass a directory of its own on a local disk (e.g. under $SCRATCH or /tmp)")
+
+        def made_by_a_store(name: str) -> bool:
+            digits = name[len("bucket"):-len(".bin")]
+            return digits.isdigit() and name == bucket_filename(int(digits))
+
         if not os.path.isdir(root):
             parent = os.path.dirname(root)
             # Re-check isdir: the ranks of a node share the root, and another one may just have created it.
@@ -165,7 +215,7 @@ class Stager:
         os.makedirs(path, exist_ok=True)
         lock = DirectoryLock.acquire(path, f"optimizer-state store {relative_dir}", "optimizer-state directory")
         try:
-            _empty_directory(path)
+            remove_own_entries(path, made_by_a_store, "optimizer-state directory")
         except BaseException:
             lock.release()
             raise
