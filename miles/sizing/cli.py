@@ -13,103 +13,187 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
+import stat
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 from miles_plugins.optimizers.streaming.config import MOMENT_DTYPES
 
-from .estimate import GB, GRAD_BYTES, Hardware, SizingError, Training, estimate
-from .model_params import ModelConfigError, ModelTensors, flat_model, model_tensors
+from .bounds import (BUCKET_NUMEL, CHECKPOINT_COPIES, HARDWARE, MAX_JSON_BYTES, PARALLEL_SIZE, PARAMS, PIPELINE_SIZE,
+                     TIMING, Bound, PlanInputError, check_bound, shown, shown_path)
+from .estimate import GB, GRAD_BYTES, Hardware, Training, estimate
+from .model_params import ModelTensors, flat_model, model_tensors
 from .presets import PRESETS, preset_config
 from .report import to_json, to_text
-from .sharding import DEFAULT_ETP, LayoutError, Parallelism
+from .sharding import DEFAULT_ETP, Parallelism
+
+COUNT_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 
 
 def parse_count(text: str) -> int:
-    """`1.5B`, `200M`, `4096` -> an integer count."""
+    """`1.5B`, `200M`, `4096` -> an integer count; ValueError when the text is not a finite count."""
     t = text.strip().upper().replace("_", "")
-    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}.get(t[-1:], 1)
-    try:
-        return int(float(t[:-1] if scale > 1 else t) * scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a count (e.g. 1.5B, 200M, 4096)") from None
+    scale = COUNT_SUFFIXES.get(t[-1:], 1)
+    value = float(t[:-1] if scale > 1 else t) * scale
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not finite")
+    return int(value)
+
+
+def bounded(parse: Callable[[str], float], bound: Bound, example: str = "") -> Callable[[str], float]:
+    """An argparse type: `parse` the text, then refuse a value outside `bound`, quoting the text as typed."""
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{shown(text)} is not {bound.describe()}{example}") from None
+        if not bound.holds(value):
+            raise argparse.ArgumentTypeError(f"{shown(text)}: must be {bound.describe()}{example}")
+        return value
+    return convert
+
+
+def count_flag(bound: Bound) -> Callable[[str], int]:
+    return bounded(parse_count, bound, " (e.g. 1.5B, 200M, 4096)")
 
 
 def _layers(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give decoder layers per stage, e.g. 21,19,19,19") from None
+        raise argparse.ArgumentTypeError(f"{shown(text)}: give decoder layers per stage, e.g. 21,19,19,19") from None
 
 
 def _hw_default(name: str):
     return next(f.default for f in dataclasses.fields(Hardware) if f.name == name)
 
 
+class PlanArgumentParser(argparse.ArgumentParser):
+    """Refuses a bad command line in one line (what was wrong, with which value), exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="miles plan", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = PlanArgumentParser(prog="miles plan", description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = p.add_argument_group("model (one of)").add_mutually_exclusive_group(required=True)
     m.add_argument("--preset", choices=sorted(PRESETS), help="a named model (miles/sizing/presets.py says its source)")
     m.add_argument("--config", metavar="CONFIG_JSON", help="a transformers config.json")
-    m.add_argument("--params", type=parse_count, help="just a parameter count (e.g. 1.5B): a dense stand-in")
+    m.add_argument("--params", type=count_flag(PARAMS), help="just a parameter count (e.g. 1.5B): a dense stand-in")
     p.add_argument("--no-mtp", action="store_true", help="leave out multi-token-prediction layers (not trained)")
 
     lay = p.add_argument_group("parallel layout")
-    lay.add_argument("--tp", type=int, default=1, help="tensor parallel size")
-    lay.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
-    lay.add_argument("--dp", type=int, default=None, help="data parallel size (default: GPUs / (TP x PP))")
-    lay.add_argument("--ep", type=int, default=1, help="expert parallel size")
-    lay.add_argument("--etp", type=int, default=DEFAULT_ETP, help="expert tensor parallel size")
+    size = bounded(int, PARALLEL_SIZE)
+    lay.add_argument("--tp", type=size, default=1, help="tensor parallel size")
+    lay.add_argument("--pp", type=bounded(int, PIPELINE_SIZE), default=1, help="pipeline parallel size")
+    lay.add_argument("--dp", type=size, default=None, help="data parallel size (default: GPUs / (TP x PP))")
+    lay.add_argument("--ep", type=size, default=1, help="expert parallel size")
+    lay.add_argument("--etp", type=size, default=DEFAULT_ETP, help="expert tensor parallel size")
     lay.add_argument("--pipeline-layers", type=_layers, default=None,
                      help="decoder layers per pipeline stage, e.g. 21,19,19,19 (default: even split)")
 
     hw = p.add_argument_group("hardware (per node; defaults: estimate.Hardware)")
-    for flag, kind, help_ in (
-            ("nodes", int, "training nodes"), ("gpus-per-node", int, "training GPUs per node"),
-            ("hbm-gb", float, "HBM per GPU, GB"), ("host-ram-gb", float, "host RAM per node, GB"),
-            ("disk-read-gbps", float, "node-local disk read speed alone, GB/s"),
-            ("disk-write-gbps", float, "node-local disk write speed alone, GB/s"),
-            ("disk-combined-gbps", float, "read + write bytes per second when both run at once (when "
-                                          "known, this decides the floor)"),
-            ("disk-gb", float, "node-local disk capacity, GB (checked when given)"),
-            ("pcie-gbps", float, "host <-> GPU speed per direction, GB/s"),
-            ("host-tier-gb", float, "host RAM per rank for hot buckets, GB"),
-            ("device-budget-mb", float, "GPU bytes the stores may hold, MB (default: what their depth holds)"),
-            ("reserve-gb", float, "HBM kept for activations etc., GB (default: 10%% of HBM)")):
-        hw.add_argument(f"--{flag}", type=kind, default=None, help=f"{help_} [{_hw_default(flag.replace('-', '_'))}]")
+    for flag, help_ in (
+            ("nodes", "training nodes"), ("gpus-per-node", "training GPUs per node"),
+            ("hbm-gb", "HBM per GPU, GB"), ("host-ram-gb", "host RAM per node, GB"),
+            ("disk-read-gbps", "node-local disk read speed alone, GB/s"),
+            ("disk-write-gbps", "node-local disk write speed alone, GB/s"),
+            ("disk-combined-gbps", "read + write bytes per second when both run at once (when "
+                                   "known, this decides the floor)"),
+            ("disk-gb", "node-local disk capacity, GB (checked when given)"),
+            ("pcie-gbps", "host <-> GPU speed per direction, GB/s"),
+            ("host-tier-gb", "host RAM per rank for hot buckets, GB"),
+            ("device-budget-mb", "GPU bytes the stores may hold, MB (default: what their depth holds)"),
+            ("reserve-gb", "HBM kept for activations etc., GB (default: 10%% of HBM)")):
+        field = flag.replace("-", "_")
+        bound = HARDWARE[field]
+        hw.add_argument(f"--{flag}", type=bounded(int if bound.integer else float, bound), default=None,
+                        help=f"{help_} [{_hw_default(field)}]")
     hw.add_argument("--from-bench", metavar="FILE", help="take the disk speeds from `miles bench stream --json FILE` "
                     "(flags given explicitly win)")
 
     t = p.add_argument_group("training")
     t.add_argument("--moment-dtype", choices=MOMENT_DTYPES, default=Training.moment_dtype,
                    help="storage of the Adam moments in the streamed files")
-    t.add_argument("--bucket-numel", type=parse_count, default=Training.bucket_numel, help="elements per bucket")
+    t.add_argument("--bucket-numel", type=count_flag(BUCKET_NUMEL), default=Training.bucket_numel,
+                   help="elements per bucket")
     t.add_argument("--grad-dtype", choices=sorted(GRAD_BYTES), default=Training.grad_dtype,
                    help="Megatron DDP grad buffer dtype")
     t.add_argument("--no-offload-train-to-disk", action="store_true",
                    help="the trainer's weights and grads do not go to the disk during rollouts")
-    t.add_argument("--checkpoint-copies", type=int, default=Training.checkpoint_copies,
+    t.add_argument("--checkpoint-copies", type=bounded(int, CHECKPOINT_COPIES), default=Training.checkpoint_copies,
                    help="saved copies of the streamed state on the node-local disk")
     p.add_argument("--json", metavar="FILE", help="write the estimate as JSON ('-': stdout, instead of the table)")
     return p
 
 
-class BenchFileError(ValueError):
-    pass
+class InputFileError(PlanInputError):
+    """A --config or --from-bench file that cannot be read as a JSON document of a sane size."""
+
+
+class BenchFileError(PlanInputError):
+    """A --from-bench file without the timings the planner takes the disk speeds from."""
+
+
+def read_json_file(flag: str, path: str, max_bytes: int = MAX_JSON_BYTES):
+    """The JSON document in a regular file of at most `max_bytes`. Anything else (a device, a FIFO, a
+    directory, a larger file, bytes that are not JSON) is refused, naming the flag and the path, without
+    reading more than `max_bytes` + 1 bytes and without opening what is not a regular file."""
+    where = f"{flag} {shown_path(path)}"
+    try:
+        before = os.stat(path)
+        if not stat.S_ISREG(before.st_mode):
+            raise InputFileError(f"{where}: not a regular file; pass the JSON file itself")
+        # O_NONBLOCK: should a FIFO replace the file after the check, opening it does not wait for a writer.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise InputFileError(f"{where}: cannot read it ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        now = os.fstat(fd)
+        if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino):
+            raise InputFileError(f"{where}: changed while it was opened; pass a JSON file nothing else rewrites")
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError as exc:
+            raise InputFileError(f"{where}: cannot read it ({exc.strerror})") from None
+    if len(data) > max_bytes:
+        raise InputFileError(f"{where}: larger than the {max_bytes >> 20} MiB a JSON file for the planner may hold")
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise InputFileError(f"{where}: not JSON the planner reads (nested too deeply)") from None
+    except ValueError as exc:  # JSONDecodeError, bytes that are not text, numbers of too many digits
+        raise InputFileError(f"{where}: not JSON ({shown(str(exc), 120)})") from None
+
+
+def _positive_timing(results, path: str, section: str, key: str) -> float:
+    try:
+        value = results["floor"][section][key]
+    except (KeyError, TypeError):
+        raise BenchFileError(f"{path} has no floor.{section}.{key}: pass the --json output of a full "
+                             "`miles bench stream` run (not --only-exposed)") from None
+    check_bound(BenchFileError, f"{path}: floor.{section}.{key}", value, TIMING)
+    return value
 
 
 def disk_speeds_from_bench(results: dict, path: str = "the bench file") -> dict:
     """{disk_read_gbps, disk_write_gbps, disk_combined_gbps} from a `miles bench stream --json` result: the
-    sequential floor times reads and writes separately, the concurrent floor both at once."""
-    try:
-        seq, conc = results["floor"]["sequential"], results["floor"]["concurrent"]
-        return {"disk_read_gbps": seq["bytes_read"] / seq["read_seconds"] / GB,
-                "disk_write_gbps": seq["bytes_written"] / seq["write_seconds"] / GB,
-                "disk_combined_gbps": (conc["bytes_read"] + conc["bytes_written"]) / conc["seconds"] / GB}
-    except (KeyError, TypeError, ZeroDivisionError) as exc:
-        raise BenchFileError(f"{path} has no usable floor.sequential / floor.concurrent timings ({exc!r}): pass "
-                             "the --json output of a full `miles bench stream` run (not --only-exposed)") from None
+    sequential floor times reads and writes separately, the concurrent floor both at once. Each timing must
+    be a positive number and each speed within the range of its flag (BenchFileError naming both)."""
+    def timing(section: str, key: str) -> float:
+        return _positive_timing(results, path, section, key)
+
+    speeds = {"disk_read_gbps": timing("sequential", "bytes_read") / timing("sequential", "read_seconds") / GB,
+              "disk_write_gbps": timing("sequential", "bytes_written") / timing("sequential", "write_seconds") / GB,
+              "disk_combined_gbps": (timing("concurrent", "bytes_read") + timing("concurrent", "bytes_written"))
+              / timing("concurrent", "seconds") / GB}
+    for name, speed in speeds.items():
+        check_bound(BenchFileError, f"{path}: its timings give --{name.replace('_', '-')}", speed, HARDWARE[name])
+    return speeds
 
 
 def _model(args) -> ModelTensors:
@@ -118,16 +202,15 @@ def _model(args) -> ModelTensors:
     if args.preset:
         config, name = preset_config(args.preset), args.preset
     else:
-        with open(args.config) as f:
-            config, name = json.load(f), args.config
+        config, name = read_json_file("--config", args.config), args.config
     return model_tensors(config, name, tp=args.tp, mtp=not args.no_mtp)
 
 
 def _hardware(args) -> Hardware:
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Hardware) if getattr(args, f.name) is not None}
     if args.from_bench:
-        with open(args.from_bench) as f:
-            bench = disk_speeds_from_bench(json.load(f), args.from_bench)
+        bench = disk_speeds_from_bench(read_json_file("--from-bench", args.from_bench),
+                                      f"--from-bench {shown_path(args.from_bench)}")
         given = bench | given
     return Hardware(**given)
 
@@ -143,20 +226,27 @@ def plan_from_args(argv: list[str]):
     return args, estimate(_model(args), par, hw, training)
 
 
+def _write_json(path: str, est) -> None:
+    try:
+        with open(path, "w") as f:
+            json.dump(to_json(est), f, indent=1)
+    except OSError as exc:
+        raise InputFileError(f"--json {shown_path(path)}: cannot write it ({exc.strerror})") from None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     try:
         args, est = plan_from_args(list(sys.argv[1:] if argv is None else argv))
-    except (SizingError, LayoutError, ModelConfigError, BenchFileError, KeyError, OSError) as exc:
-        print(f"miles plan: {exc.args[0] if isinstance(exc, KeyError) else exc}", file=sys.stderr)
+        if args.json == "-":
+            print(json.dumps(to_json(est), indent=1))
+            return 0
+        print(to_text(est))
+        if args.json:
+            _write_json(args.json, est)
+            print(f"wrote {args.json}")
+    except PlanInputError as exc:
+        print(f"miles plan: {exc}", file=sys.stderr)
         return 2
-    if args.json == "-":
-        print(json.dumps(to_json(est), indent=1))
-        return 0
-    print(to_text(est))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(to_json(est), f, indent=1)
-        print(f"wrote {args.json}")
     return 0
 
 

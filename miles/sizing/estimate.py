@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from miles_plugins.optimizers.streaming.config import DEFAULT_BUCKET_NUMEL, DEFAULT_DEPTH
+from miles_plugins.optimizers.streaming.config import DEFAULT_BUCKET_NUMEL, DEFAULT_DEPTH, MOMENT_DTYPES
 
+from .bounds import BUCKET_NUMEL, CHECKPOINT_COPIES, HARDWARE, MAX_BUCKETS, PlanInputError, check_bounds
 from .model_params import ModelTensors
 from .sharding import Parallelism, RankShard, check_parallelism, rank_shards
 from .store_plan import FP32_BYTES, StorePlan, plan_store
@@ -31,6 +32,10 @@ RESIDENT_STATE_BYTES = 12  # Megatron's resident Adam: fp32 main + two fp32 mome
 # 28.9 GB of RSS for 16.1 GB of state): staging buffers and pinned copies come on top of the state.
 CPU_OFFLOAD_RSS_FACTOR = 1.8
 DEFAULT_RESERVE_FRACTION = 0.10  # of HBM, for activations, CUDA context, NCCL and allocator slack
+
+
+class SizingError(PlanInputError):
+    """Inputs that do not describe a run; the message names the values and what to change."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,9 @@ class Hardware:
     device_budget_mb: Optional[float] = None  # store residency on the GPU; None: what its default depth holds
     reserve_gb: Optional[float] = None  # HBM kept for activations etc.; None: DEFAULT_RESERVE_FRACTION of HBM
 
+    def __post_init__(self) -> None:
+        check_bounds(SizingError, vars(self), HARDWARE)
+
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
@@ -70,9 +78,12 @@ class Training:
     stream_optimizer_state: bool = True
     checkpoint_copies: int = 1  # saved copies of the streamed state kept on the node-local disk
 
-
-class SizingError(ValueError):
-    """Inputs that do not describe a run; the message names the values and what to change."""
+    def __post_init__(self) -> None:
+        if self.moment_dtype not in MOMENT_DTYPES:
+            raise SizingError(f"--moment-dtype {self.moment_dtype!r}: choose one of {', '.join(MOMENT_DTYPES)}")
+        if self.grad_dtype not in GRAD_BYTES:
+            raise SizingError(f"--grad-dtype {self.grad_dtype!r}: choose one of {', '.join(GRAD_BYTES)}")
+        check_bounds(SizingError, vars(self), {"bucket_numel": BUCKET_NUMEL, "checkpoint_copies": CHECKPOINT_COPIES})
 
 
 @dataclass(frozen=True)
@@ -241,25 +252,33 @@ def _floors(stage: StageEstimate, hw: Hardware) -> Floors:
         tier_bytes_per_rank=tier)
 
 
-def check_inputs(par: Parallelism, hw: Hardware, training: Training) -> None:
+def check_inputs(par: Parallelism, hw: Hardware) -> None:
+    """What the fields alone cannot say (each of Parallelism, Hardware, Training checks its own ranges)."""
     if hw.gpus != par.world:
         raise SizingError(f"--nodes {hw.nodes} x --gpus-per-node {hw.gpus_per_node} = {hw.gpus} GPUs, but "
                           f"TP {par.tp} x PP {par.pp} x DP {par.dp} = {par.world}: change --dp (or leave it out "
                           "to derive it) or the node count")
-    if training.grad_dtype not in GRAD_BYTES:
-        raise SizingError(f"--grad-dtype {training.grad_dtype!r}: choose one of {', '.join(GRAD_BYTES)}")
-    for name in ("hbm_gb", "disk_read_gbps", "disk_write_gbps", "pcie_gbps"):
-        if getattr(hw, name) <= 0:
-            raise SizingError(f"--{name.replace('_', '-')} must be > 0, got {getattr(hw, name)}")
-    if hw.host_tier_gb < 0 or training.checkpoint_copies < 0:
-        raise SizingError("--host-tier-gb and --checkpoint-copies must be >= 0")
+
+
+def check_bucket_count(shards: list[RankShard], training: Training) -> None:
+    """Refuse a bucket size that cuts the planned ranks' state into more buckets than the planner lays out
+    (counted from the element totals, before any bucket is planned)."""
+    at_least = sum(-(-sum(entries) // training.bucket_numel)
+                   for s in shards for entries in (s.dense_entries, s.expert_entries))
+    if at_least > MAX_BUCKETS:
+        raise SizingError(f"--bucket-numel {training.bucket_numel} cuts the optimizer state of the {len(shards)} "
+                          f"planned rank(s) (one per pipeline stage) into at least {at_least} buckets, over the "
+                          f"{MAX_BUCKETS} the planner lays out: raise --bucket-numel (the store's default is "
+                          f"{DEFAULT_BUCKET_NUMEL})")
 
 
 def estimate(model: ModelTensors, par: Parallelism, hw: Hardware, training: Training = Training()) -> Estimate:
-    check_inputs(par, hw, training)
+    check_inputs(par, hw)
     experts = len({t.expert for t in model.all() if t.expert is not None})
     check_parallelism(par, model, experts)
-    stages = tuple(_stage_estimate(s, training) for s in rank_shards(model, par))
+    shards = rank_shards(model, par)
+    check_bucket_count(shards, training)
+    stages = tuple(_stage_estimate(s, training) for s in shards)
     binding = max(stages, key=lambda s: (s.streamed_state_bytes, s.weight_bytes))
     return Estimate(
         model=model.name, total_params=model.total(), dense_params=model.total(expert=False),

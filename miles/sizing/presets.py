@@ -22,6 +22,8 @@ Sources and assumptions:
 
 from __future__ import annotations
 
+from .model_params import ModelConfigError
+
 GLM5_744B = {
     "model_type": "glm_moe_dsa",
     "hidden_size": 6144, "num_hidden_layers": 78, "first_k_dense_replace": 3, "intermediate_size": 12288,
@@ -67,4 +69,5 @@ def preset_config(name: str) -> dict:
     try:
         return PRESETS[name]
     except KeyError:
-        raise KeyError(f"no preset {name!r}; choose one of {', '.join(PRESETS)} or pass a config.json") from None
+        choices = ", ".join(PRESETS)
+        raise ModelConfigError(f"no preset {name!r}; choose one of {choices} or pass a config.json") from None

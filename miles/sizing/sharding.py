@@ -15,12 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from .bounds import PARALLEL_SIZE, PIPELINE_SIZE, STAGE_LAYERS, PlanInputError, check_bound, check_bounds
 from .model_params import ModelTensors, Tensor
 
 DEFAULT_ETP = 1  # Megatron's own default is ETP = TP; MoE recipes (and the reference runs) set 1
 
 
-class LayoutError(ValueError):
+class LayoutError(PlanInputError):
     """A parallel layout that Megatron would not build; the message names the sizes and what to change."""
 
 
@@ -33,6 +34,16 @@ class Parallelism:
     etp: int = DEFAULT_ETP
     pipeline_layers: Optional[tuple[int, ...]] = None  # decoder layers per stage; None: as even as possible
 
+    def __post_init__(self) -> None:
+        check_bounds(LayoutError, vars(self), {"tp": PARALLEL_SIZE, "pp": PIPELINE_SIZE, "dp": PARALLEL_SIZE,
+                                                "ep": PARALLEL_SIZE, "etp": PARALLEL_SIZE})
+        if self.pipeline_layers is not None:
+            if len(self.pipeline_layers) != self.pp:
+                raise LayoutError(f"--pipeline-layers lists {len(self.pipeline_layers)} stages but --pp is {self.pp}: "
+                                  "give one layer count per pipeline stage")
+            for layers in self.pipeline_layers:
+                check_bound(LayoutError, "--pipeline-layers: a stage of", layers, STAGE_LAYERS)
+
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.dp
@@ -43,9 +54,6 @@ class Parallelism:
 
 
 def check_parallelism(par: Parallelism, model: ModelTensors, experts: int) -> None:
-    for name in ("tp", "pp", "dp", "ep", "etp"):
-        if getattr(par, name) < 1:
-            raise LayoutError(f"--{name} must be >= 1, got {getattr(par, name)}")
     per_stage = par.world // par.pp
     if per_stage % (par.ep * par.etp):
         raise LayoutError(f"EP x ETP = {par.ep} x {par.etp} must divide TP x DP = {per_stage} (the GPUs of one "
@@ -55,9 +63,9 @@ def check_parallelism(par: Parallelism, model: ModelTensors, experts: int) -> No
     if not experts and par.ep > 1:
         raise LayoutError(f"--ep {par.ep} needs a MoE model; {model.name} has no routed experts (use --ep 1)")
     if par.pipeline_layers is not None:
-        if len(par.pipeline_layers) != par.pp or sum(par.pipeline_layers) != len(model.layers):
-            raise LayoutError(f"--pipeline-layers {','.join(map(str, par.pipeline_layers))} must list {par.pp} "
-                              f"stages summing to the model's {len(model.layers)} layers")
+        if sum(par.pipeline_layers) != len(model.layers):
+            raise LayoutError(f"--pipeline-layers sum to {sum(par.pipeline_layers)} layers, but the model has "
+                              f"{len(model.layers)}: give layer counts per stage that add up to it")
     elif par.pp > max(len(model.layers), 1):
         raise LayoutError(f"--pp {par.pp} exceeds the model's {len(model.layers)} layers")
 
