@@ -19,8 +19,18 @@ the same ``--save``) never removes it before its replacement is complete: ``prep
 ``<name>.prev-<pid>`` and, when ``latest`` named it, points ``latest`` at that name; ``publish`` points
 ``latest`` at the new one and removes the copy set aside. A crash in between leaves ``latest`` naming a
 complete checkpoint (``resolve`` also finds the copy set aside when the crash fell between the rename and
-the marker). The next save removes copies of dead processes that ``latest`` does not name, and puts one
-back in place of its own replacement when that never completed.
+the marker). The next save removes copies of dead processes whose replacement completed, and puts one
+back in place of its replacement when that never completed (pointing ``latest`` back at it first when
+``latest`` named the copy).
+
+An interrupted save (Ctrl-C, SIGTERM, a crash) leaves a checkpoint folder without ``meta.json``.
+``prepare`` marks every folder it makes with the record of the run that made it (``.miles-created``:
+host, pid, run id), so such a folder is known as an unfinished save of this code:
+:func:`remove_unpublished_saves` removes the driver's own at its teardown, once the ranks are gone, and
+:func:`remove_interrupted_saves` those of processes that are no longer running at the next start (both
+also put a copy set aside back in place, ``latest`` included). A folder this code did not make (another
+name, no record) or that is complete (``meta.json``) is never removed: the start names the unfinished
+ones it leaves. :func:`remove_beyond_latest` keeps the newest N complete checkpoints (``--save-keep-latest``).
 
 Loading order in each rank: model weights -> ``optimizer.reload_model_params()`` (bound to the store's
 ``refresh_main_from_model_params`` when streaming, which routes the write through the store) -> the
@@ -36,10 +46,19 @@ import logging
 import os
 import re
 import shutil
+import socket
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
-from miles_plugins.optimizers.streaming.io.ownership import pid_alive
+from miles_plugins.optimizers.streaming.io.ownership import (
+    CREATED_FILE,
+    OwnerRecord,
+    listing,
+    make_directory,
+    pid_alive,
+    process_run_id,
+    read_record,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +87,14 @@ def optimizer_file(base: str, rank: int) -> str:
 
 
 # ---- driver side ----------------------------------------------------------------------------------
+_CHECKPOINT = re.compile(r"^rollout_(\d{6,})$")  # checkpoint_name's spelling
 _SET_ASIDE = re.compile(r"^(rollout_\d{6,})\.prev-(\d+)$")  # a complete checkpoint kept while it is replaced
 
 
-def prepare(save_dir: str, completed_rollouts: int) -> str:
-    """Create the folder of a new checkpoint. A complete checkpoint already there is set aside, still
-    loadable, until ``publish`` replaces it (module doc); an incomplete one (an attempt that died) is
-    removed."""
+def prepare(save_dir: str, completed_rollouts: int, run_id: Optional[str] = None) -> str:
+    """Create the folder of a new checkpoint, marked as made by ``run_id`` (default: this process's) in this
+    process. A complete checkpoint already there is set aside, still loadable, until ``publish`` replaces
+    it (module doc); an incomplete one (an attempt that died) is removed."""
     os.makedirs(save_dir, exist_ok=True)
     _tidy_set_aside(save_dir)
     base = checkpoint_path(save_dir, completed_rollouts)
@@ -82,7 +102,7 @@ def prepare(save_dir: str, completed_rollouts: int) -> str:
         _set_aside(save_dir, base)
     elif os.path.lexists(base):
         shutil.rmtree(base)
-    os.makedirs(base)
+    make_directory(base, run_id or process_run_id(), parents=0)
     return base
 
 
@@ -106,23 +126,31 @@ def _latest_name(save_dir: str) -> Optional[str]:
         return None
 
 
-def _tidy_set_aside(save_dir: str, replaced: Optional[str] = None) -> None:
-    """Copies set aside by processes that are gone (or of ``replaced``, just published), except the one
-    ``latest`` names: removed when their checkpoint was replaced by a complete one, put back in place of
-    a replacement that never completed. Only names of ``_SET_ASIDE``'s form are touched."""
+def _tidy_set_aside(save_dir: str, replaced: Optional[str] = None, finished: bool = False) -> None:
+    """Copies set aside by processes that are gone (or of ``replaced``, just published): removed when their
+    checkpoint was replaced by a complete one, put back in place of a replacement that never completed
+    (``latest`` pointed back first when it names the copy). The copy ``latest`` names stays while its
+    replacement is complete but unpublished, or being saved by this process (unless ``finished``: it
+    saves nothing more). Only names of ``_SET_ASIDE``'s form are touched."""
     latest = _latest_name(save_dir)
     for name in sorted(os.listdir(save_dir)):
         match = _SET_ASIDE.match(name)
-        if match is None or name == latest:
+        if match is None:
             continue
         original, pid = match.group(1), int(match.group(2))
         if original != replaced and pid != os.getpid() and pid_alive(pid):
             continue  # another live process's save in progress
         aside, target = os.path.join(save_dir, name), os.path.join(save_dir, original)
-        if os.path.exists(os.path.join(target, META_FILE)):
+        replaced_complete = os.path.exists(os.path.join(target, META_FILE))
+        if name == latest and (replaced_complete or (pid == os.getpid() and not finished)):
+            continue
+        if replaced_complete:
             shutil.rmtree(aside)
             logger.info("removed %s: %s replaced it", aside, target)
         elif original != replaced:
+            if name == latest:
+                # first the marker (resolve finds the copy under the original's name), then the rename back
+                _atomic_write(os.path.join(save_dir, LATEST_FILE), original + "\n")
             if os.path.lexists(target):
                 shutil.rmtree(target)  # the replacement's save died before its meta was written
             os.rename(aside, target)
@@ -151,6 +179,112 @@ def publish(save_dir: str, base: str) -> None:
         raise CheckpointError(f"refusing to publish {base}: it has no {META_FILE}")
     _atomic_write(os.path.join(save_dir, LATEST_FILE), os.path.basename(base) + "\n")
     _tidy_set_aside(save_dir, replaced=os.path.basename(base))
+
+
+def remove_beyond_latest(save_dir: str, keep_latest: int, protect: Sequence[str] = ()) -> list[str]:
+    """Remove the complete checkpoints of ``save_dir`` beyond the newest ``keep_latest`` (by rollout
+    number), except the one ``latest`` names and those in ``protect`` (paths, compared with symbolic links
+    resolved). Only real folders of :func:`checkpoint_name`'s spelling that hold ``meta.json`` count; the
+    copies ``prepare`` sets aside are not checkpoints here. Returns the removed paths, oldest first; a
+    folder that cannot be removed is logged and left."""
+    if keep_latest < 1:
+        raise ValueError(f"keep_latest must be >= 1 (got {keep_latest}): at least the latest checkpoint stays")
+    complete = [name for name in _checkpoint_folders(save_dir) if os.path.isfile(
+        os.path.join(save_dir, name, META_FILE))]
+    kept = set(complete[-keep_latest:]) | {_latest_name(save_dir)}
+    protected = {os.path.realpath(p) for p in protect}
+    removed = []
+    for name in complete:
+        path = os.path.join(save_dir, name)
+        if name in kept or os.path.realpath(path) in protected:
+            continue
+        try:
+            # meta.json first: a removal cut short leaves an unfinished folder, never a complete-looking one
+            os.unlink(os.path.join(path, META_FILE))
+            _fsync_dir(path)
+            shutil.rmtree(path)
+        except OSError as e:
+            logger.warning("could not remove the old checkpoint %s (%s); remove it by hand", path, e)
+            continue
+        removed.append(path)
+    if removed:
+        logger.info("removed %d checkpoint(s) older than the newest %d under %s: %s", len(removed), keep_latest,
+                    save_dir, listing(removed))
+    return removed
+
+
+def _checkpoint_folders(save_dir: str) -> list[str]:
+    """Names of the real folders (not links) of ``save_dir`` spelled as checkpoints, oldest rollout first."""
+    found = []
+    for name in os.listdir(save_dir):
+        match = _CHECKPOINT.match(name)
+        path = os.path.join(save_dir, name)
+        if match is not None and os.path.isdir(path) and not os.path.islink(path):
+            found.append((int(match.group(1)), name))
+    return [name for _, name in sorted(found)]
+
+
+def remove_interrupted_saves(save_dir: Optional[str]) -> list[str]:
+    """At the start of a run: what interrupted saves left under ``save_dir`` (None: no --save, nothing to
+    do). Copies set aside by dead processes go back in place, and unfinished checkpoint folders (no
+    ``meta.json``) that ``prepare`` made in a process of this host that is no longer running are removed
+    (one line logged). The unfinished folders left (being written by a live process, made on another host,
+    or not made by this code) are named in one warning. Returns the removed paths."""
+    if not save_dir or not os.path.isdir(save_dir):
+        return []
+    _tidy_set_aside(save_dir)
+    removed, left = _remove_unfinished(save_dir, _maker_is_gone)
+    if left:
+        logger.warning("left %d unfinished checkpoint folder(s) (no %s) under %s: %s. Remove them by hand once no "
+                       "run writes there", len(left), META_FILE, save_dir, listing(left))
+    return removed
+
+
+def remove_unpublished_saves(save_dir: Optional[str]) -> list[str]:
+    """At the end of a run, once its ranks have stopped (None: no --save, nothing to do): the unfinished
+    checkpoint folders this process made (saves it did not publish) are removed, and the copies it set
+    aside go back in place, ``latest`` included. Returns the removed paths."""
+    if not save_dir or not os.path.isdir(save_dir):
+        return []
+    _tidy_set_aside(save_dir, finished=True)
+    return _remove_unfinished(save_dir, _maker_is_this_process)[0]
+
+
+def _maker_is_this_process(record: OwnerRecord) -> bool:
+    return record.host == socket.gethostname() and record.pid == os.getpid()
+
+
+def _maker_is_gone(record: OwnerRecord) -> bool:
+    return record.host == socket.gethostname() and (record.pid == os.getpid() or not pid_alive(record.pid))
+
+
+def _remove_unfinished(save_dir: str, removable: Callable[[OwnerRecord], bool]) -> tuple[list[str], list[str]]:
+    """Remove the checkpoint folders of ``save_dir`` without ``meta.json`` whose maker's record ``removable``
+    accepts (one line logged). Returns the removed paths and, for each other unfinished folder, why it stays."""
+    removed, described, left = [], [], []
+    for name in _checkpoint_folders(save_dir):
+        path = os.path.join(save_dir, name)
+        if os.path.lexists(os.path.join(path, META_FILE)):
+            continue
+        record = read_record(os.path.join(path, CREATED_FILE))
+        if record is None:
+            left.append(f"{path} (no record of the run that made it)")
+        elif removable(record):
+            try:
+                shutil.rmtree(path)
+            except OSError as e:
+                left.append(f"{path} (cannot be removed: {e})")
+                continue
+            removed.append(path)
+            described.append(f"{path} (made by {record.describe()})")
+        elif record.host != socket.gethostname():
+            left.append(f"{path} (made by {record.describe()}: this host cannot tell whether it still runs)")
+        else:
+            left.append(f"{path} (being saved by {record.describe()}, still running)")
+    if removed:
+        logger.info("removed %d unfinished checkpoint folder(s) left by interrupted saves: %s", len(removed),
+                    listing(described))
+    return removed, left
 
 
 def resolve(load_dir: str) -> Optional[str]:

@@ -53,8 +53,14 @@ class MetricsSink:
             self.tb.close()
 
 
-def rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, saved) -> dict[str, Any]:
+def rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, saved,
+                   handoff=()) -> dict[str, Any]:
+    """One rollout's record: the driver's ``timings`` (``*_seconds`` as the driver saw them) and the ranks'
+    own reports (``ranks``: each rank's train metrics, ``handoff``: each rank's weight-handoff stats)."""
     r0 = ranks[0]
+    fwd_bwd = max(r["forward_backward_seconds"] for r in ranks)
+    step = max(r["optimizer_step_seconds"] for r in ranks)
+    train_rank = max(r["train_seconds"] for r in ranks)
     rec: dict[str, Any] = {
         "rollout_id": rollout_id,
         "reward_mean": mean_of(rewards),
@@ -65,7 +71,12 @@ def rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, sa
         "grad_norm": r0["grad_norm"],
         "clipfrac": r0["clipfrac"],
         "train_rollout_logprob_abs_diff": r0["train_rollout_logprob_abs_diff"],
-        "optimizer_step_seconds": max(r["optimizer_step_seconds"] for r in ranks),
+        # the slowest rank's train call and its parts: forward/backward, the optimizer step, the rest
+        "forward_backward_seconds": fwd_bwd,
+        "optimizer_step_seconds": step,
+        "train_rank_seconds": train_rank,
+        "other_seconds": max(r["train_seconds"] - r["forward_backward_seconds"] - r["optimizer_step_seconds"]
+                             for r in ranks),
         **timings,
         # what the ranks themselves spent moving memory (the *_seconds above are seen from the driver)
         "sleep_rank_seconds": max((s.get("seconds", 0.0) for s in sleep), default=0.0),
@@ -73,6 +84,13 @@ def rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, sa
         "offload_bytes": int(sum(s.get("bytes", 0) for s in sleep if not s.get("skipped"))),
         "checkpoint": saved,
     }
+    if handoff:  # each rank's share of the weight handoff (by reference or broadcast)
+        rec["weight_handoff_seconds"] = max(h["weight_handoff_seconds"] for h in handoff)
+        rec["weight_handoff_bytes"] = max(int(h["weight_handoff_bytes"]) for h in handoff)
+        rec["weight_handoff_buckets"] = max(int(h["weight_handoff_buckets"]) for h in handoff)
+        rec["weight_handoff_largest_bucket_bytes"] = max(int(h["weight_handoff_largest_bucket_bytes"]) for h in handoff)
+        # a rank whose buckets CUDA refused to export handed them over through host shared memory instead
+        rec["weight_handoff_through_host"] = any(h["weight_handoff_through_host"] for h in handoff)
     if any("device_used_bytes_asleep" in s for s in sleep):  # GPU backends: device memory in use while asleep
         rec["device_used_gb_asleep"] = max(s.get("device_used_bytes_asleep", 0) for s in sleep) / GB
     if "stream_bytes_read" in r0:
@@ -104,7 +122,10 @@ def format_rollout_line(rec: dict[str, Any], num_rollout: int) -> str:
     parts = [f"rollout {rec['rollout_id'] + 1}/{num_rollout}",
              f"reward {rec['reward_mean']:.3f}",
              f"loss {rec['loss']:+.4g}",
-             f"step {rec['step_seconds']:.2f}s (gen {rec['generate_seconds']:.2f}s, train {rec['train_seconds']:.2f}s)"]
+             f"step {rec['step_seconds']:.2f}s (gen {rec['generate_seconds']:.2f}s, train {rec['train_seconds']:.2f}s: "
+             f"fwd/bwd {rec['forward_backward_seconds']:.2f}s + optimizer {rec['optimizer_step_seconds']:.2f}s + other "
+             f"{rec['other_seconds']:.2f}s" + (f", weights {rec['weight_handoff_seconds']:.2f}s"
+                                              if "weight_handoff_seconds" in rec else "") + ")"]
     if "stream_read_gb" in rec:
         parts.append(f"streamed {rec['stream_read_gb']:.3f} GB read + {rec['stream_written_gb']:.3f} GB written "
                      f"(disk {rec['stream_disk_read_gb']:.3f} + {rec['stream_disk_written_gb']:.3f}) "

@@ -3,13 +3,14 @@
 
 Per rollout (colocated sequence)::
 
-    generate (engine awake) -> rewards -> GRPO advantages -> release engine memory -> wake trainer ->
-    train (one optimizer step; streams the optimizer state with --stream-optimizer-state-to-disk) ->
-    export weights -> save (every --save-interval rollouts and at the end) -> sleep trainer -> resume engine ->
-    update engine weights
+    generate (engine awake) -> rewards -> GRPO advantages -> release the engine's weights and KV cache ->
+    wake trainer -> train (forward/backward + one optimizer step; streams the optimizer state with
+    --stream-optimizer-state-to-disk) -> save (every --save-interval rollouts and at the end) -> resume the
+    engine's weights -> hand the weights over (by reference: :mod:`miles.ray.weight_sync`) -> sleep trainer
+    -> resume the engine's KV cache
 
 Without ``--colocate`` the engine keeps its memory; without ``--offload-train`` the trainer stays
-awake. ``--load`` resumes the model, the optimizer state (the streamed state through
+awake. The engines are driven only through the rollout-engine contract (:mod:`miles.rollout.contract`). ``--load`` resumes the model, the optimizer state (the streamed state through
 ``store.load_from``), the rollout id and the data position.
 
 Operator output goes through ``logging``: a progress bar over rollouts on a terminal (no bar in a log
@@ -41,13 +42,15 @@ from miles import checkpoint
 from miles.config import RunConfig
 from miles.logging_setup import configure_logging, progress_bar, set_driver_env
 from miles.metrics import MetricsSink, format_rollout_line, log_summary, rollout_record
-from miles.ray.node_sweep import NodeSweep, left_entries, removed_line, sweep_nodes, wait_for_exit
+from miles.ray.node_sweep import (NodeSweep, checkpoint_reason, left_entries, removed_line, sweep_nodes,
+                                  sweep_run_root, wait_for_exit)
 from miles_plugins.optimizers.streaming.io.ownership import (
     DirectoryInUseError,
     DirectoryLock,
+    LockUnsupportedError,
     claim_directory,
+    listing,
     make_directory,
-    sweep,
 )
 from miles_plugins.optimizers.streaming.units import GB
 
@@ -98,12 +101,16 @@ class _StopOnSignal:
 
 
 def claim_run_root(config: RunConfig) -> DirectoryLock:
-    """Lock the run root for this run (made if missing) and make the mechanisms' folders under it.
+    """Lock the run root for this run (made if missing, when its parent exists) and make the mechanisms'
+    folders under it.
 
-    Raises :class:`DirectoryInUseError` naming the run that holds the root. The folders are made here,
-    marked with this run's id, so that teardown knows them as this run's and removes them."""
+    Raises :class:`DirectoryInUseError` naming the run that holds the root, FileNotFoundError when the
+    root's parent does not exist (nothing is created). The folders are made here, marked with this run's
+    id, so that teardown knows them as this run's and removes them. What a killed run left under the root
+    is swept first, its checkpoints excepted (:func:`~miles.ray.node_sweep.checkpoint_reason`)."""
     paths = config.paths
-    lock = claim_directory(paths.root, config.run_id, "run root (--offload-train-disk-dir)")
+    lock = claim_directory(paths.root, config.run_id, "run root (--offload-train-disk-dir)", parents=0,
+                           keep=checkpoint_reason)
     for folder in (paths.trainer, paths.optimizer_state, paths.rollout):
         make_directory(folder, config.run_id)
     return lock
@@ -175,12 +182,12 @@ def run(config: RunConfig) -> dict[str, Any]:
     """Run the RL loop; returns a summary dict (also logged). Raises :class:`RunError` when an actor fails.
 
     Exits the process (``SystemExit``) in two cases, each with one line on stderr: the run root is held by
-    another run (exit code 2, nothing started), or SIGTERM/SIGINT arrived (128 + the signal number, after
+    another run or its filesystem has no file locks (exit code 2, nothing started), or SIGTERM/SIGINT arrived (128 + the signal number, after
     teardown)."""
     configure_logging(config.logging.log_level)
     try:
         root_lock = claim_run_root(config)
-    except DirectoryInUseError as e:
+    except (DirectoryInUseError, LockUnsupportedError) as e:
         print(f"miles train: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     stop = _StopOnSignal()
@@ -188,6 +195,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     summary: dict[str, Any] = {"run_dir": config.paths.run_dir, "metrics_file": config.logging.metrics_file,
                                "checkpoints": [], "latest_checkpoint": None, "records": [], "node_sweeps": []}
     try:
+        checkpoint.remove_interrupted_saves(config.checkpoint.save)
         return _run_holding_root(config, stop, summary)
     except RunInterrupted as e:
         signum = e.signum
@@ -200,6 +208,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     finally:
         stop.restore()
         removed = remove_run_directories(config, summary["node_sweeps"])
+        removed += len(checkpoint.remove_unpublished_saves(config.checkpoint.save))  # the ranks are gone
         root_lock.release()
     print(interrupted_line(signum, summary, removed), file=sys.stderr)
     raise SystemExit(128 + signum) from None
@@ -211,13 +220,13 @@ def remove_run_directories(config: RunConfig, others: Sequence[NodeSweep] = ()) 
     made it; log it with ``others``, the sweeps of the other nodes that hosted actors, and warn once about
     everything else found there or on them. Returns how many directories were removed on all nodes."""
     root = config.paths.root
-    here = sweep(root, config.run_id)
+    here = sweep_run_root(root, config.run_id)
     removed = removed_line(root, here, others)
     if removed:
         logger.info("%s", removed)
     left = left_entries(here, others)
     if left:
-        logger.warning("left under %s what this run did not make (or another run holds): %s", root, "; ".join(left))
+        logger.warning("left under %s what this run did not make (or another run holds): %s", root, listing(left))
     return len(here.removed) + sum(len(n.removed) for n in others)
 
 
@@ -241,6 +250,7 @@ def _run_holding_root(config: RunConfig, stop: _StopOnSignal, summary: dict[str,
     from miles.ray.placement_group import bundle_nodes, create_placement_group, remove
     from miles.ray.rollout_manager import RolloutManager
     from miles.ray.train_group import RayTrainGroup
+    from miles.ray.weight_sync import WeightSync
 
     t_run = time.perf_counter()
     metrics_path = config.logging.metrics_file
@@ -300,14 +310,15 @@ def _run_holding_root(config: RunConfig, stop: _StopOnSignal, summary: dict[str,
         cursor = _DataCursor(make_prompt_source(config), data_position)
 
         # engines start from the trainer's weights (matters after --load or with a pretrained model)
-        rollout.update_weights(train_group.export_weights(), version=start_rollout)
+        weight_sync = WeightSync(config, train_group, rollout, infos, engine_infos, use_gpu)
+        weight_sync.push(start_rollout)
         if config.offload.offload_train:
             train_group.sleep()
 
         sink = MetricsSink(metrics_path, config.logging.tensorboard_dir)
         summary["tensorboard_dir"] = sink.tb_dir if sink.tb is not None else None
         record = _loop(config, range(start_rollout, config.rollout.num_rollout), cursor, tokenizer, train_group,
-                       rollout, sink, summary)
+                       rollout, weight_sync, sink, summary)
         summary["last_record"] = record
     except ActorFailure as e:
         failure = e
@@ -332,8 +343,10 @@ def _run_holding_root(config: RunConfig, stop: _StopOnSignal, summary: dict[str,
     return summary
 
 
-def _loop(config: RunConfig, rollout_ids, cursor, tokenizer, train_group, rollout, sink, summary) -> Optional[dict]:
+def _loop(config: RunConfig, rollout_ids, cursor, tokenizer, train_group, rollout, weight_sync, sink,
+          summary) -> Optional[dict]:
     from miles.rl import compute_rewards, encode_prompts, grpo_advantages
+    from miles.rollout.contract import KV_CACHE, WEIGHTS
     from miles.rollout.types import SamplingParams
 
     offload = config.offload.offload_train
@@ -359,14 +372,13 @@ def _loop(config: RunConfig, rollout_ids, cursor, tokenizer, train_group, rollou
 
             t = time.perf_counter()
             if colocate:
-                rollout.release_memory()
+                rollout.release_memory([WEIGHTS, KV_CACHE])
             t_release = time.perf_counter() - t
             t = time.perf_counter()
             wake = train_group.wake() if offload else []
             t_wake = time.perf_counter() - t
             t = time.perf_counter()
             ranks = train_group.train(rollout_id, _shards(samples, advantages, train_group.world_size))
-            weights = train_group.export_weights()
             t_train = time.perf_counter() - t
             if pending is not None:  # the previous checkpoint's streamed state copied during this step
                 _publish(config, train_group, pending, summary)
@@ -388,21 +400,25 @@ def _loop(config: RunConfig, rollout_ids, cursor, tokenizer, train_group, rollou
                 t_save = time.perf_counter() - t
 
             t = time.perf_counter()
+            if colocate:
+                rollout.resume_memory([WEIGHTS])
+            t_resume = time.perf_counter() - t
+            t = time.perf_counter()
+            handoff = weight_sync.push(completed)
+            t_sync = time.perf_counter() - t
+            t = time.perf_counter()
             sleep = train_group.sleep() if offload else []
             t_sleep = time.perf_counter() - t
             t = time.perf_counter()
             if colocate:
-                rollout.resume_memory()
-            t_resume = time.perf_counter() - t
-            t = time.perf_counter()
-            rollout.update_weights(weights, version=completed)
-            t_sync = time.perf_counter() - t
+                rollout.resume_memory([KV_CACHE])
+            t_resume += time.perf_counter() - t
 
             timings = {"generate_seconds": t_gen, "engine_release_seconds": t_release, "wake_seconds": t_wake,
                        "train_seconds": t_train, "save_seconds": t_save, "sleep_seconds": t_sleep,
                        "engine_resume_seconds": t_resume, "weight_sync_seconds": t_sync,
                        "step_seconds": time.perf_counter() - t0}
-            record = rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, saved)
+            record = rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, saved, handoff)
             sink.write(record)
             summary["records"].append(record)
             bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:+.3g}")
@@ -413,7 +429,7 @@ def _loop(config: RunConfig, rollout_ids, cursor, tokenizer, train_group, rollou
 
 
 def _save(config: RunConfig, train_group, completed: int, cursor: _DataCursor, wait: bool) -> dict[str, Any]:
-    base = checkpoint.prepare(config.checkpoint.save, completed)
+    base = checkpoint.prepare(config.checkpoint.save, completed, config.run_id)
     train_group.save(base, wait)
     return {"base": base, "completed": completed, "data_state": cursor.state()}
 
@@ -430,6 +446,11 @@ def _publish(config: RunConfig, train_group, pending: dict[str, Any], summary: d
     checkpoint.publish(config.checkpoint.save, base)
     summary["checkpoints"].append(base)
     summary["latest_checkpoint"] = base
+    keep_latest = config.checkpoint.save_keep_latest
+    if keep_latest is not None:
+        loaded = summary.get("loaded_checkpoint")  # set only when this run resumed from a checkpoint
+        removed = checkpoint.remove_beyond_latest(config.checkpoint.save, keep_latest, [loaded] if loaded else [])
+        summary["checkpoints"] = [c for c in summary["checkpoints"] if c not in removed]
     logger.info("checkpoint complete: %s%s", base,
                 "" if waited else " (optimizer state copied in the background during the next rollout)")
 

@@ -9,7 +9,8 @@ Lifecycle, as :class:`miles.ray.train_actor.TrainActor` calls it::
     trainer = Backend(config, rank=r, world_size=n, cell=c, rank_dir=d)   # cheap: nothing loaded yet
     info = trainer.init("127.0.0.1:29500")      # process group at host:port, model, optimizer, store, offloader
     metrics = trainer.train(rollout_id, samples, advantages)              # one optimizer step
-    weights = trainer.export_weights()          # {HF-layout name: host tensor} for the rollout engines
+    trainer.join_weight_group(spec)             # the source of the weight-update group (engines elsewhere)
+    stats = trainer.push_weights(ipc_engines, group_engines)   # weights to the engines, by reference
     trainer.save(base, wait); trainer.finish_save(); trainer.load(base, load_optimizer)
     trainer.sleep(); trainer.wake()             # idempotent; dicts of offload stats
     trainer.shutdown()                          # closes files, removes rank_dir; idempotent
@@ -26,7 +27,7 @@ import contextlib
 import importlib
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from miles.config import RunConfig
 from miles_plugins.optimizers.streaming.io.ownership import DirectoryLock, claim_directory, remove_created
@@ -111,6 +112,7 @@ class TrainBackend(abc.ABC):
         self.rank_dir_lock: Optional[DirectoryLock] = None
         self.store = None  # the optimizer-state store when streaming (anything with close())
         self.offloader = None  # the sleep/wake offloader when --offload-train (miles.offload)
+        self.weight_group = None  # the weight-update group, when this rank is its source
         self.closed = False
 
     @contextlib.contextmanager
@@ -138,6 +140,8 @@ class TrainBackend(abc.ABC):
                 logger.exception("closing the optimizer-state store failed")
         if self.offloader is not None:
             self.offloader.close()
+        if self.weight_group is not None:
+            self.weight_group.destroy()
         return True
 
     def claim_rank_dir(self) -> None:
@@ -176,8 +180,35 @@ class TrainBackend(abc.ABC):
         """One optimizer step over this rank's share of a rollout; returns the step's metrics."""
 
     @abc.abstractmethod
+    def hf_weights(self) -> Iterator[tuple[str, Any]]:
+        """The full weights as ``(HF-layout name, tensor on this rank's device)`` pairs (what the rollout
+        engine's model expects), converted lazily; a collective when the backend shards weights over ranks
+        (expert parallelism), so every rank iterates it. The trainer must be awake."""
+
     def export_weights(self) -> dict[str, Any]:
-        """The full weights on the host, HF-layout names (what the rollout engine's model expects)."""
+        """A host copy of :meth:`hf_weights` (checks and tests; the RL loop hands weights over by reference)."""
+        with self.awake():
+            return {name: t.detach().to("cpu", copy=True) for name, t in self.hf_weights()}
+
+    def join_weight_group(self, spec: dict[str, Any]) -> None:
+        """Join the weight-update group as its source, rank 0 (``spec``: ``master_address``, ``master_port``,
+        ``world_size``, ``backend``), while the engines join it at ranks 1..n."""
+        from miles.ray.weight_sync import GROUP_NAME
+        from miles.weights import WeightUpdateGroup
+
+        self.weight_group = WeightUpdateGroup(rank=0, group_name=GROUP_NAME, **spec)
+
+    def push_weights(self, ipc_engines: list, group_engines: list) -> dict[str, Any]:
+        """Hand the weights to the rollout engines (:func:`miles.ray.weight_sync.push_weights`): by
+        reference to ``ipc_engines``, by broadcast over the weight-update group to ``group_engines``.
+        Every rank calls it (see :meth:`hf_weights`); an engine's session is opened and closed by the driver."""
+        from miles.ray.weight_sync import push_weights
+
+        mb = self.config.rollout.weight_sync_bucket_mb
+        with self.awake():
+            stats = push_weights(self.hf_weights(), ipc_engines=ipc_engines, group=self.weight_group,
+                                 group_engines=group_engines, max_bucket_bytes=mb * 2**20)
+        return {"rank": self.rank, **stats}
 
     @abc.abstractmethod
     def save(self, base: str, wait: bool = True) -> dict[str, Any]:

@@ -7,10 +7,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import checkpoint, megatron, stream
+from miles.cli import DefaultsHelpFormatter
+
+from . import checkpoint, megatron, rl, stream
 from .common import describe
 
-BENCHMARKS = (stream, checkpoint, megatron)
+BENCHMARKS = (stream, checkpoint, megatron, rl)
 
 
 def main(argv=None) -> int:
@@ -19,7 +21,7 @@ def main(argv=None) -> int:
                                 metavar="{" + ",".join(m.NAME for m in BENCHMARKS) + "}")
     for module in BENCHMARKS:
         p = sub.add_parser(module.NAME, help=module.HELP, description=describe(module),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=DefaultsHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(func=module.run)
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))

@@ -103,7 +103,8 @@ class RolloutConfig:
     """Generation of samples."""
 
     rollout_engine: str = knob(
-        "embedded", "Rollout engine: embedded torch generation in a Ray actor (sglang: not wired yet, rejected).",
+        "embedded", "Rollout engine: embedded torch generation in a Ray actor. sglang is refused: miles train does "
+        "not drive an sglang engine yet.",
         choices=("embedded", "sglang"),
     )
     prompt_data: Optional[str] = knob(
@@ -119,6 +120,15 @@ class RolloutConfig:
     rollout_temperature: float = knob(1.0, "Sampling temperature (> 0).")
     rollout_top_p: float = knob(1.0, "Nucleus sampling threshold in (0, 1].")
     rollout_seed: int = knob(42, "Seed of prompt order and sampling (rollout i samples with seed + i).")
+    weight_sync: str = knob(
+        "auto", "How trained weights reach the rollout engines, never through Ray's object store: ipc hands "
+        "each engine flattened weight buckets by reference (CUDA IPC handles on the GPU it shares with a train "
+        "rank under --colocate; a shared-memory file on CPU, same node); distributed broadcasts the buckets over "
+        "a weight-update process group (NCCL on GPU, gloo on CPU) for engines on other GPUs or nodes; auto picks "
+        "ipc when every engine can take it, else distributed.", choices=("auto", "ipc", "distributed"))
+    weight_sync_bucket_mb: int = knob(
+        512, "Largest flattened weight bucket of the handoff (MiB): the trainer's device holds about one bucket "
+        "beyond the model while it hands the weights over (a tensor larger than this is a bucket of its own).")
 
 
 @dataclass(frozen=True)
@@ -199,9 +209,12 @@ class OptimizerConfig:
     )
     use_precision_aware_optimizer: bool = knob(False, "Megatron's precision-aware optimizer (megatron backend).")
     optimizer_cpu_offload: bool = knob(False, "Megatron's optimizer CPU offload (megatron backend).")
-    reset_optimizer_states: bool = knob(False, "Reset the optimizer state after every rollout (Megatron flag; not implemented here, rejected).")
-    save_local_weight_checksum: bool = knob(False, "Save per-rank weight checksums with checkpoints (Megatron flag; not implemented here, rejected).")
-    enable_witness: bool = knob(False, "Optimizer-state witness (miles flag; not implemented here, rejected).")
+    reset_optimizer_states: bool = knob(False, "Reset the optimizer state after every rollout (a Megatron flag, accepted "
+                                       "in command lines): refused, since no backend here implements it.")
+    save_local_weight_checksum: bool = knob(False, "Save per-rank weight checksums with checkpoints (a Megatron flag, "
+                                           "accepted in command lines): refused, since no backend here implements it.")
+    enable_witness: bool = knob(False, "Optimizer-state witness (a miles flag, accepted in command lines): refused, "
+                                "since no backend here implements it.")
 
 
 @dataclass(frozen=True)
@@ -237,6 +250,10 @@ class CheckpointConfig:
     save: Optional[str] = knob(None, "Checkpoint directory to save to.", metavar="DIR")
     load: Optional[str] = knob(None, "Checkpoint directory to resume from (must exist).", metavar="DIR")
     save_interval: Optional[int] = knob(None, "Save every N rollouts (and at the end); needs --save.", metavar="N")
+    save_keep_latest: Optional[int] = knob(
+        None, "After each checkpoint, remove the complete checkpoints under --save beyond the newest N (by rollout "
+        "number); the latest and the one --load resumed from always stay. Default: keep every checkpoint.",
+        metavar="N")
     no_load_optim: bool = knob(False, "With --load: load weights but not the optimizer state.")
     finetune: bool = knob(False, "With --load: load weights only and restart the rollout count at 0.")
 
@@ -245,8 +262,12 @@ class CheckpointConfig:
 class LoggingConfig:
     """Metrics and logs."""
 
-    metrics_file: Optional[str] = knob(None, "Append one JSON object of metrics per rollout to this file.", metavar="PATH")
-    tensorboard_dir: Optional[str] = knob(None, "Write TensorBoard scalars here.", metavar="DIR")
+    metrics_file: Optional[str] = knob(None, "Append one JSON object of metrics per rollout to this file. Default: "
+                                       "<run dir>/metrics.jsonl, the run dir being --save when given, else "
+                                       "./runs/<run id>.", metavar="PATH")
+    tensorboard_dir: Optional[str] = knob(None, "Write TensorBoard scalars here. Default: tensorboard/ next to the metrics "
+                                         "file, when TensorBoard is installed (else metrics go to the file only).",
+                                         metavar="DIR")
     log_level: str = knob("INFO", "Log level.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 

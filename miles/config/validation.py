@@ -14,12 +14,22 @@ Besides flag combinations it rejects, before any actor starts:
 - a directory the run writes (``--offload-train-disk-dir`` when something writes there, ``--save``,
   the metrics file's folder, ``--tensorboard-dir``) that is a file, sits under a file, or is not
   writable;
+- a root that is ``/``, a system directory (``/proc``, ``/etc``, ``/usr``, ``/var`` but ``/var/tmp``, ...)
+  or the home directory itself: the run creates its folders there and removes them at its end;
+- a ``--save``, ``--load``, ``--metrics-file`` or ``--tensorboard-dir`` inside a directory the run creates
+  and removes (``trainer/``, ``optimizer_state/``, ``rollout/`` under the root, and the root itself when
+  it does not exist yet): it would be deleted with them;
 - a filesystem with less free space than the run will write there, computed from the model size
   (:mod:`miles.config.disk_budget`: streamed state, trainer offload, rollout engine backup, and the
   checkpoint copy when ``--save`` is on the same filesystem). When the run joins an existing cluster
   (``RAY_ADDRESS``), the root's filesystem is the driver's node's disk only: it must hold what the ranks
   that can land on that node write; every node's disk is checked once Ray has placed the ranks
-  (:mod:`miles.ray.node_disk`).
+  (:mod:`miles.ray.node_disk`);
+- what this machine cannot hold: a placement group needing more CPUs (``--num-cpus-per-rank`` per train rank,
+  and per rollout engine unless ``--colocate``) than the machine has, when the run starts its own Ray (no
+  ``RAY_ADDRESS``, no Ray already running in this process); colocated engines beyond the train ranks; and a
+  ``--stream-optimizer-state-host-cache-mb`` that the train ranks on this machine together could not hold in
+  its available memory (the ranks that can land here, when joining a cluster).
 
 Resolved values (``None`` after parsing -> concrete in the config):
 
@@ -55,6 +65,8 @@ from miles.config.effective_flags import first_ineffective_flag
 from miles.config.paths import RunPaths, default_root, new_run_id
 from miles.config.run_config import RunConfig
 from miles_plugins.optimizers.streaming.config import HOST_CACHE_AUTO
+from miles_plugins.optimizers.streaming.io.ownership import path_within, system_directory_reason
+from miles_plugins.optimizers.streaming.units import MiB
 
 __all__ = ["ArgumentError", "Environment", "validate_args", "DEFAULT_LR_PRETRAINED", "DEFAULT_LR_TINY"]
 
@@ -134,6 +146,20 @@ def _read_json(path: str) -> dict:
         return json.load(f)
 
 
+def _ray_running_here() -> bool:
+    """Ray is initialized in this process: the run uses that cluster (miles.train starts none)."""
+    ray = sys.modules.get("ray")  # never imported: not running, and validation does not import it
+    return ray is not None and ray.is_initialized()
+
+
+def _host_memory_available() -> Optional[int]:
+    # the store's own reading, so validation and the store judge a host tier by the same number; imported
+    # here because the stager brings torch, which validation loads only when it must
+    from miles_plugins.optimizers.streaming.io.stager import available_host_memory
+
+    return available_host_memory()
+
+
 @dataclass
 class Environment:
     """What validation may look at besides the args. Tests pass a fixed one.
@@ -156,10 +182,15 @@ class Environment:
     scratch_root: Optional[str] = None  # None: $SCRATCH or the system temp dir
     # the cluster to join; None: the run starts its own single-node Ray (miles.train)
     ray_address: Optional[str] = field(default_factory=lambda: os.environ.get("RAY_ADDRESS") or None)
-    # this machine's bundle slots, asked only when joining a cluster: GPUs (when CUDA is available) or CPUs
+    ray_running: Callable[[], bool] = _ray_running_here  # True: the run uses it, whatever ray_address says
+    # this machine's GPUs (when CUDA is available) and CPUs: the Ray cluster a run starts itself has these,
+    # and joining a cluster, this node's bundle slots
     gpu_count: Callable[[], int] = _gpu_count
     cpu_count: Callable[[], int] = _cpu_count
+    host_memory_available: Callable[[], Optional[int]] = _host_memory_available  # bytes; None: unknown
     run_id: Optional[str] = None  # None: "<YYYYmmdd-HHMMSS>-<pid>" (miles.config.paths.new_run_id)
+    real_path: Callable[[str], str] = os.path.realpath  # symbolic links resolved, for the overlap checks
+    home: str = field(default_factory=lambda: os.path.expanduser("~"))  # refused as the root itself
 
 
 def _err(message: str, flags: tuple[str, ...], fix: str) -> ArgumentError:
@@ -185,7 +216,7 @@ def _check_ranges(a: argparse.Namespace) -> None:
     for n in ("num_train_ranks", "num_rollout_engines", "num_cpus_per_rank", "num_rollout",
               "rollout_batch_size", "rollout_max_response_len", "micro_batch_size",
               "stream_optimizer_state_bucket_numel", "stream_optimizer_state_chunk_mb",
-              "offload_train_disk_chunk_mb", "save_interval"):
+              "offload_train_disk_chunk_mb", "save_interval", "save_keep_latest", "weight_sync_bucket_mb"):
         at_least(n, 1)
     if a.n_samples_per_prompt < 2:
         raise _err(
@@ -355,6 +386,14 @@ def _check_rollout(a: argparse.Namespace, env: Environment) -> None:
     if a.rollout_engine == "sglang":
         raise _err("--rollout-engine sglang is not wired into miles train yet.", ("--rollout-engine",),
                    "use --rollout-engine embedded.")
+    if a.weight_sync == "ipc" and env.cuda_available() and not a.colocate:
+        raise _err("--weight-sync ipc on GPUs needs --colocate: a CUDA IPC handle reaches only an engine on the "
+                   "GPU of the train rank that made it.", ("--weight-sync", "--colocate"),
+                   "add --colocate, or pass --weight-sync distributed (auto chooses it for you).")
+    if a.weight_sync == "distributed" and env.cuda_available() and a.colocate:
+        raise _err("--weight-sync distributed with --colocate: NCCL cannot join two processes on one GPU (each "
+                   "engine shares its GPU with a train rank).", ("--weight-sync", "--colocate"),
+                   "drop --weight-sync (auto hands colocated engines the weights by reference).")
     if a.prompt_data is not None:
         if not env.is_file(a.prompt_data):
             raise _err(f"--prompt-data {a.prompt_data}: no such file.", ("--prompt-data",),
@@ -369,6 +408,8 @@ def _check_rollout(a: argparse.Namespace, env: Environment) -> None:
 def _check_checkpoint(a: argparse.Namespace, env: Environment) -> None:
     if a.save_interval is not None and not a.save:
         raise _err("--save-interval needs --save.", ("--save-interval", "--save"), "add --save DIR.")
+    if a.save_keep_latest is not None and not a.save:
+        raise _err("--save-keep-latest needs --save.", ("--save-keep-latest", "--save"), "add --save DIR.")
     if a.finetune and not a.load:
         raise _err("--finetune needs --load (it loads weights from a checkpoint).", ("--finetune", "--load"),
                    "add --load DIR or drop --finetune.")
@@ -472,6 +513,108 @@ def _check_disk(a: argparse.Namespace, env: Environment, model_source: str, root
         _check_free("--save", f"--save {a.save}", save, budget.checkpoint, "one checkpoint", params, env)
 
 
+_ROOT_FLAG = "--offload-train-disk-dir"
+# what each output flag would lose if the run's teardown removed the directory it lies in
+_OUTPUTS = (("save", "--save", "its checkpoints and metrics"), ("load", "--load", "the checkpoint to resume from"),
+            ("metrics_file", "--metrics-file", "the metrics"), ("tensorboard_dir", "--tensorboard-dir",
+                                                                  "the TensorBoard logs"))
+
+
+def _check_root_is_the_runs_own(a: argparse.Namespace, env: Environment, root_is_default: bool) -> None:
+    """The root is not ``/``, a system directory or the home directory itself (as given and resolved)."""
+    root = a.offload_train_disk_dir
+    for candidate in dict.fromkeys((root, env.real_path(root))):
+        why = system_directory_reason(candidate, env.home)
+        if why is not None:
+            raise _err(f"{_label(_ROOT_FLAG, root, root_is_default)} cannot be the run's root: {why}, and the run "
+                       "creates its folders there and removes them when it ends.", (_ROOT_FLAG,),
+                       f"pass a directory of its own for {_ROOT_FLAG}, on a node-local disk (e.g. under $SCRATCH "
+                       "or /tmp).")
+
+
+def _check_outputs_outside_scratch(a: argparse.Namespace, env: Environment, paths: RunPaths,
+                                   metrics_is_default: bool) -> None:
+    """No output of the run lies inside (or is) a directory its teardown removes."""
+    root = paths.root
+    removed = paths.removed_at_exit(root_exists=env.path_exists(root))
+    for attr, flag, loses in _OUTPUTS:
+        given = getattr(a, attr)
+        if not given:
+            continue
+        path = os.path.abspath(given)
+        for directory in removed:
+            if path_within(path, directory) or path_within(env.real_path(path), env.real_path(directory)):
+                created = " (it does not exist yet, so the run creates it)" if directory == root else ""
+                where = _label(flag, given, attr == "metrics_file" and metrics_is_default)
+                raise _err(f"{where} lies inside {directory}{created}, which this run makes under {_ROOT_FLAG} "
+                           f"and removes, with everything in it, when it ends: {loses} would be deleted.",
+                           (flag, _ROOT_FLAG), f"pass a {flag} outside {root} (e.g. next to it), or a {_ROOT_FLAG} "
+                           f"that does not contain {given}.")
+
+
+# ------------------------------------------------------------------------------------------ machine
+
+_HOST_CACHE_FLAG = "--stream-optimizer-state-host-cache-mb"
+
+
+def _bundles(a: argparse.Namespace) -> int:
+    """The placement group's bundles (miles.ray.layout.bundle_specs): one per train rank, and one per
+    rollout engine unless the engines share the train ranks' bundles (--colocate)."""
+    return a.num_train_ranks + (0 if a.colocate else a.num_rollout_engines)
+
+
+def _starts_own_ray(env: Environment) -> bool:
+    """The run starts a single-node Ray cluster on this machine (miles.train), rather than joining one."""
+    return env.ray_address is None and not env.ray_running()
+
+
+def _check_fits_this_machine(a: argparse.Namespace, env: Environment) -> None:
+    """What Ray would only find out after its placement group timed out, or the store once the actors are
+    up: checked here against this machine's CPUs and available memory."""
+    if a.colocate and a.num_rollout_engines > a.num_train_ranks:
+        raise _err(f"--colocate places each rollout engine on a train rank's bundle, and --num-rollout-engines "
+                   f"{a.num_rollout_engines} is more than --num-train-ranks {a.num_train_ranks}.",
+                   ("--colocate", "--num-rollout-engines", "--num-train-ranks"),
+                   f"pass --num-rollout-engines {a.num_train_ranks} or fewer, or drop --colocate.")
+    if _starts_own_ray(env):
+        _check_fits_own_ray(a, env)
+    _check_host_tier_fits(a, env)
+
+
+def _check_fits_own_ray(a: argparse.Namespace, env: Environment) -> None:
+    """The placement group fits the CPUs of the single-node Ray cluster the run starts (Ray gives it the
+    machine's CPUs); otherwise Ray would wait for it until its timeout."""
+    bundles = _bundles(a)
+    spelled = (f"--num-train-ranks {a.num_train_ranks}" if a.colocate else
+               f"--num-train-ranks {a.num_train_ranks} + --num-rollout-engines {a.num_rollout_engines} (not colocated)")
+    fix = ("lower --num-train-ranks, --num-rollout-engines or --num-cpus-per-rank"
+           + ("" if a.colocate else ", add --colocate (the engines then share the train ranks' bundles)")
+           + ", or run on a larger machine (RAY_ADDRESS joins an existing cluster).")
+    cpus, need = env.cpu_count(), bundles * a.num_cpus_per_rank
+    if need > cpus:
+        raise _err(f"{spelled} = {bundles} bundles x --num-cpus-per-rank {a.num_cpus_per_rank} = {need} CPUs, and "
+                   f"this machine has {cpus} for the Ray cluster the run starts.",
+                   ("--num-train-ranks", "--num-rollout-engines", "--num-cpus-per-rank"), fix)
+
+
+def _check_host_tier_fits(a: argparse.Namespace, env: Environment) -> None:
+    """Every train rank on this machine takes a host tier of its own, and together they must fit the memory
+    the host has available (the store refuses one rank's tier larger than that, once the actors are up)."""
+    per_rank = a.stream_optimizer_state_host_cache_mb
+    if not a.stream_optimizer_state_to_disk or per_rank == HOST_CACHE_AUTO or not per_rank:
+        return
+    ranks = a.num_train_ranks if _starts_own_ray(env) else ranks_on_driver_node(
+        a.num_train_ranks, _driver_node_slots(a, env))
+    available = env.host_memory_available()
+    if available is None or not ranks or ranks * per_rank * MiB <= available:
+        return
+    raise _err(f"{_HOST_CACHE_FLAG} {per_rank} asks {per_rank * MiB / GIB:.2f} GiB of host RAM for the host tier of "
+               f"each of the {ranks} train ranks on this machine ({ranks * per_rank * MiB / GIB:.2f} GiB in all), "
+               f"and it has {available / GIB:.2f} GiB available.", (_HOST_CACHE_FLAG,),
+               f"pass at most {available // ranks // MiB} MiB ({available / GIB:.2f} GiB over {ranks} ranks), or "
+               f"{HOST_CACHE_AUTO} (fit to the free memory when the store is built).")
+
+
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -521,8 +664,12 @@ def validate_args(args: argparse.Namespace, env: Environment | None = None) -> R
     a.offload_train_disk_dir = default_root(run_id, env.scratch_root) if root_is_default else os.path.abspath(
         a.offload_train_disk_dir)
     run_dir = os.path.abspath(a.save or os.path.join("runs", run_id))
+    metrics_is_default = a.metrics_file is None
     a.metrics_file = os.path.abspath(a.metrics_file or os.path.join(run_dir, "metrics.jsonl"))
     _check_disk(a, env, model_source, root_is_default)
+    _check_root_is_the_runs_own(a, env, root_is_default)
     paths = RunPaths(root=a.offload_train_disk_dir, run_dir=run_dir, root_is_default=root_is_default)
+    _check_outputs_outside_scratch(a, env, paths, metrics_is_default)
+    _check_fits_this_machine(a, env)
     groups = {title: _group(cls, a) for title, cls in CONFIG_GROUPS}
     return RunConfig(**groups, paths=paths, model_source=model_source, run_id=run_id, ray_address=env.ray_address)

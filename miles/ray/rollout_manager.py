@@ -1,4 +1,5 @@
-"""The rollout manager: the rollout engine actors (the embedded torch engine) behind one interface.
+"""The rollout manager: the rollout engine actors behind the rollout-engine contract
+(:class:`miles.rollout.contract.RolloutEngine`; the embedded torch engine implements it).
 
 With several engines the prompts are split into contiguous slices, one per engine, and the samples
 come back in prompt-major order (the ``n`` samples of prompt ``i`` at ``[i * n, (i + 1) * n)``), which
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 from miles.config import RunConfig
 from miles.logging_setup import configure_logging
@@ -40,19 +41,39 @@ class RolloutEngineActor:
 
     def info(self) -> dict[str, Any]:
         return {"engine": self.engine_id, "pid": os.getpid(), "node_id": node_id(), "description": self.engine.get_description(),
-                "device": str(self.engine.device)}
+                "device": str(self.engine.device), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
-    def generate(self, prompts, sampling) -> list:
-        return self.engine.generate(prompts, sampling)
+    # The rollout-engine contract (miles.rollout.contract.RolloutEngine), one Ray method each: the driver
+    # calls the memory and session methods, the train ranks the two update methods, bucket by bucket.
+    def generate(self, input_ids, sampling_params, return_logprob: bool = True) -> list:
+        return self.engine.generate(input_ids, sampling_params, return_logprob)
 
-    def release_memory(self) -> dict:
-        return self.engine.release_memory()
+    def release_memory_occupation(self, tags=None) -> dict:
+        return self.engine.release_memory_occupation(tags)
 
-    def resume_memory(self) -> dict:
-        return self.engine.resume_memory()
+    def resume_memory_occupation(self, tags=None) -> dict:
+        return self.engine.resume_memory_occupation(tags)
 
-    def update_weights(self, weights, version: Optional[int] = None) -> int:
-        return self.engine.update_weights(weights, version)
+    def begin_weight_update(self, version: int) -> None:
+        self.engine.begin_weight_update(version)
+
+    def end_weight_update(self, version: int) -> dict:
+        return self.engine.end_weight_update(version)
+
+    def update_weights_from_tensor(self, serialized_named_tensors, load_format="flattened_bucket",
+                                   flush_cache: bool = False) -> dict:
+        return self.engine.update_weights_from_tensor(serialized_named_tensors, load_format, flush_cache)
+
+    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
+                                  backend) -> None:
+        self.engine.init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name,
+                                              backend)
+
+    def update_weights_from_distributed(self, bucket_specs, group_name, src: int = 0) -> dict:
+        return self.engine.update_weights_from_distributed(bucket_specs, group_name, src)
+
+    def flush_cache(self) -> None:
+        self.engine.flush_cache()
 
     def close(self) -> bool:
         self.engine.close()
@@ -89,19 +110,32 @@ class RolloutManager:
                 samples.append(s)
         return samples
 
-    def release_memory(self) -> list[dict]:
-        out = self._all("release_memory")
+    def release_memory(self, tags=None) -> list[dict]:
+        """``release_memory_occupation(tags)`` on every engine (None: weights and KV cache)."""
+        out = self._all("release_memory_occupation", tags)
         self.released = True
         return out
 
-    def resume_memory(self) -> list[dict]:
-        out = self._all("resume_memory")
+    def resume_memory(self, tags=None) -> list[dict]:
+        """``resume_memory_occupation(tags)`` on every engine (None: weights and KV cache)."""
+        out = self._all("resume_memory_occupation", tags)
         self.released = False
         return out
 
-    def update_weights(self, weights_ref, version: Optional[int] = None) -> list[int]:
-        return wait_all([e.update_weights.remote(weights_ref, version) for e in self.engines], "update_weights",
-                        self.labels)
+    def begin_weight_update(self, version: int) -> None:
+        self._all("begin_weight_update", version)
+
+    def end_weight_update(self, version: int) -> list[dict]:
+        return self._all("end_weight_update", version)
+
+    def join_weight_group(self, spec: dict[str, Any], engine_ids) -> list:
+        """Refs of the given engines joining the weight-update group at ranks 1.. (the train source is 0);
+        the caller waits for them together with the source's join (the rendezvous needs both sides)."""
+        from .weight_sync import GROUP_NAME
+
+        return [self.engines[i].init_weights_update_group.remote(spec["master_address"], spec["master_port"], 1 + k,
+                                                                 spec["world_size"], GROUP_NAME, spec["backend"])
+                for k, i in enumerate(engine_ids)]
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         close_then_kill(self.engines, "close", timeout_s)

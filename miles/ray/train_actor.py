@@ -65,8 +65,11 @@ class TrainActor:
     def train(self, rollout_id: int, samples: list, advantages: list) -> dict[str, Any]:
         return self.trainer.train(rollout_id, samples, advantages)
 
-    def export_weights(self):
-        return self.trainer.export_weights()
+    def join_weight_group(self, spec: dict[str, Any]) -> None:
+        self.trainer.join_weight_group(spec)
+
+    def push_weights(self, ipc_engines: list, group_engines: list) -> dict[str, Any]:
+        return self.trainer.push_weights(ipc_engines, group_engines)
 
     def save(self, base: str, wait: bool = True) -> dict[str, Any]:
         return self.trainer.save(base, wait)

@@ -53,13 +53,18 @@ class RayTrainGroup:
         refs = [a.train.remote(rollout_id, samples, adv) for a, (samples, adv) in zip(self.actors, shards)]
         return wait_all(refs, f"train (rollout {rollout_id})", self.labels)
 
-    def export_weights(self):
-        """An ObjectRef to the full HF-layout weights from rank 0. With expert parallelism every rank
-        holds only its experts and the export gathers them (a collective), so every rank is called."""
-        actors = self.actors if self.config.training.expert_model_parallel_size > 1 else self.actors[:1]
-        refs = [a.export_weights.remote() for a in actors]
-        wait_all(refs, "export_weights", self.labels[:len(refs)])
-        return refs[0]
+    def push_weights(self, routes, engines: list) -> list[dict[str, Any]]:
+        """Every rank hands its weights to the engines ``routes`` give it (:mod:`miles.ray.weight_sync`):
+        by reference to ``routes.ipc[rank]``, and rank 0 by broadcast to ``routes.broadcast``. Every rank is
+        called: with expert parallelism the weights' iteration gathers experts (a collective)."""
+        refs = [a.push_weights.remote([engines[i] for i in routes.ipc.get(r, ())],
+                                      [engines[i] for i in routes.broadcast] if r == 0 else [])
+                for r, a in enumerate(self.actors)]
+        return wait_all(refs, "push_weights", self.labels)
+
+    def join_weight_group(self, spec: dict[str, Any]):
+        """The ref of rank 0 joining the weight-update group as its source (waited for with the engines')."""
+        return self.actors[0].join_weight_group.remote(spec)
 
     def save(self, base: str, wait: bool = True) -> list[dict[str, Any]]:
         return self._all("save", base, wait)

@@ -1,12 +1,13 @@
-"""Rollout engines.
+"""Rollout engines, all behind one contract (:class:`miles.rollout.contract.RolloutEngine`).
 
-    from miles.rollout import EmbeddedRolloutEngine, SamplingParams, Sample, remote_engine_class
+    from miles.rollout import EmbeddedRolloutEngine, RolloutEngine, SamplingParams, Sample, remote_engine_class
     Engine = remote_engine_class(num_cpus=1)          # = ray.remote(num_cpus=1)(EmbeddedRolloutEngine)
     engine = Engine.remote(args, engine_id=0)
 """
 
 from typing import Any
 
+from miles.rollout.contract import RolloutEngine  # noqa: F401
 from miles.rollout.types import Sample, SamplingParams  # noqa: F401
 
 

@@ -1,20 +1,26 @@
 """The embedded rollout engine: batched torch generation with the policy's own model class.
 
-A plain class; as a Ray actor use ``ray.remote(EmbeddedRolloutEngine)`` (or
-:func:`miles.rollout.remote_engine_class`). Every public method takes and returns picklable values.
+It implements :class:`miles.rollout.contract.RolloutEngine` (the module docstring there has the memory
+states and the colocated order). A plain class; as a Ray actor use ``ray.remote(EmbeddedRolloutEngine)``
+(or :func:`miles.rollout.remote_engine_class`). Every public method takes and returns picklable values.
 
-    engine = EmbeddedRolloutEngine(config)                      # loads miles.models.load_policy(config)
-    samples = engine.generate(prompt_ids, SamplingParams(...))  # list[Sample], prompt-major
-    engine.release_memory(); engine.resume_memory()             # sleep / wake (idempotent)
-    engine.update_weights(state_dict_or_named_tensors)          # after each train step
+    engine = EmbeddedRolloutEngine(config)                        # loads miles.models.load_policy(config)
+    samples = engine.generate(prompt_ids, SamplingParams(...))    # list[Sample], prompt-major
+    engine.release_memory_occupation()                            # sleep: weights and kv_cache
+    engine.resume_memory_occupation(["weights"])
+    engine.begin_weight_update(v); engine.update_weights_from_tensor([...]); engine.end_weight_update(v)
+    engine.resume_memory_occupation(["kv_cache"])
     engine.close()
 
-Memory release uses the trainer's sleep/wake mechanism, :class:`miles.offload.StorageOffloader`: on
-CPU the weights' storages are written to ``<backup_dir>/offload.bin`` and resized to 0 bytes (the RAM
+``"weights"`` are released with the trainer's sleep/wake mechanism, :class:`miles.offload.StorageOffloader`:
+on CPU the weights' storages are written to ``<backup_dir>/offload.bin`` and resized to 0 bytes (the RAM
 is returned); on CUDA they are copied to host memory (``backup="cpu"``, default) or to the same file
 (``backup="disk"``) and freed. Resume restores them bit-exactly into the same storages (parameter
 objects are unchanged). A loaded checkpoint's storages (mmap'ed safetensors, tied embeddings) are made
 resizable once, at construction (:func:`miles.offload.make_resizable`).
+
+``"kv_cache"`` is the static decoders' memory (:mod:`miles.rollout.decode`: static KV caches, decode
+buffers, CUDA graphs), freed on release and allocated again by the next ``generate`` for its shape.
 """
 
 from __future__ import annotations
@@ -23,12 +29,15 @@ import gc
 import logging
 import shutil
 import tempfile
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
 from miles.config import RunConfig
 from miles.offload import StorageOffloader, make_resizable
+from miles.rollout import decode
+from miles.rollout.contract import FLATTENED_BUCKET, KV_CACHE, LOAD_FORMATS, WEIGHTS, check_memory_tags
 from miles.rollout.types import Sample, SamplingParams
 from miles_plugins.optimizers.streaming.config import DEFAULT_CHUNK_MB
 
@@ -36,21 +45,28 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["EmbeddedRolloutEngine"]
 
-WeightsLike = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+GROUP_BACKENDS = ("gloo", "nccl")
 
 
-def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    if top_p >= 1.0:
-        return probs
-    sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
-    cum = torch.cumsum(sorted_p, dim=-1)
-    remove = (cum - sorted_p) > top_p  # keep the smallest prefix whose mass reaches top_p (>= 1 token)
-    sorted_p = sorted_p.masked_fill(remove, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+@dataclass
+class _UpdateSession:
+    version: int
+    tensors: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class _Group:
+    group: Any            # miles.weights.WeightUpdateGroup
+    receive_device: torch.device
+
+
+def _few(names: list[str], limit: int = 5) -> str:
+    return f"{names[:limit]}{f' and {len(names) - limit} more' if len(names) > limit else ''}"
 
 
 class EmbeddedRolloutEngine:
-    """Generates samples with log-probs; can release/resume its memory and take new weights.
+    """Generates samples with log-probs; releases/resumes its memory by tag and takes new weights.
 
     Args:
         config: the run's :class:`~miles.config.RunConfig` (loads the model when ``model`` is None; the
@@ -62,6 +78,9 @@ class EmbeddedRolloutEngine:
         backup_dir: where the disk backup goes (default ``config.paths.engine_dir(engine_id)``, else a
             fresh temporary directory). Removed by :meth:`close` when this engine created it.
         max_batch_size: sequences generated together.
+        static_cache: decode with static KV caches (default: on CUDA, for full-attention models).
+        cuda_graphs: replay one captured CUDA graph per decode step (default: with a static cache on
+            CUDA; needs both).
     """
 
     def __init__(
@@ -76,22 +95,29 @@ class EmbeddedRolloutEngine:
         backup_dir: Optional[str] = None,
         engine_id: int = 0,
         max_batch_size: int = 64,
+        static_cache: Optional[bool] = None,
+        cuda_graphs: Optional[bool] = None,
     ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if model is None or tokenizer is None:
             if config is None:
                 raise ValueError("EmbeddedRolloutEngine needs a RunConfig or (model, tokenizer)")
             from miles.models import load_policy
 
             model, tokenizer, description = load_policy(config, device=self.device)
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model.to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        make_resizable(self.model)  # release_memory resizes storages; a loaded checkpoint's cannot be
+        make_resizable(self.model)  # releasing "weights" resizes storages; a loaded checkpoint's cannot be
         self.tokenizer = tokenizer
         self.description = description or type(model).__name__
         self.engine_id = engine_id
         self.max_batch_size = max_batch_size
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.backup = backup or ("disk" if self.device.type == "cpu" else "cpu")
         if backup_dir is None and config is not None:
             backup_dir = config.paths.engine_dir(engine_id)
@@ -106,19 +132,38 @@ class EmbeddedRolloutEngine:
         # every weight and buffer, tied ones under each name (the offloader backs each storage up once)
         self._tensors = [t for _, t in self.model.named_parameters(remove_duplicate=False)]
         self._tensors += [t for _, t in self.model.named_buffers(remove_duplicate=False)]
+        self._name_to_tensor = dict(self.model.named_parameters(remove_duplicate=False))
+        self._name_to_tensor.update(dict(self.model.named_buffers(remove_duplicate=False)))
         self.weight_version = 0
         seed = config.rollout.rollout_seed if config is not None else 0
         self._generator = torch.Generator(device=self.device).manual_seed(int(seed) * 7919 + engine_id)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.stop_token_ids = self._default_stop_ids()
-        # transformers >= 5.2x names the KV cache argument ``cache`` (``past_key_values`` is deprecated)
-        import inspect
+        self.static_cache, self.cuda_graphs = self._choose_decoding(static_cache, cuda_graphs)
+        if self.static_cache:
+            decode.use_packed_gqa_attention(self.model)
+        self._static = decode.StaticDecoderPool(self.model, self.cuda_graphs)
+        self._check_every = 1 if self.device.type == "cpu" else decode.CUDA_CHECK_EVERY
+        self._kv_cache_resident = True
+        self._generating = False
+        self._session: Optional[_UpdateSession] = None
+        self._groups: dict[str, _Group] = {}
+        self._closed = False
+        logger.info("rollout engine %d: %s on %s (%s)", engine_id, self.description, self.device,
+                    "static cache, CUDA graphs" if self.cuda_graphs else
+                    "static cache" if self.static_cache else "dynamic cache")
 
-        fwd = inspect.signature(self.model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in fwd else "past_key_values"
-        self._name_to_tensor = dict(self.model.named_parameters(remove_duplicate=False))
-        self._name_to_tensor.update(dict(self.model.named_buffers(remove_duplicate=False)))
-        logger.info("rollout engine %d: %s on %s", engine_id, self.description, self.device)
+    def _choose_decoding(self, static_cache: Optional[bool], cuda_graphs: Optional[bool]) -> tuple[bool, bool]:
+        supported = decode.supports_static_cache(self.model)
+        if static_cache and not supported:
+            raise ValueError(f"static_cache=True: {self.description} has sliding-window layers, which the static "
+                             "decoder's causal mask does not model; leave static_cache unset")
+        static = (self.device.type == "cuda" and supported) if static_cache is None else bool(static_cache)
+        if cuda_graphs and not (static and self.device.type == "cuda"):
+            raise ValueError(f"cuda_graphs=True needs a static cache on CUDA (device {self.device}, static_cache="
+                             f"{static}); leave cuda_graphs unset")
+        graphs = (static and self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
+        return static, graphs
 
     # ---------------------------------------------------------------------------------- info
 
@@ -126,8 +171,7 @@ class EmbeddedRolloutEngine:
         ids = set()
         if self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
-        gc_ = getattr(self.model, "generation_config", None)
-        eos = getattr(gc_, "eos_token_id", None) if gc_ is not None else None
+        eos = self.model.generation_config.eos_token_id if self.model.generation_config is not None else None
         if isinstance(eos, int):
             ids.add(eos)
         elif isinstance(eos, (list, tuple)):
@@ -140,176 +184,276 @@ class EmbeddedRolloutEngine:
     def get_weight_version(self) -> int:
         return self.weight_version
 
-    def is_memory_released(self) -> bool:
-        return self._offloader.asleep
-
     def health(self) -> bool:
-        return True
+        return not self._closed
+
+    def _released_tags(self) -> list[str]:
+        return ([WEIGHTS] if self._offloader.asleep else []) + ([] if self._kv_cache_resident else [KV_CACHE])
 
     # ---------------------------------------------------------------------------------- generate
 
-
-    @staticmethod
-    def _get_cache(out: Any) -> Any:
-        if "cache" in out.keys():
-            return out["cache"]
-        return out["past_key_values"]
-
-    def _encode(self, prompts: Sequence[Union[str, Sequence[int]]]) -> list[list[int]]:
-        out = []
-        for p in prompts:
-            if isinstance(p, str):
-                out.append(list(self.tokenizer(p, add_special_tokens=False)["input_ids"]))
-            else:
-                out.append([int(t) for t in p])
-            if not out[-1]:
-                raise ValueError("empty prompt")
-        return out
+    def _check_prompts(self, input_ids: Sequence[Sequence[int]]) -> list[list[int]]:
+        if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence):
+            raise TypeError(f"generate takes input_ids, a list of token-id lists, got {type(input_ids).__name__}")
+        prompts = []
+        for i, ids in enumerate(input_ids):
+            if isinstance(ids, str) or not isinstance(ids, Sequence):
+                raise TypeError(f"input_ids[{i}] is a {type(ids).__name__}, not a list of token ids: tokenize "
+                                "prompts first (miles.rl.encode_prompts)")
+            if not ids:
+                raise ValueError(f"input_ids[{i}] is empty")
+            prompt = [int(t) for t in ids]
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"input_ids[{i}] has token ids {_few(bad)} outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+            prompts.append(prompt)
+        return prompts
 
     @torch.no_grad()
-    def generate(
-        self, prompts: Sequence[Union[str, Sequence[int]]], sampling: Union[SamplingParams, dict, None] = None
-    ) -> list[Sample]:
-        """Sample ``sampling.n`` responses per prompt (prompts: token-id lists, or strings encoded without
-        added special tokens). Returns prompt-major :class:`Sample` objects with the engine's log-probs."""
-        if self._offloader.asleep:
-            raise RuntimeError("rollout engine memory is released; call resume_memory() before generate()")
-        sp = SamplingParams.coerce(sampling)
-        if sp.n < 1 or sp.max_new_tokens < 1:
-            raise ValueError("n and max_new_tokens must be >= 1")
-        encoded = self._encode(prompts)
-        jobs = [(i, ids) for i, ids in enumerate(encoded) for _ in range(sp.n)]
+    def generate(self, input_ids: Sequence[Sequence[int]], sampling_params: Union[SamplingParams, dict, None] = None,
+                 return_logprob: bool = True) -> list[Sample]:
+        """See :meth:`miles.rollout.contract.RolloutEngine.generate`."""
+        released = self._released_tags()
+        if released:
+            raise RuntimeError(f"rollout engine {self.engine_id}: {released} released; call "
+                               f"resume_memory_occupation({released}) before generate()")
+        if self._session is not None:
+            raise RuntimeError(f"rollout engine {self.engine_id}: weight update to version {self._session.version} "
+                               "in progress; call end_weight_update() before generate()")
+        sp = SamplingParams.coerce(sampling_params).check()
+        prompts = self._check_prompts(input_ids)
+        jobs = [(i, ids) for i, ids in enumerate(prompts) for _ in range(sp.n)]
         gen = self._generator
         if sp.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(int(sp.seed))
         stop = tuple(sp.stop_token_ids) if sp.stop_token_ids is not None else self.stop_token_ids
         samples: list[Sample] = []
-        for start in range(0, len(jobs), self.max_batch_size):
-            chunk = jobs[start : start + self.max_batch_size]
-            for (pi, ids), (resp, lps, reason) in zip(chunk, self._generate_batch([j[1] for j in chunk], sp, stop, gen)):
-                samples.append(
-                    Sample(
-                        index=len(samples),
-                        prompt_index=pi,
-                        prompt_ids=list(ids),
-                        response_ids=resp,
-                        response_logprobs=lps,
+        self._generating = True
+        try:
+            for start in range(0, len(jobs), self.max_batch_size):
+                chunk = jobs[start: start + self.max_batch_size]
+                results = self._generate_batch([ids for _, ids in chunk], sp, stop, gen)
+                for (pi, ids), (resp, lps, reason) in zip(chunk, results):
+                    samples.append(Sample(
+                        index=len(samples), prompt_index=pi, prompt_ids=list(ids), response_ids=resp,
+                        response_logprobs=lps if return_logprob else [],
                         response_text=self.tokenizer.decode(resp, skip_special_tokens=True),
-                        finish_reason=reason,
-                        weight_version=self.weight_version,
-                    )
-                )
+                        finish_reason=reason, weight_version=self.weight_version,
+                    ))
+        finally:
+            self._generating = False
         return samples
 
     def _generate_batch(self, batch: list[list[int]], sp: SamplingParams, stop: tuple[int, ...], gen):
-        dev = self.device
-        B = len(batch)
-        P = max(len(x) for x in batch)
-        input_ids = torch.full((B, P), self.pad_token_id, dtype=torch.long, device=dev)
-        mask = torch.zeros((B, P), dtype=torch.long, device=dev)
-        for i, ids in enumerate(batch):  # left padding
-            input_ids[i, P - len(ids) :] = torch.as_tensor(ids, dtype=torch.long)
-            mask[i, P - len(ids) :] = 1
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        stop_t = torch.as_tensor(stop, dtype=torch.long, device=dev) if stop else None
-        finished = torch.zeros(B, dtype=torch.bool, device=dev)
-        tokens, logps = [], []
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True)
-        past = self._get_cache(out)
-        logits = out.logits[:, -1, :].float()
-        for _ in range(sp.max_new_tokens):
-            if sp.temperature and sp.temperature > 0:
-                logp = torch.log_softmax(logits / sp.temperature, dim=-1)
-                probs = _top_p_filter(logp.exp(), sp.top_p)
-                nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-            else:
-                logp = torch.log_softmax(logits, dim=-1)
-                nxt = logits.argmax(dim=-1)
-            lp = logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
-            nxt = torch.where(finished, torch.full_like(nxt, self.pad_token_id), nxt)
-            tokens.append(nxt)
-            logps.append(lp)
-            alive = ~finished
-            if stop_t is not None:
-                finished = finished | (alive & torch.isin(nxt, stop_t))
-            if bool(finished.all()):
-                break
-            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=dev)], dim=1)
-            position_ids = position_ids[:, -1:] + 1
-            out = self.model(
-                input_ids=nxt.unsqueeze(-1), attention_mask=mask, position_ids=position_ids,
-                use_cache=True, **{self._cache_kwarg: past},
-            )
-            past = self._get_cache(out)
-            logits = out.logits[:, -1, :].float()
-        del past, out
-        tok = torch.stack(tokens, dim=1).cpu()
-        lps = torch.stack(logps, dim=1).float().cpu()
-        results = []
+        input_ids, valid = decode.left_pad(batch, self.pad_token_id, self.device)
+        if self.static_cache:
+            decoder = self._static.get(len(batch), input_ids.shape[1] + sp.max_new_tokens - 1)
+        else:
+            decoder = decode.DynamicCacheDecoder(self.model, sp.max_new_tokens)
+        tokens, logprobs = decode.decode(
+            decoder, input_ids, valid, max_new_tokens=sp.max_new_tokens, temperature=sp.temperature,
+            top_p=sp.top_p, stop_ids=stop, pad_id=self.pad_token_id, generator=gen, check_every=self._check_every)
         stop_set = set(stop)
-        for i in range(B):
-            resp, lp, reason = [], [], "length"
-            for t in range(tok.shape[1]):
-                resp.append(int(tok[i, t]))
-                lp.append(float(lps[i, t]))
-                if resp[-1] in stop_set:
-                    reason = "stop"
-                    break
-            results.append((resp, lp, reason))
+        results = []
+        for row_tokens, row_logprobs in zip(tokens.tolist(), logprobs.tolist()):
+            end = next((j + 1 for j, t in enumerate(row_tokens) if t in stop_set), None)
+            reason = "length" if end is None else "stop"
+            end = len(row_tokens) if end is None else end
+            results.append((row_tokens[:end], row_logprobs[:end], reason))
         return results
+
+    def flush_cache(self) -> None:
+        """Nothing to flush: the embedded engine keeps no prompt state between generate calls (each call
+        resets its static caches)."""
 
     # ---------------------------------------------------------------------------------- weights
 
-    @torch.no_grad()
-    def update_weights(self, weights: WeightsLike, version: Optional[int] = None) -> int:
-        """Copy new weights in place (names as in the model's ``state_dict``; a ``module.`` prefix is
-        stripped; dtype/device converted). Partial updates are allowed; unknown names raise KeyError.
-        Increments (or sets) ``weight_version``; returns the number of tensors copied."""
+    def begin_weight_update(self, version: int) -> None:
+        """See :meth:`miles.rollout.contract.RolloutEngine.begin_weight_update`."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"weight version must be an int >= 0, got {version!r}")
         if self._offloader.asleep:
-            raise RuntimeError("rollout engine memory is released; call resume_memory() before update_weights()")
-        items = weights.items() if isinstance(weights, Mapping) else weights
-        n = 0
-        unknown = []
-        for name, tensor in items:
+            raise RuntimeError(f"rollout engine {self.engine_id}: weights are released; call "
+                               "resume_memory_occupation(['weights']) before begin_weight_update()")
+        if self._session is not None:
+            raise RuntimeError(f"rollout engine {self.engine_id}: a weight update to version {self._session.version} "
+                               f"is already open; end it before beginning version {version}")
+        self._session = _UpdateSession(version)
+
+    def end_weight_update(self, version: int) -> dict:
+        """See :meth:`miles.rollout.contract.RolloutEngine.end_weight_update`."""
+        session = self._open_session("end_weight_update")
+        if version != session.version:
+            raise RuntimeError(f"end_weight_update({version!r}): the open update is for version {session.version}")
+        self._session = None
+        self.weight_version = session.version
+        return {"version": session.version, "tensors": session.tensors, "bytes": session.bytes}
+
+    def _open_session(self, call: str) -> _UpdateSession:
+        if self._session is None:
+            raise RuntimeError(f"rollout engine {self.engine_id}: {call}() outside a weight update; call "
+                               "begin_weight_update(version) first")
+        return self._session
+
+    @torch.no_grad()
+    def update_weights_from_tensor(self, serialized_named_tensors: list, load_format: Optional[str] = FLATTENED_BUCKET,
+                                   flush_cache: bool = False) -> dict:
+        """See :meth:`miles.rollout.contract.RolloutEngine.update_weights_from_tensor` (tensor parallel size 1:
+        one payload)."""
+        session = self._open_session("update_weights_from_tensor")
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
+        if load_format is None:
+            if isinstance(serialized_named_tensors, Mapping):
+                raise TypeError("load_format None takes a list of (name, tensor) pairs: pass "
+                                "list(state_dict.items())")
+            stats = self._copy_in(serialized_named_tensors)
+        else:
+            from miles.weights import SharedBucket, open_bucket, unpack_bucket
+
+            if len(serialized_named_tensors) != 1:
+                raise ValueError(f"the embedded engine has tensor parallel size 1: pass one payload, got "
+                                 f"{len(serialized_named_tensors)}")
+            payload = serialized_named_tensors[0]
+            if not isinstance(payload, SharedBucket):
+                raise TypeError(f"load_format 'flattened_bucket' takes a miles.weights.SharedBucket, got "
+                                f"{type(payload).__name__}")
+            spec, flat = open_bucket(payload)
+            try:
+                stats = self._copy_in(unpack_bucket(spec, flat))
+            finally:
+                del flat
+        self._count(session, stats)
+        if flush_cache:
+            self.flush_cache()
+        return stats
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str) -> None:
+        """See :meth:`miles.rollout.contract.RolloutEngine.init_weights_update_group`."""
+        from miles.weights import WeightUpdateGroup
+
+        if group_name in self._groups:
+            raise ValueError(f"rollout engine {self.engine_id} already joined weight update group {group_name!r}; "
+                             "destroy it first or pick another name")
+        if backend not in GROUP_BACKENDS:
+            raise ValueError(f"weight update group backend must be one of {GROUP_BACKENDS}, got {backend!r}")
+        if backend == "nccl" and self.device.type != "cuda":
+            raise ValueError(f"backend 'nccl' needs the engine on CUDA (it is on {self.device}); use 'gloo'")
+        if backend == "nccl":
+            torch.cuda.set_device(self.device)
+        group = WeightUpdateGroup(master_address=master_address, master_port=master_port, rank=rank_offset,
+                                  world_size=world_size, backend=backend, group_name=group_name)
+        self._groups[group_name] = _Group(group, self.device if backend == "nccl" else torch.device("cpu"))
+
+    @torch.no_grad()
+    def update_weights_from_distributed(self, bucket_specs: list[dict], group_name: str, src: int = 0) -> dict:
+        """See :meth:`miles.rollout.contract.RolloutEngine.update_weights_from_distributed`."""
+        from miles.weights import BucketSpec, receive_bucket, unpack_bucket
+
+        session = self._open_session("update_weights_from_distributed")
+        joined = self._group(group_name)
+        specs = [BucketSpec.from_dict(d) for d in bucket_specs]  # all validated before any is received
+        total = {"tensors": 0, "bytes": 0}
+        for spec in specs:
+            flat = receive_bucket(joined.group, spec, joined.receive_device, src)
+            stats = self._copy_in(unpack_bucket(spec, flat))
+            del flat
+            self._count(session, stats)
+            total = {k: total[k] + stats[k] for k in total}
+        return total
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        """See :meth:`miles.rollout.contract.RolloutEngine.destroy_weights_update_group`."""
+        self._group(group_name).group.destroy()
+        del self._groups[group_name]
+
+    def _group(self, group_name: str) -> _Group:
+        if group_name not in self._groups:
+            raise KeyError(f"rollout engine {self.engine_id} has not joined weight update group {group_name!r} "
+                           f"(joined: {sorted(self._groups)}); call init_weights_update_group first")
+        return self._groups[group_name]
+
+    @staticmethod
+    def _count(session: _UpdateSession, stats: dict) -> None:
+        session.tensors += stats["tensors"]
+        session.bytes += stats["bytes"]
+
+    def _copy_in(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict:
+        """Copy named tensors into the weights after checking every name and shape (nothing is copied when
+        one is wrong). Returns ``{"tensors", "bytes"}``; on CUDA the copies have landed when it returns,
+        so the sender may reuse its buffers."""
+        pairs, unknown = [], []
+        for name, tensor in named_tensors:
             key = name[len("module."):] if name.startswith("module.") and name not in self._name_to_tensor else name
             dst = self._name_to_tensor.get(key)
             if dst is None:
                 unknown.append(name)
-                continue
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor.to(device=dst.device, dtype=dst.dtype))
-            n += 1
+            elif tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, the engine's is {tuple(dst.shape)}")
+            else:
+                pairs.append((dst, tensor))
         if unknown:
-            raise KeyError(f"update_weights: unknown parameter names {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
-        self.weight_version = self.weight_version + 1 if version is None else int(version)
-        return n
+            raise KeyError(f"unknown parameter names {_few(unknown)}: names are the model's state_dict keys, e.g. "
+                           f"{_few(list(self._name_to_tensor), 3)}")
+        for dst, src in pairs:
+            dst.copy_(src)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return {"tensors": len(pairs), "bytes": sum(src.numel() * src.element_size() for _, src in pairs)}
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the engine's state dict (tests, debugging)."""
         if self._offloader.asleep:
-            raise RuntimeError("rollout engine memory is released")
+            raise RuntimeError("rollout engine weights are released; call resume_memory_occupation(['weights'])")
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     # ---------------------------------------------------------------------------------- memory
 
-    def release_memory(self) -> dict:
-        """Back up the weights and free their memory (idempotent). Returns ``{"released_bytes", "backup"}``."""
-        stats = self._offloader.sleep(self._tensors)
+    def release_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> dict:
+        """See :meth:`miles.rollout.contract.RolloutEngine.release_memory_occupation`."""
+        tags = check_memory_tags(tags)
+        if self._generating:
+            raise RuntimeError(f"rollout engine {self.engine_id}: cannot release {list(tags)} while generate runs")
+        if WEIGHTS in tags and self._session is not None:
+            raise RuntimeError(f"rollout engine {self.engine_id}: cannot release weights during the weight update to "
+                               f"version {self._session.version}; end it first")
+        freed = {}
+        if KV_CACHE in tags:
+            freed[KV_CACHE] = self._static.clear() if self._kv_cache_resident else 0
+            self._kv_cache_resident = False
+        if WEIGHTS in tags:
+            self._static.drop_graphs()  # they point at the weights' storages, which come back elsewhere
+            stats = self._offloader.sleep(self._tensors)
+            freed[WEIGHTS] = stats.bytes
+            if not stats.skipped:
+                logger.info("rollout engine %d: released %.1f MiB of weights to %s in %.2f s", self.engine_id,
+                            stats.bytes / 2**20, stats.path or "host memory", stats.seconds)
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        if not stats.skipped:
-            logger.info("rollout engine %d: released %.1f MiB of weights to %s in %.2f s", self.engine_id,
-                        stats.bytes / 2**20, stats.path or "host memory", stats.seconds)
-        return {"released_bytes": stats.bytes, "backup": self.backup}
+        return freed
 
-    def resume_memory(self) -> dict:
-        """Restore the weights released by :meth:`release_memory` (idempotent). Returns ``{"resumed_bytes"}``."""
-        return {"resumed_bytes": self._offloader.wake().bytes}
+    def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> dict:
+        """See :meth:`miles.rollout.contract.RolloutEngine.resume_memory_occupation`. ``"kv_cache"`` is
+        allocated by the next generate (its size depends on the batch), so it reports 0 bytes."""
+        tags = check_memory_tags(tags)
+        restored = {}
+        if WEIGHTS in tags:
+            restored[WEIGHTS] = self._offloader.wake().bytes
+        if KV_CACHE in tags:
+            self._kv_cache_resident = True
+            restored[KV_CACHE] = 0
+        return restored
 
     def close(self) -> None:
-        """Drop the backup (and the backup directory when this run created it)."""
+        """Leave every weight update group, drop the decoders and the backup (and the backup directory
+        when this run created it)."""
+        for name in list(self._groups):
+            self.destroy_weights_update_group(name)
+        self._static.clear()
         self._offloader.close(remove_directory=self._temp_backup_dir is None)
         if self._temp_backup_dir is not None:
             shutil.rmtree(self._temp_backup_dir, ignore_errors=True)
+        self._closed = True

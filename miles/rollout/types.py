@@ -50,6 +50,21 @@ class SamplingParams:
             return sampling
         return cls(**dict(sampling))
 
+    def check(self) -> "SamplingParams":
+        """Itself, once every field is in range (ValueError naming the field and its value otherwise)."""
+        problems = []
+        if not self.temperature >= 0:
+            problems.append(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1] (1: off), got {self.top_p!r}")
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
+        if self.n < 1:
+            problems.append(f"n must be >= 1, got {self.n!r}")
+        if problems:
+            raise ValueError("sampling params: " + "; ".join(problems))
+        return self
+
 
 @dataclass
 class Sample:

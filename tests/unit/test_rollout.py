@@ -11,6 +11,7 @@ from miles.config import Environment, parse_args, validate_args
 from miles.models import load_policy
 from miles.rl import collate_samples, encode_prompts, forward_logprobs
 from miles.rollout import Sample, SamplingParams
+from miles.rollout.contract import KV_CACHE, WEIGHTS
 from miles.rollout.embedded import EmbeddedRolloutEngine
 
 
@@ -94,45 +95,56 @@ def test_release_resume_bit_exact(engine, prompts, args):
     before = engine.get_weights()
     sp = SamplingParams(max_new_tokens=5, seed=1, n=2)
     out_before = engine.generate(prompts, sp)
-    info = engine.release_memory()
-    assert info["released_bytes"] > 0 and engine.is_memory_released()
-    assert engine.release_memory()["released_bytes"] == 0  # idempotent
+    info = engine.release_memory_occupation()
+    assert info[WEIGHTS] > 0 and set(info) == {WEIGHTS, KV_CACHE}
+    assert engine.release_memory_occupation() == {WEIGHTS: 0, KV_CACHE: 0}  # idempotent
     assert all(p.untyped_storage().nbytes() == 0 for p in engine.model.parameters())
     assert os.path.isfile(os.path.join(args.paths.engine_dir(0), "offload.bin"))
-    with pytest.raises(RuntimeError, match="resume_memory"):
+    with pytest.raises(RuntimeError, match="resume_memory_occupation"):
         engine.generate(prompts, sp)
-    assert engine.resume_memory()["resumed_bytes"] == info["released_bytes"]
-    assert engine.resume_memory()["resumed_bytes"] == 0  # idempotent
+    assert engine.resume_memory_occupation()[WEIGHTS] == info[WEIGHTS]
+    assert engine.resume_memory_occupation()[WEIGHTS] == 0  # idempotent
     after = engine.get_weights()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     out_after = engine.generate(prompts, sp)
     assert [s.response_ids for s in out_before] == [s.response_ids for s in out_after]
     # a second cycle works too
-    engine.release_memory()
-    engine.resume_memory()
+    engine.release_memory_occupation()
+    engine.resume_memory_occupation()
     assert all(torch.equal(before[k], v) for k, v in engine.get_weights().items())
 
 
-def test_update_weights(engine, prompts):
+def _update(engine, named, version):
+    """One versioned update from (name, tensor) pairs, as the loop's session does it."""
+    engine.begin_weight_update(version)
+    try:
+        stats = engine.update_weights_from_tensor(list(named), load_format=None)
+    finally:
+        engine.end_weight_update(version)
+    return stats["tensors"]
+
+
+def test_update_weights_in_a_session(engine, prompts):
+    """Named-tensor updates inside a session: partial updates, DDP prefixes, versions, refusals."""
     sd = {k: v + 0.01 for k, v in engine.get_weights().items()}
-    n = engine.update_weights(sd)
+    n = _update(engine, sd.items(), 1)
     assert n == len(sd) and engine.get_weight_version() == 1
     got = engine.get_weights()
     assert all(torch.equal(got[k], sd[k]) for k in sd)
-    # named-tensor iterables, partial updates, DDP prefixes, explicit versions
     name = "model.embed_tokens.weight"
-    engine.update_weights([("module." + name, torch.zeros_like(sd[name]))], version=7)
+    _update(engine, [("module." + name, torch.zeros_like(sd[name]))], 7)
     assert engine.get_weight_version() == 7 and torch.count_nonzero(engine.get_weights()[name]) == 0
     s = engine.generate(prompts, {"max_new_tokens": 2, "seed": 0})
     assert s[0].weight_version == 7
     with pytest.raises(KeyError, match="unknown parameter names"):
-        engine.update_weights({"nope.weight": torch.zeros(1)})
+        _update(engine, [("nope.weight", torch.zeros(1))], 8)
     with pytest.raises(ValueError, match="shape"):
-        engine.update_weights({name: torch.zeros(3)})
-    engine.release_memory()
-    with pytest.raises(RuntimeError):
-        engine.update_weights(sd)
-    engine.resume_memory()
+        _update(engine, [(name, torch.zeros(3))], 8)
+    engine.release_memory_occupation()
+    with pytest.raises(RuntimeError, match="resume_memory_occupation"):
+        _update(engine, sd.items(), 8)
+    engine.resume_memory_occupation()
+    assert _update(engine, sd.items(), 8) == len(sd)  # a refused update left no session open
 
 
 def test_string_prompts_and_sampling_from_config(engine, args):
@@ -141,16 +153,19 @@ def test_string_prompts_and_sampling_from_config(engine, args):
     assert (sp.temperature, sp.top_p, sp.max_new_tokens, sp.n, sp.seed) == (
         r.rollout_temperature, r.rollout_top_p, r.rollout_max_response_len, r.n_samples_per_prompt, r.rollout_seed + 3,
     )
-    out = engine.generate(["1 + 1 =\nA:"], SamplingParams(max_new_tokens=3, n=2))
-    assert len(out) == 2 and out[0].prompt_ids == engine.tokenizer("1 + 1 =\nA:")["input_ids"]
+    ids = engine.tokenizer("1 + 1 =\nA:")["input_ids"]
+    out = engine.generate([ids], SamplingParams(max_new_tokens=3, n=2))
+    assert len(out) == 2 and out[0].prompt_ids == ids
+    with pytest.raises(TypeError, match="tokenize"):
+        engine.generate(["1 + 1 =\nA:"], SamplingParams(max_new_tokens=3))
 
 
 def test_close_removes_backup(args, prompts):
     eng = EmbeddedRolloutEngine(args, device="cpu", engine_id=5)
-    eng.release_memory()
+    eng.release_memory_occupation()
     d = args.paths.engine_dir(5)
     assert os.path.isdir(d)
-    eng.resume_memory()
+    eng.resume_memory_occupation()
     eng.close()
     assert not os.path.exists(d)
 
@@ -175,11 +190,12 @@ def test_release_resume_with_the_default_models_storage_layout(tmp_path):
                                     backup_dir=str(tmp_path / backup))
         before = eng.get_weights()
         sp = SamplingParams(max_new_tokens=4, seed=3, n=2)
-        out = eng.generate(["1 + 2 =\nA:"], sp)
-        assert eng.release_memory()["released_bytes"] > 0
-        eng.resume_memory()
+        prompt = tok("1 + 2 =\nA:")["input_ids"]
+        out = eng.generate([prompt], sp)
+        assert eng.release_memory_occupation()[WEIGHTS] > 0
+        eng.resume_memory_occupation()
         assert all(torch.equal(before[k], v) for k, v in eng.get_weights().items())
-        assert [s.response_ids for s in eng.generate(["1 + 2 =\nA:"], sp)] == [s.response_ids for s in out]
+        assert [s.response_ids for s in eng.generate([prompt], sp)] == [s.response_ids for s in out]
         tied = eng.model.lm_head.weight.untyped_storage()._cdata == eng.model.model.embed_tokens.weight.untyped_storage()._cdata
         assert tied
         eng.close()

@@ -248,8 +248,8 @@ def test_rollout_engine_close_keeps_a_backup_directory_it_did_not_make(make_conf
     eng = EmbeddedRolloutEngine(cfg, model=build_tiny_model(tok), tokenizer=tok, device="cpu")
     with pytest.raises(DirectoryInUseError):  # a second engine on the same directory
         EmbeddedRolloutEngine(cfg, model=build_tiny_model(tok), tokenizer=tok, device="cpu")
-    eng.release_memory()
-    eng.resume_memory()
+    eng.release_memory_occupation()
+    eng.resume_memory_occupation()
     eng.close()
     assert os.listdir(engine_dir) == ["results.csv"]
 

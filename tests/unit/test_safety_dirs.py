@@ -146,6 +146,17 @@ def test_what_a_store_left_is_still_cleared(tmp_path):
     store.close()
 
 
+def test_a_file_added_during_the_run_stays_after_close(tmp_path, caplog):
+    store = stream_optimizer_state(torch.optim.AdamW(make_params()), dir=str(tmp_path), bucket_numel=BUCKET)
+    own = tmp_path / "rank00000" / "opt0_0"
+    (own / "notes.txt").write_text("mine")
+    with caplog.at_level("WARNING", logger="miles_plugins"):
+        store.close()
+    assert (own / "notes.txt").read_text() == "mine"
+    assert sorted(os.listdir(own)) == ["notes.txt"], "the store's own files and lock are gone"
+    assert "notes.txt" in caplog.text and "did not make" in caplog.text
+
+
 # ---- 5. how far up a root is created, system roots, the size of the warning -----------------------------
 def test_a_deep_missing_root_is_refused_and_nothing_is_created(make_config, tmp_path):
     from miles.train import claim_run_root
@@ -244,3 +255,15 @@ def test_a_run_root_on_a_filesystem_without_locks_is_not_left_behind(make_config
     with pytest.raises(ownership.LockUnsupportedError, match=r"run root.*ENOLCK.*local filesystem"):
         claim_run_root(cfg)
     assert not (tmp_path / "root").exists()
+
+
+def test_miles_train_on_a_filesystem_without_locks_exits_with_one_line(make_config, tmp_path, monkeypatch, capsys):
+    from miles.train import run
+
+    cfg = _config(make_config, tmp_path, "nolocks-run")
+    monkeypatch.setattr(fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.ENOLCK, "no locks")))
+    with pytest.raises(SystemExit) as exit_info:
+        run(cfg)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("miles train: ") and "ENOLCK" in err[0], err

@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from .architecture import Architecture, describe
 
-__all__ = ["hf_to_megatron", "megatron_to_hf", "experts_to_global", "hf_moe_layout", "HF_MOE_LAYOUTS",
+__all__ = ["hf_to_megatron", "megatron_to_hf", "iter_megatron_to_hf", "experts_to_global", "hf_moe_layout", "HF_MOE_LAYOUTS",
            "ConversionError"]
 
 HF_MOE_LAYOUTS = ("fused", "per_expert")
@@ -199,11 +199,13 @@ def _hf_to_canonical(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
-def _canonical_to_hf(state: dict[str, torch.Tensor], arch: Architecture, layout: str) -> dict[str, torch.Tensor]:
+def _canonical_to_hf(state: dict[str, torch.Tensor], arch: Architecture, layout: str,
+                     layers: Optional[Sequence[int]] = None) -> dict[str, torch.Tensor]:
+    """The canonical per-expert names of ``layers`` (default: every MoE layer) in the HF ``layout``."""
     if layout not in HF_MOE_LAYOUTS:
         raise ValueError(f"hf_moe_layout must be one of {HF_MOE_LAYOUTS}, got {layout!r}")
     out = dict(state)
-    for i in (i for i in range(arch.num_layers) if arch.is_moe_layer(i)):
+    for i in (i for i in (range(arch.num_layers) if layers is None else layers) if arch.is_moe_layer(i)):
         names = {proj: [_canonical_expert(i, e, proj) for e in range(arch.num_experts)]
                  for proj in ("gate_proj", "up_proj", "down_proj")}
         if layout == "fused":
@@ -278,20 +280,58 @@ def hf_to_megatron(hf_state: dict[str, torch.Tensor], hf_config: Any, *, fused_n
 def megatron_to_hf(mcore_state: dict[str, torch.Tensor], hf_config: Any, *, fused_norms: bool = False,
                    hf_moe_layout: Optional[str] = None) -> dict[str, torch.Tensor]:
     """The HF state dict of a Megatron state dict with globally numbered experts (see module doc)."""
+    return dict(iter_megatron_to_hf(mcore_state, hf_config, fused_norms=fused_norms, hf_moe_layout=hf_moe_layout))
+
+
+LayerExperts = Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def iter_megatron_to_hf(mcore_state: dict[str, torch.Tensor], hf_config: Any, *, fused_norms: bool = False,
+                        hf_moe_layout: Optional[str] = None,
+                        layer_experts: Optional[LayerExperts] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`megatron_to_hf` one layer at a time, as ``(hf_name, tensor)`` pairs: the weight handoff
+    converts on the device with scratch bounded by one layer (split rules return views; only the fused
+    HF expert layout stacks a layer's experts into new tensors).
+
+    ``layer_experts(i, local)``: with expert parallelism > 1, ``mcore_state`` holds this rank's experts
+    only; the callback receives layer ``i``'s local expert tensors and returns that layer's experts of
+    every rank, globally numbered (a collective over the expert-parallel group, on the device)."""
     arch = describe(hf_config)
-    out, used = {}, set()
-    for rule in _rules(arch, fused_norms):
-        if rule.mcore not in mcore_state:
-            raise ConversionError(f"the Megatron state dict lacks {rule.mcore!r}; with expert parallelism, gather "
-                                  "every rank's experts through experts_to_global first")
-        used.add(rule.mcore)
-        out.update(zip(rule.hf, rule.split(mcore_state[rule.mcore])))
+    layout = hf_moe_layout or _installed_moe_layout()
+    if arch.num_experts is not None and layout not in HF_MOE_LAYOUTS:
+        raise ValueError(f"hf_moe_layout must be one of {HF_MOE_LAYOUTS}, got {layout!r}")
+    used: set[str] = set()
+
+    def convert(rules: list[_Rule], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for rule in rules:
+            if rule.mcore not in state:
+                raise ConversionError(f"the Megatron state dict lacks {rule.mcore!r}; with expert parallelism, "
+                                      "gather every rank's experts through experts_to_global first")
+            used.add(rule.mcore)
+            out.update(zip(rule.hf, rule.split(state[rule.mcore])))
+        return out
+
+    embedding = convert([_Rule(("model.embed_tokens.weight",), "embedding.word_embeddings.weight")], mcore_state)
+    yield from embedding.items()
+    for i in range(arch.num_layers):
+        state = mcore_state
+        if layer_experts is not None and arch.is_moe_layer(i):
+            prefix = f"decoder.layers.{i}.mlp.experts.local_experts."
+            local = {k: v for k, v in mcore_state.items() if k.startswith(prefix)}
+            state = {**{k: v for k, v in mcore_state.items() if not k.startswith(prefix)}, **layer_experts(i, local)}
+            used.update(local)
+        layer = convert(_layer_rules(arch, i, fused_norms), state)
+        if arch.is_moe_layer(i):
+            layer = _canonical_to_hf(layer, arch, layout, layers=(i,))
+        yield from layer.items()
+    tail = [_Rule(("model.norm.weight",), "decoder.final_layernorm.weight")]
+    if not arch.tied_embeddings:
+        tail.append(_Rule(("lm_head.weight",), "output_layer.weight"))
+    yield from convert(tail, mcore_state).items()
+    if arch.tied_embeddings:
+        yield "lm_head.weight", embedding["model.embed_tokens.weight"]
     unused = sorted(k for k in set(mcore_state) - used if not k.endswith(_EXTRA_STATE))
     if unused:
         raise ConversionError(f"the Megatron state dict has tensors the {arch.model_type} layout does not map: "
                               f"{unused[:6]}{' ...' if len(unused) > 6 else ''}")
-    if arch.tied_embeddings:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    if arch.num_experts is not None:
-        out = _canonical_to_hf(out, arch, hf_moe_layout or _installed_moe_layout())
-    return out

@@ -10,7 +10,8 @@ GRPO loss of ``miles.rl.loss`` on the token grid of ``collate_samples``, the tok
 rollout, constant lr, no weight decay on biases and norms, global-norm gradient clipping.
 
 Collectives: ``init``, ``train``, ``save`` and ``load`` run on every rank; with expert parallelism > 1
-``export_weights`` is one too (each rank holds only its experts), so every rank must call it.
+``hf_weights`` (the weight handoff, ``export_weights``) is one too (each rank holds only its experts), so
+every rank must iterate it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from miles.models import torch_dtype
 from miles.offload import make_offloader
 
 from .checkpoint_views import HFModelView, ResidentOptimizerState, StoreSet
-from .convert import experts_to_global, hf_moe_layout, hf_to_megatron, megatron_to_hf
+from .convert import experts_to_global, hf_moe_layout, hf_to_megatron, iter_megatron_to_hf
 from .grad_buffers import GradBuffers
 from .model import build_gpt_model
 
@@ -188,29 +189,29 @@ class MegatronTrainer(TrainBackend):
                                f"unexpected {list(result.unexpected_keys)[:5]} (conversion and layer spec disagree)")
 
     def _hf_state(self) -> dict[str, torch.Tensor]:
-        """The full HF-layout weights on the host; a collective over the expert-parallel group when EP > 1."""
-        local = {k: v.detach() for k, v in self.gpt.state_dict().items() if not k.endswith(_EXTRA_STATE)}
-        if self.ep_size > 1:
-            local = self._gather_experts(local)
-        hf = megatron_to_hf(local, self.hf_config, fused_norms=self.uses_te_spec, hf_moe_layout=self.hf_moe_layout)
-        return {k: v.to("cpu", copy=True) for k, v in hf.items()}
+        """The full HF-layout weights on the host (checkpoints); a collective over the expert-parallel group."""
+        return {k: v.to("cpu", copy=True) for k, v in self.hf_weights()}
 
-    def _gather_experts(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def hf_weights(self):
+        """HF-layout weights on the device, converted layer by layer; with EP > 1 each MoE layer's experts are
+        all-gathered over the expert-parallel group as the iteration reaches it (every rank must iterate)."""
+        local = {k: v.detach() for k, v in self.gpt.state_dict().items() if not k.endswith(_EXTRA_STATE)}
+        return iter_megatron_to_hf(local, self.hf_config, fused_norms=self.uses_te_spec,
+                                   hf_moe_layout=self.hf_moe_layout,
+                                   layer_experts=self._layer_experts if self.ep_size > 1 else None)
+
+    def _layer_experts(self, layer: int, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One layer's experts of every expert-parallel rank, globally numbered, on the device."""
         from megatron.core import parallel_state
 
         group = parallel_state.get_expert_model_parallel_group()
-        full = {k: v for k, v in local.items() if ".local_experts." not in k}
-        for key in sorted(k for k in local if ".local_experts." in k):  # same keys and shapes on every rank
+        full: dict[str, torch.Tensor] = {}
+        for key in sorted(local):  # same keys and shapes on every rank
             parts = [torch.empty_like(local[key]) for _ in range(self.ep_size)]
             dist.all_gather(parts, local[key].contiguous(), group=group)
             for ep_rank, part in enumerate(parts):
                 full.update(experts_to_global({key: part}, self.hf_config, ep_rank, self.ep_size))
         return full
-
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        """HF-layout weights for the rollout engine (see the module doc for EP > 1)."""
-        with self.awake():
-            return self._hf_state()
 
     # ---- training -----------------------------------------------------------------------------
     def _all_reduce(self, values: list[float]) -> list[float]:

@@ -230,9 +230,16 @@ class TorchTrainer(TrainBackend):
         return norm
 
     # ---- weights ------------------------------------------------------------------------------
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        """Full model weights on the host (every rank holds them after the step's all-gather)."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+    def hf_weights(self):
+        """The model's state dict on its device (every rank holds the full model after the step's
+        all-gather); a tensor tied to an earlier one (the output embedding) is handed over once."""
+        seen = set()
+        for name, tensor in self.model.state_dict().items():
+            key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+            if key in seen:
+                continue
+            seen.add(key)
+            yield name, tensor.detach()
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self, base: str, wait: bool = True) -> dict[str, Any]:

@@ -44,6 +44,12 @@ def bucket_filename(index: int) -> str:
     return f"bucket{index:05d}.bin"
 
 
+def is_bucket_filename(name: str) -> bool:
+    """True for a name :func:`bucket_filename` makes: the only files a store creates in its directory."""
+    digits = name[len("bucket"):-len(".bin")]
+    return name.startswith("bucket") and name.endswith(".bin") and digits.isdigit() and name == bucket_filename(int(digits))
+
+
 STREAMED_DIR = "nvme_opt_state"  # a checkpoint holds each store's state under <base>/STREAMED_DIR/<relative_dir>
 
 

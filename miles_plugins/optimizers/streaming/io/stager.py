@@ -25,6 +25,7 @@ import torch
 from ..config import IO_ENGINES
 from ..errors import StoreConfigError
 from ..layout import BucketLayout, align_up  # noqa: F401 - align_up: miles/bench/floor.py
+from ..units import binary_size
 from .engine import make_engine, on_a_worker_thread  # noqa: F401 - on_a_worker_thread: the store's finalizer
 from .fileops import (  # noqa: F401 - checkpoint/ uses them through the stager
     open_read, open_new, close_fd, reflink, copy_with_crc, file_size, read_file,
@@ -174,7 +175,7 @@ class Stager:
         lock file); anything else is refused with StoreConfigError naming it, and nothing is deleted.
         A missing root is created only when its parent exists; a system directory is refused.
         """
-        from ..layout import bucket_filename  # the store's own file names: what emptying may remove
+        from ..layout import is_bucket_filename  # the store's own file names: what emptying may remove
         from .ownership import remove_own_entries, system_directory_reason
 
         root = os.path.abspath(root)
@@ -184,10 +185,6 @@ class Stager:
                 raise StoreConfigError(
                     f"optimizer-state root {root!r}: {why}; the store creates and removes its folders there, so "
                     "pass a directory of its own on a local disk (e.g. under $SCRATCH or /tmp)")
-
-        def made_by_a_store(name: str) -> bool:
-            digits = name[len("bucket"):-len(".bin")]
-            return digits.isdigit() and name == bucket_filename(int(digits))
 
         if not os.path.isdir(root):
             parent = os.path.dirname(root)
@@ -206,16 +203,22 @@ class Stager:
         _refuse_links(root, path)
         probe = root if os.path.isdir(root) else os.path.dirname(root)
         reclaimable = _tree_bytes(path)
-        free = shutil.disk_usage(probe).free + reclaimable
+        usage = shutil.disk_usage(probe)
+        if usage.total == 0:  # kernel filesystems report no capacity: "0 free" would blame the wrong thing
+            raise StoreConfigError(
+                f"optimizer-state root {root!r}: its filesystem reports no capacity at all, so it is not a disk "
+                "(e.g. /proc, /sys or another kernel filesystem); pass a directory on a local disk (e.g. under "
+                "$SCRATCH or /tmp)")
+        free = usage.free + reclaimable
         if required_bytes > free:
             raise StoreConfigError(
-                f"not enough free space for the optimizer state under {root!r}: need {required_bytes / 2**30:.2f} GiB, "
-                f"{free / 2**30:.2f} GiB available; free space, choose another directory, or use narrower "
+                f"not enough free space for the optimizer state under {root!r}: need {binary_size(required_bytes)}, "
+                f"{binary_size(free)} available; free space, choose another directory, or use narrower "
                 "moments (moment_dtype='bf16')")
         os.makedirs(path, exist_ok=True)
         lock = DirectoryLock.acquire(path, f"optimizer-state store {relative_dir}", "optimizer-state directory")
         try:
-            remove_own_entries(path, made_by_a_store, "optimizer-state directory")
+            remove_own_entries(path, is_bucket_filename, "optimizer-state directory")
         except BaseException:
             lock.release()
             raise
@@ -224,9 +227,23 @@ class Stager:
     @staticmethod
     def remove_directory(lock: DirectoryLock) -> None:
         """Remove the store's files, then its lock, then the directory (and the rank folder once its last
-        store is gone). A directory another process has locked meanwhile is left to it."""
+        store is gone). A directory another process has locked meanwhile is left to it, and so is what the
+        store did not make (named in one warning; the directory then stays)."""
+        from ..layout import is_bucket_filename
+        from .ownership import listing
+
         path = lock.directory
-        _empty_directory(path)
+        foreign = []
+        with os.scandir(path) as entries:
+            for entry in entries:
+                if entry.name == LOCK_FILE:
+                    continue
+                if not entry.is_dir(follow_symlinks=False) and is_bucket_filename(entry.name):
+                    os.unlink(entry.path)
+                else:
+                    foreign.append(entry.name)
+        if foreign:
+            logger.warning("left in %s what the store did not make: %s", path, listing(sorted(foreign)))
         lock.release()
         for directory in (path, os.path.dirname(path)):
             try:
@@ -423,18 +440,6 @@ def _refuse_links(root: str, path: str) -> None:
                 f"optimizer-state directory {candidate!r} is a symbolic link (to {os.readlink(candidate)!r}); the "
                 "store empties and removes its own directories, so they must be real ones: remove the link, or "
                 "pass a dir whose rank folders are not links")
-
-
-def _empty_directory(path: str) -> None:
-    """Remove everything in `path` but its lock file (the lock must outlive the wipe)."""
-    with os.scandir(path) as entries:
-        for entry in entries:
-            if entry.name == LOCK_FILE:
-                continue
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
-            else:
-                os.unlink(entry.path)
 
 
 def _open_direct_twin(fd: int, path: str) -> tuple[int, OSError | None]:

@@ -1,0 +1,254 @@
+"""`miles bench rl`: the colocated RL loop on one model, per phase against the phase's own floor.
+
+Runs `miles train --colocate` once per arm, each in its own process (its own Ray cluster and GPU
+context), for --rollouts rollouts, and reports per phase the median over the steady rollouts (all but
+the first) next to the floor measured in this same run:
+
+  phase          floor
+  generate       (reported as tokens/s; no floor)
+  train          forward/backward + optimizer step as the train rank measured them (the rest is overhead)
+  weights        the handed-over bytes at the device's own copy bandwidth (cudaMemcpy device to device;
+                 on CPU: memcpy)
+  sleep / wake   the offloaded bytes at pinned PCIe bandwidth (offload target cpu) or at the disk's own
+                 O_DIRECT write / read bandwidth (target disk), measured under --dir
+  engine         the rollout engine's release + resume of its weights and KV cache (no floor)
+  step           the sum of the floors above plus the generation itself
+
+Arms (--arms, comma-separated):
+
+  stream         --stream-optimizer-state-to-disk --offload-train-target=disk
+                 --stream-optimizer-state-host-cache-mb auto
+  resident-cpu   resident optimizer state, --offload-train-target=cpu
+  resident-disk  resident optimizer state, --offload-train-target=disk
+
+    miles bench rl --preset llama-1b --dir /nvme/bench-rl --json rl.json
+    miles bench rl --hf-checkpoint /models/qwen3-0.6b --arms stream --rollouts 6 --train-arg=--micro-batch-size=16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+
+from .common import Progress, median, run_standalone
+
+NAME, HELP = "rl", "the colocated RL loop (generate, train, weights, sleep/wake) per phase against its floor"
+ARMS = {
+    "stream": ["--stream-optimizer-state-to-disk", "--offload-train-target=disk",
+               "--stream-optimizer-state-host-cache-mb", "auto"],
+    "resident-cpu": ["--offload-train-target=cpu"],
+    "resident-disk": ["--offload-train-target=disk"],
+}
+FLOOR_BYTES = 1 << 30  # what each bandwidth floor moves
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--hf-checkpoint", metavar="DIR", help="a HuggingFace model folder")
+    model.add_argument("--preset", help="a random-init model of scripts/make_random_model.py (e.g. llama-1b, "
+                                        "qwen3-moe-8e), written once under --dir")
+    p.add_argument("--dir", required=True, help="scratch folder for the arms' disks, logs and metrics (made if "
+                                                "missing; the arms' folders under it are removed at the end)")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms, of {', '.join(ARMS)} "
+                                                          "(default: %(default)s)")
+    p.add_argument("--rollouts", type=int, default=4, help="rollouts per arm; the first is not counted "
+                                                           "(default: %(default)s)")
+    p.add_argument("--train-backend", choices=("megatron", "torch"), default=None,
+                   help="default: megatron on CUDA, torch otherwise")
+    p.add_argument("--rollout-batch-size", type=int, default=16, help="prompts per rollout (default: %(default)s)")
+    p.add_argument("--n-samples-per-prompt", type=int, default=4, help="(default: %(default)s)")
+    p.add_argument("--rollout-max-response-len", type=int, default=128, help="(default: %(default)s)")
+    p.add_argument("--train-arg", action="append", default=[], metavar="FLAG",
+                   help="one more `miles train` flag for every arm, e.g. --train-arg=--micro-batch-size=16 "
+                        "(repeatable)")
+    p.add_argument("--arm-timeout", type=float, default=900.0, help="seconds per arm (default: %(default)s)")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+
+
+# ---- floors -------------------------------------------------------------------------------------------
+def _rate(seconds: float, nbytes: int) -> float:
+    return nbytes / seconds if seconds > 0 else float("inf")
+
+
+def copy_rates(device: torch.device, nbytes: int = FLOOR_BYTES) -> dict[str, float]:
+    """Bytes per second of a device-to-device copy and of pinned host<->device copies (CPU: memcpy)."""
+    def timed(dst, src) -> float:
+        dst.copy_(src)  # warm
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - t) / 3
+
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    rates = {"device_copy": _rate(timed(b, a), nbytes)}
+    if device.type == "cuda":
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        rates["d2h_pinned"] = _rate(timed(host, a), nbytes)
+        rates["h2d_pinned"] = _rate(timed(a, host), nbytes)
+    else:
+        rates["d2h_pinned"] = rates["h2d_pinned"] = rates["device_copy"]
+    return rates
+
+
+def disk_rates(directory: str, nbytes: int = FLOOR_BYTES) -> dict[str, float]:
+    """The disk's own O_DIRECT write then read bandwidth under ``directory`` (:func:`miles.bench.floor.raw_floor`)."""
+    from .floor import raw_floor
+
+    path = os.path.join(directory, "disk-floor.bin")
+    with open(path, "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, nbytes)
+    try:
+        chunk = 64 << 20
+        written = raw_floor([], path, nbytes, chunk, concurrent=False)
+        read = raw_floor([(path, 0, nbytes)], path, 0, chunk, concurrent=False)
+    finally:
+        os.unlink(path)
+    return {"disk_write": _rate(written["seconds"], nbytes), "disk_read": _rate(read["seconds"], nbytes)}
+
+
+# ---- one arm ------------------------------------------------------------------------------------------
+def arm_command(arm: str, model: str, backend: str, args, arm_dir: str) -> list[str]:
+    return [sys.executable, "-m", "miles.cli", "train", "--colocate", "--train-backend", backend,
+            "--hf-checkpoint", model, "--num-rollout", str(args.rollouts),
+            "--rollout-batch-size", str(args.rollout_batch_size),
+            "--n-samples-per-prompt", str(args.n_samples_per_prompt),
+            "--rollout-max-response-len", str(args.rollout_max_response_len),
+            "--offload-train-disk-dir", os.path.join(arm_dir, "disk"),
+            "--metrics-file", os.path.join(arm_dir, "metrics.jsonl"), *ARMS[arm], *args.train_arg]
+
+
+def phase_report(records: list[dict], target: str, rates: dict[str, float]) -> dict[str, dict]:
+    """Median seconds and floor per phase over ``records`` (the steady rollouts of one arm; pure)."""
+    def med(key):
+        return median([r[key] for r in records])
+
+    tokens = [r["samples"] * r["response_len_mean"] for r in records]
+    sleep_rate, wake_rate = ((rates["d2h_pinned"], rates["h2d_pinned"]) if target == "cpu"
+                             else (rates["disk_write"], rates["disk_read"]))
+    offload = med("offload_bytes")
+    out = {
+        "generate": {"seconds": med("generate_seconds"), "floor": None,
+                     "tokens_per_second": median([t / r["generate_seconds"] for t, r in zip(tokens, records)])},
+        "train": {"seconds": med("train_seconds"),
+                  "floor": median([r["forward_backward_seconds"] + r["optimizer_step_seconds"] for r in records]),
+                  "rank_seconds": med("train_rank_seconds"), "forward_backward": med("forward_backward_seconds"),
+                  "optimizer_step": med("optimizer_step_seconds"), "other": med("other_seconds")},
+        "weights": {"seconds": med("weight_sync_seconds"), "rank_seconds": med("weight_handoff_seconds"),
+                    "floor": med("weight_handoff_bytes") / rates["device_copy"],
+                    "bytes": med("weight_handoff_bytes"), "buckets": med("weight_handoff_buckets")},
+        "sleep": {"seconds": med("sleep_seconds"), "floor": offload / sleep_rate, "bytes": offload},
+        "wake": {"seconds": med("wake_seconds"), "floor": offload / wake_rate, "bytes": offload},
+    }
+    out["engine"] = {"seconds": med("engine_release_seconds") + med("engine_resume_seconds"), "floor": None}
+    out["step"] = {"seconds": med("step_seconds"),
+                   "floor": out["generate"]["seconds"] + sum(out[k]["floor"] for k in ("train", "weights", "sleep",
+                                                                                       "wake"))}
+    for phase in out.values():
+        floor = phase["floor"]
+        phase["ratio"] = phase["seconds"] / floor if floor else None
+    return out
+
+
+def run_arm(arm: str, model: str, backend: str, args, rates: dict[str, float], say) -> dict:
+    arm_dir = os.path.join(args.dir, f"arm-{arm}")
+    shutil.rmtree(arm_dir, ignore_errors=True)
+    os.makedirs(arm_dir)
+    log = os.path.join(arm_dir, "train.log")
+    say(f"{arm}: miles train ... ({args.rollouts} rollouts; output in {log})")
+    with open(log, "w") as out:
+        try:
+            rc = subprocess.run(arm_command(arm, model, backend, args, arm_dir), stdout=out, stderr=subprocess.STDOUT,
+                                timeout=args.arm_timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    records = []
+    metrics = os.path.join(arm_dir, "metrics.jsonl")
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    if rc != 0 or len(records) < 2:
+        with open(log) as f:
+            tail = f.read()[-2000:]
+        return {"arm": arm, "error": f"exit {rc}, {len(records)} rollout record(s); the log's end:\n{tail}"}
+    target = "cpu" if arm == "resident-cpu" else "disk"
+    return {"arm": arm, "rollouts": len(records), "phases": phase_report(records[1:], target, rates),
+            "reward_first": records[0]["reward_mean"], "reward_last": records[-1]["reward_mean"]}
+
+
+# ---- report -------------------------------------------------------------------------------------------
+def format_report(result: dict) -> str:
+    lines = [f"miles bench rl: {result['model']} ({result['backend']}), {result['workload']}",
+             "floors: " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in result["rates"].items())]
+    for arm in result["arms"]:
+        if "error" in arm:
+            lines.append(f"{arm['arm']}: FAILED {arm['error']}")
+            continue
+        lines.append(f"{arm['arm']} (median of rollouts 2..{arm['rollouts']}; reward {arm['reward_first']:.3f} -> "
+                     f"{arm['reward_last']:.3f}):")
+        for name, ph in arm["phases"].items():
+            floor = "" if ph["floor"] is None else f"  floor {ph['floor']:7.3f} s  ratio {ph['ratio']:6.2f}"
+            extra = ""
+            if name == "generate":
+                extra = f"  {ph['tokens_per_second']:.0f} tokens/s"
+            elif name == "train":
+                extra = (f"  (rank: fwd/bwd {ph['forward_backward']:.3f} + optimizer {ph['optimizer_step']:.3f} + "
+                         f"other {ph['other']:.3f})")
+            elif name == "weights":
+                extra = f"  ({ph['bytes'] / 1e9:.3f} GB in {ph['buckets']:.0f} buckets; rank {ph['rank_seconds']:.3f} s)"
+            lines.append(f"  {name:9s} {ph['seconds']:7.3f} s{floor}{extra}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    say = Progress()
+    if args.rollouts < 2:
+        raise SystemExit("miles bench rl: --rollouts must be >= 2 (the first rollout is not counted)")
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms:
+        raise SystemExit(f"miles bench rl: unknown arm(s) {unknown or arms}; choose from {', '.join(ARMS)}")
+    os.makedirs(args.dir, exist_ok=True)
+    cuda = torch.cuda.is_available()
+    backend = args.train_backend or ("megatron" if cuda else "torch")
+    model = args.hf_checkpoint
+    if model is None:
+        from miles.models import write_random_model
+
+        model = os.path.join(args.dir, args.preset)
+        if not os.path.isdir(model):
+            say(f"writing the random-init {args.preset} to {model}")
+            write_random_model(model, args.preset)
+    say("measuring the floors (copy bandwidths, the disk under --dir)")
+    device = torch.device("cuda" if cuda else "cpu")
+    rates = {**copy_rates(device), **disk_rates(args.dir)}
+    if cuda:
+        torch.cuda.empty_cache()
+    workload = (f"{args.rollout_batch_size} prompts x {args.n_samples_per_prompt} samples x "
+                f"{args.rollout_max_response_len} tokens, {args.rollouts} rollouts")
+    result = {"model": model, "backend": backend, "workload": workload, "rates": rates, "train_args": args.train_arg,
+              "arms": []}
+    for arm in arms:  # each arm's numbers as soon as it is done (a long run may be cut short)
+        result["arms"].append(run_arm(arm, model, backend, args, rates, say))
+        shutil.rmtree(os.path.join(args.dir, f"arm-{arm}", "disk"), ignore_errors=True)
+        say(format_report({**result, "arms": result["arms"][-1:]}).split("\n", 2)[-1])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+    print(format_report(result), flush=True)
+    return 1 if any("error" in a for a in result["arms"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_standalone(sys.modules[__name__]))

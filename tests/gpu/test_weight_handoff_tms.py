@@ -1,0 +1,83 @@
+"""Weight buckets shared by CUDA IPC from a trainer process running under torch_memory_saver (skipped
+without CUDA or torch_memory_saver): with TMS_INIT_ENABLE=1 every cudaMalloc is a virtual-memory mapping
+that CUDA IPC cannot export, so the handoff allocates its buckets in ``bucket_allocation()``.
+
+    python -m pytest -q tests/gpu/test_weight_handoff_tms.py
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytest.importorskip("torch_memory_saver", reason="needs torch_memory_saver (pip install 'miles[gpu]')")
+
+CHILD = r"""
+import torch, torch.multiprocessing
+from multiprocessing.reduction import ForkingPickler
+from miles.offload.tms import tms_active
+from miles.ray.weight_sync import bucket_allocation
+assert tms_active()
+plain = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+try:
+    ForkingPickler.dumps(plain)
+    print("plain: shared")
+except Exception as e:
+    print("plain: refused", type(e).__name__)
+with bucket_allocation():
+    flat = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    ForkingPickler.dumps(flat)
+    print("bucket: shared")
+"""
+
+
+def _tms_env():
+    from miles.ray.layout import tms_preload_library
+
+    library = tms_preload_library()
+    if library is None:
+        pytest.skip("torch_memory_saver's preload hook is not installed")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return {**os.environ, "LD_PRELOAD": library, "TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1",
+            "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def test_a_bucket_from_bucket_allocation_is_shareable_under_torch_memory_saver():
+    out = subprocess.run([sys.executable, "-c", CHILD], env=_tms_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "plain: refused" in out.stdout  # what makes bucket_allocation necessary
+    assert "bucket: shared" in out.stdout
+
+
+def test_the_same_in_a_ray_train_actor_with_the_train_actors_environment(tmp_path):
+    """What a colocated train rank does at its first handoff: the actor's environment as the actor factory
+    builds it (the preload hook, TMS_INIT_ENABLE, disk backup)."""
+    ray = pytest.importorskip("ray")
+    from miles.config import parse_args, validate_args
+    from miles.ray import layout
+    from miles.ray.actor_factory import base_env
+
+    config = validate_args(parse_args(["--tiny-model", "--colocate", "--offload-train-target=disk",
+                                       "--offload-train-disk-dir", str(tmp_path / "disk"),
+                                       "--metrics-file", str(tmp_path / "m.jsonl")]))
+    env = {**base_env(), **layout.rank_env(config, 0, 0, use_gpu=True, tms_library=layout.tms_preload_library())}
+    os.makedirs(env.get("TMS_DISK_BACKUP_DIR", str(tmp_path)), exist_ok=True)
+
+    @ray.remote(num_gpus=1)
+    class Child:
+        def run(self):
+            import runpy  # noqa: F401
+            ns: dict = {}
+            exec(CHILD.replace("print(", "ns.setdefault('out', []).append("), {"ns": ns})
+            return ns["out"]
+
+    ray.init(include_dashboard=False, num_cpus=2, num_gpus=1, object_store_memory=200 << 20,
+             _temp_dir="/tmp/ray-tms-test")
+    try:
+        out = ray.get(Child.options(runtime_env={"env_vars": env}).remote().run.remote(), timeout=180)
+    finally:
+        ray.shutdown()
+    assert "bucket: shared" in out, out

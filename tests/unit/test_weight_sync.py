@@ -1,0 +1,164 @@
+"""The weight handoff's pure parts: routes, who feeds whom, the layer-by-layer conversion, the metrics."""
+
+import pytest
+import torch
+
+from miles.ray.weight_sync import WeightRoutes, engine_feed_ranks, plan_routes
+
+
+def test_auto_hands_colocated_engines_by_reference_and_broadcasts_the_rest():
+    routes = plan_routes("auto", num_ranks=4, engine_ranks=[0, 2, None])
+    assert routes.ipc == {0: (0,), 2: (1,)}
+    assert routes.broadcast == (2,)
+    assert "rank 0 -> engine 0" in routes.describe() and "broadcast from rank 0 to engine(s) 2" in routes.describe()
+
+
+def test_two_engines_on_one_rank_are_both_fed_by_it():
+    assert plan_routes("ipc", num_ranks=1, engine_ranks=[0, 0]).ipc == {0: (0, 1)}
+
+
+def test_distributed_broadcasts_to_every_engine():
+    routes = plan_routes("distributed", num_ranks=2, engine_ranks=[0, 1])
+    assert routes == WeightRoutes(ipc={}, broadcast=(0, 1))
+
+
+def test_ipc_refuses_an_engine_that_shares_no_rank():
+    with pytest.raises(ValueError, match=r"engine\(s\) \[1\] share no GPU"):
+        plan_routes("ipc", num_ranks=2, engine_ranks=[0, None])
+    with pytest.raises(ValueError, match="must be one of"):
+        plan_routes("nccl", num_ranks=1, engine_ranks=[0])
+    with pytest.raises(ValueError, match=r"train rank 3 is not in \[0, 2\)"):
+        plan_routes("auto", num_ranks=2, engine_ranks=[3])
+
+
+def _info(node, gpu=None):
+    return {"node_id": node, "cuda_visible_devices": gpu}
+
+
+def test_feed_ranks_on_gpu_need_the_same_gpu_of_the_colocated_rank():
+    ranks = [_info("a", "0"), _info("a", "1")]
+    engines = [_info("a", "0"), _info("a", "0")]
+    # engine 1 is placed with rank 1 but sees GPU 0: it cannot open rank 1's handles
+    assert engine_feed_ranks(ranks, engines, use_gpu=True, colocated_rank=[0, 1]) == [0, None]
+    assert engine_feed_ranks(ranks, engines, use_gpu=True, colocated_rank=None) == [None, None]
+
+
+def test_feed_ranks_on_cpu_take_any_rank_of_the_node():
+    ranks = [_info("a"), _info("b")]
+    engines = [_info("b"), _info("c")]
+    assert engine_feed_ranks(ranks, engines, use_gpu=False, colocated_rank=None) == [1, None]
+    assert engine_feed_ranks(ranks, [_info("a")], use_gpu=False, colocated_rank=[1]) == [0]
+
+
+def test_layer_by_layer_conversion_equals_the_dict_one():
+    transformers = pytest.importorskip("transformers")
+    from miles.backends.megatron_backend.convert import hf_to_megatron, iter_megatron_to_hf, megatron_to_hf
+
+    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=16, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = {k: torch.randn_like(v) for k, v in transformers.Qwen3MoeForCausalLM(cfg).state_dict().items()}
+    mcore = hf_to_megatron(hf, cfg)
+    pairs = list(iter_megatron_to_hf(mcore, cfg, hf_moe_layout="fused"))
+    whole = megatron_to_hf(mcore, cfg, hf_moe_layout="fused")
+    assert [k for k, _ in pairs] == list(whole) and len({k for k, _ in pairs}) == len(pairs)
+    assert all(torch.equal(v, whole[k]) for k, v in pairs)
+    assert set(whole) == set(hf) and all(torch.equal(whole[k], hf[k]) for k in hf)
+
+
+def test_layer_experts_callback_supplies_the_other_ranks_experts():
+    """EP 2 simulated in one process: each rank's state has half the experts; the callback hands over
+    the layer's experts of both ranks, and the result is the full HF state."""
+    transformers = pytest.importorskip("transformers")
+    from miles.backends.megatron_backend.convert import experts_to_global, hf_to_megatron, iter_megatron_to_hf
+
+    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=16, tie_word_embeddings=False)
+    torch.manual_seed(1)
+    hf = {k: torch.randn_like(v) for k, v in transformers.Qwen3MoeForCausalLM(cfg).state_dict().items()}
+    ranks = [hf_to_megatron(hf, cfg, ep_rank=r, ep_size=2) for r in range(2)]
+    calls = []
+
+    def layer_experts(layer, local):
+        calls.append(layer)
+        full = {}
+        for r, state in enumerate(ranks):
+            mine = {k: state[k] for k in local}
+            full.update(experts_to_global(mine, cfg, r, 2))
+        return full
+
+    out = dict(iter_megatron_to_hf(ranks[0], cfg, hf_moe_layout="fused", layer_experts=layer_experts))
+    assert calls == [0, 1]
+    assert set(out) == set(hf) and all(torch.equal(out[k], hf[k]) for k in hf)
+
+
+def test_rollout_record_splits_the_train_call_and_reports_the_handoff():
+    from types import SimpleNamespace
+
+    from miles.metrics import format_rollout_line, rollout_record
+
+    rank = {"loss": 0.5, "grad_norm": 1.0, "clipfrac": 0.0, "train_rollout_logprob_abs_diff": 0.0,
+            "forward_backward_seconds": 1.0, "optimizer_step_seconds": 0.25, "train_seconds": 1.5}
+    handoff = [{"weight_handoff_seconds": 0.05, "weight_handoff_bytes": 2 << 30, "weight_handoff_buckets": 4,
+                "weight_handoff_largest_bucket_bytes": 512 << 20, "weight_handoff_through_host": False}]
+    timings = {"generate_seconds": 1.0, "train_seconds": 1.6, "sleep_seconds": 0.1, "wake_seconds": 0.1,
+               "step_seconds": 3.0}
+    rec = rollout_record(0, [1.0, 0.0], [SimpleNamespace(response_ids=[1, 2])] * 2, [rank, {**rank, "train_seconds": 2.0}],
+                         [], [], timings, None, handoff)
+    assert rec["forward_backward_seconds"] == 1.0 and rec["train_rank_seconds"] == 2.0
+    assert rec["other_seconds"] == pytest.approx(0.75)
+    assert rec["weight_handoff_seconds"] == 0.05 and rec["weight_handoff_buckets"] == 4
+    line = format_rollout_line(rec, 1)
+    assert "fwd/bwd 1.00s + optimizer 0.25s + other 0.75s, weights 0.05s" in line
+
+
+def test_bench_phase_report_against_the_floors():
+    from miles.bench.rl import phase_report
+
+    rec = {"samples": 4, "response_len_mean": 10.0, "generate_seconds": 2.0, "train_seconds": 1.5,
+           "forward_backward_seconds": 1.0, "optimizer_step_seconds": 0.2, "train_rank_seconds": 1.3,
+           "other_seconds": 0.1, "weight_sync_seconds": 0.2, "weight_handoff_seconds": 0.1,
+           "weight_handoff_bytes": 4e9, "weight_handoff_buckets": 8, "offload_bytes": 2e9, "sleep_seconds": 1.0,
+           "wake_seconds": 1.0, "engine_release_seconds": 0.1, "engine_resume_seconds": 0.1, "step_seconds": 6.0}
+    rates = {"device_copy": 2e12, "d2h_pinned": 50e9, "h2d_pinned": 50e9, "disk_write": 2e9, "disk_read": 1e9}
+    disk = phase_report([rec, rec], "disk", rates)
+    assert disk["generate"]["tokens_per_second"] == 20.0
+    assert disk["train"]["floor"] == pytest.approx(1.2) and disk["train"]["ratio"] == pytest.approx(1.25)
+    assert disk["weights"]["floor"] == pytest.approx(0.002)
+    assert disk["sleep"]["floor"] == pytest.approx(1.0) and disk["wake"]["floor"] == pytest.approx(2.0)
+    assert disk["step"]["floor"] == pytest.approx(2.0 + 1.2 + 0.002 + 1.0 + 2.0)
+    cpu = phase_report([rec], "cpu", rates)
+    assert cpu["sleep"]["floor"] == pytest.approx(0.04)
+
+
+def test_a_bucket_cuda_refuses_to_export_goes_through_host_memory(monkeypatch, caplog):
+    """The fallback's logic with the refusal simulated (CPU here): the first refusal switches the rest of
+    the handoff to host shared memory, with one warning."""
+    import miles.weights as weights
+    from miles.ray import weight_sync
+    from miles.weights import iter_buckets
+
+    calls = []
+
+    def fake_share(spec, flat, **kw):
+        calls.append(flat.device.type)
+        if getattr(flat, "_pretend_cuda", False):
+            raise RuntimeError("CUDA error: invalid argument\nmore")
+        return ("shared", spec.index)
+
+    class Flat(torch.Tensor):
+        pass
+
+    monkeypatch.setattr(weights, "share_bucket", fake_share)
+    sharer = weight_sync._Sharer()
+    buckets = list(iter_buckets([("a", torch.ones(4)), ("b", torch.ones(8))], 16))
+    first = buckets[0][1].as_subclass(Flat)
+    first._pretend_cuda = True
+    monkeypatch.setattr(Flat, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(Flat, "cpu", lambda self: torch.Tensor.cpu(self).as_subclass(torch.Tensor))
+    with caplog.at_level("WARNING", logger="miles.ray.weight_sync"):
+        assert sharer.share(buckets[0][0], first) == ("shared", 0)
+        assert sharer.share(*buckets[1]) == ("shared", 1)
+    assert sharer.through_host and caplog.text.count("through host shared memory") == 1
