@@ -20,7 +20,23 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-__all__ = ["Subcommand", "SUBCOMMANDS", "available_subcommands", "main", "train_main"]
+__all__ = ["DefaultsHelpFormatter", "Subcommand", "SUBCOMMANDS", "available_subcommands", "main", "train_main"]
+
+
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help that states each flag's default once, for the subcommands that build their own parsers.
+
+    ``(default: X)`` is appended unless the help already says what the default is (it mentions
+    "default"), and never for a default that means "not given" (None, an empty list) or a switch that
+    is off: "(default: None)" after a help that explains the unset case would contradict it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:  # argparse's extension point for this
+        text = action.help or ""
+        default = action.default
+        unset = default is None or default is argparse.SUPPRESS or isinstance(default, bool) or default == []
+        if not text or not action.option_strings or unset or "default" in text.lower():
+            return text
+        return text + " (default: %(default)s)"
 
 
 @dataclass(frozen=True)
@@ -76,8 +92,8 @@ def train_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     try:
         config = validate_args(args)
-    except ArgumentError as e:
-        parser.error(str(e))  # exits with status 2
+    except ArgumentError as e:  # one line: the message names the flags and the fix; the usage would bury it
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     configure_logging(config.logging.log_level)
     try:
         train_mod = importlib.import_module("miles.train")

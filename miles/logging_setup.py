@@ -28,11 +28,16 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+# The packages whose loggers take the run's level: the framework and the optimizer-state store (its
+# per-step line, the host tier's and O_DIRECT's lines come from ``miles_plugins``).
+MILES_LOGGERS = ("miles", "miles_plugins")
+
+
 def configure_logging(level: str) -> None:
     """One stderr handler on the root logger (added once per process) and ``level`` for miles' loggers.
 
-    Only the ``miles`` logger gets ``level``: third-party libraries keep their own (DEBUG on the root
-    would flood the log with Ray's and torch's internals).
+    Only the loggers of :data:`MILES_LOGGERS` get ``level``: third-party libraries keep their own (DEBUG
+    on the root would flood the log with Ray's and torch's internals).
     """
     root = logging.getLogger()
     if not any(getattr(h, "_miles", False) for h in root.handlers):
@@ -40,7 +45,8 @@ def configure_logging(level: str) -> None:
         handler.setFormatter(logging.Formatter(LOG_FORMAT, DATE_FORMAT))
         handler._miles = True  # marks the handler this function installed (idempotence)
         root.addHandler(handler)
-    logging.getLogger("miles").setLevel(level.upper())
+    for name in MILES_LOGGERS:
+        logging.getLogger(name).setLevel(level.upper())
 
 
 # Read by the Ray driver when it prints actor lines (RAY_COLOR_PREFIX: no ANSI colour codes in a log file)

@@ -23,9 +23,10 @@ def mean_of(values) -> float:
 class MetricsSink:
     """Metrics as JSONL (one record per rollout) and TensorBoard scalars when TensorBoard is installed."""
 
-    def __init__(self, path: str, tensorboard_dir: Optional[str]):
+    def __init__(self, path: str, tensorboard_dir: Optional[str], start_rollout: int = 0):
         self.path = path
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        drop_records_from(path, start_rollout)
         self._fh = open(path, "a", buffering=1)
         self.tb = None
         self.tb_dir = None
@@ -51,6 +52,34 @@ class MetricsSink:
         self._fh.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def drop_records_from(path: str, rollout_id: int) -> int:
+    """Remove the records of rollouts >= ``rollout_id`` from the JSONL file at ``path`` (a run resumed at
+    ``rollout_id`` writes them again: one record per rollout). Lines that are not records are kept. The file
+    is replaced atomically; returns how many records were dropped."""
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not (isinstance(record, dict) and isinstance(record.get("rollout_id"), int)
+                and record["rollout_id"] >= rollout_id):
+            kept.append(line)
+    dropped = len(lines) - len(kept)
+    if dropped:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+        logger.info("metrics: replaced %d record(s) of rollouts >= %d in %s (this run writes them again)",
+                    dropped, rollout_id, path)
+    return dropped
 
 
 def rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, saved,
@@ -118,23 +147,31 @@ def rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, sa
     return rec
 
 
+ROLLOUT_LINE_WIDTH = 180  # two lines of a 90-column terminal at most; the rest is in the metrics file
+
+
+def _short(x: float) -> str:
+    """A figure in at most 4-5 characters: 2 decimals below 10, 1 below 100, none above."""
+    return f"{x:.2f}" if abs(x) < 10 else f"{x:.1f}" if abs(x) < 100 else f"{x:.0f}"
+
+
 def format_rollout_line(rec: dict[str, Any], num_rollout: int) -> str:
-    parts = [f"rollout {rec['rollout_id'] + 1}/{num_rollout}",
-             f"reward {rec['reward_mean']:.3f}",
-             f"loss {rec['loss']:+.4g}",
-             f"step {rec['step_seconds']:.2f}s (gen {rec['generate_seconds']:.2f}s, train {rec['train_seconds']:.2f}s: "
-             f"fwd/bwd {rec['forward_backward_seconds']:.2f}s + optimizer {rec['optimizer_step_seconds']:.2f}s + other "
-             f"{rec['other_seconds']:.2f}s" + (f", weights {rec['weight_handoff_seconds']:.2f}s"
-                                              if "weight_handoff_seconds" in rec else "") + ")"]
+    """The rollout's one log line (at most ROLLOUT_LINE_WIDTH characters): reward, loss, where the step's
+    seconds went (the train call: forward/backward, optimizer step, the rest), the streamed GB read +
+    written (of which disk) and a saved checkpoint. Every field, and more, is in the metrics record."""
+    train = (f"train {_short(rec['train_seconds'])} (fb {_short(rec['forward_backward_seconds'])} opt "
+             f"{_short(rec['optimizer_step_seconds'])} other {_short(rec['other_seconds'])})")
+    seconds = [f"gen {_short(rec['generate_seconds'])}", train]
+    if "weight_handoff_seconds" in rec:
+        seconds.append(f"weights {_short(rec['weight_handoff_seconds'])}")
+    seconds.append(f"sleep {_short(rec['sleep_seconds'])} wake {_short(rec['wake_seconds'])}")
+    parts = [f"rollout {rec['rollout_id'] + 1}/{num_rollout} reward {rec['reward_mean']:.3f} loss {rec['loss']:+.3g}",
+             f"{_short(rec['step_seconds'])}s: " + " ".join(seconds)]
     if "stream_read_gb" in rec:
-        parts.append(f"streamed {rec['stream_read_gb']:.3f} GB read + {rec['stream_written_gb']:.3f} GB written "
-                     f"(disk {rec['stream_disk_read_gb']:.3f} + {rec['stream_disk_written_gb']:.3f}) "
-                     f"in {rec['stream_seconds']:.2f}s ({rec['stream_gbps']:.2f} GB/s), exposed "
-                     f"{rec['stream_exposed_io_per_rollout_seconds']:.2f}s")
-    parts.append(f"sleep {rec['sleep_seconds']:.2f}s wake {rec['wake_seconds']:.2f}s "
-                 f"({rec['offload_bytes'] / GB:.3f} GB offloaded)")
+        parts.append(f"streamed {_short(rec['stream_read_gb'])}+{_short(rec['stream_written_gb'])} GB (disk "
+                     f"{_short(rec['stream_disk_read_gb'])}+{_short(rec['stream_disk_written_gb'])})")
     if rec.get("checkpoint"):
-        parts.append(f"saving {rec['checkpoint']}")
+        parts.append("saved")
     return " | ".join(parts)
 
 

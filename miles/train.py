@@ -182,12 +182,12 @@ def run(config: RunConfig) -> dict[str, Any]:
     """Run the RL loop; returns a summary dict (also logged). Raises :class:`RunError` when an actor fails.
 
     Exits the process (``SystemExit``) in two cases, each with one line on stderr: the run root is held by
-    another run or its filesystem has no file locks (exit code 2, nothing started), or SIGTERM/SIGINT arrived (128 + the signal number, after
+    another run, its filesystem has no file locks, or its parent does not exist (exit code 2, nothing started), or SIGTERM/SIGINT arrived (128 + the signal number, after
     teardown)."""
     configure_logging(config.logging.log_level)
     try:
         root_lock = claim_run_root(config)
-    except (DirectoryInUseError, LockUnsupportedError) as e:
+    except (DirectoryInUseError, LockUnsupportedError, FileNotFoundError) as e:
         print(f"miles train: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     stop = _StopOnSignal()
@@ -315,7 +315,7 @@ def _run_holding_root(config: RunConfig, stop: _StopOnSignal, summary: dict[str,
         if config.offload.offload_train:
             train_group.sleep()
 
-        sink = MetricsSink(metrics_path, config.logging.tensorboard_dir)
+        sink = MetricsSink(metrics_path, config.logging.tensorboard_dir, start_rollout)
         summary["tensorboard_dir"] = sink.tb_dir if sink.tb is not None else None
         record = _loop(config, range(start_rollout, config.rollout.num_rollout), cursor, tokenizer, train_group,
                        rollout, weight_sync, sink, summary)

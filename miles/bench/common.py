@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from miles.cli import DefaultsHelpFormatter
+
 
 def parse_count(text: str) -> int:
     text = text.strip().upper().replace("_", "")
@@ -65,6 +67,6 @@ def describe(module) -> str:
 def run_standalone(module, argv=None) -> int:
     """`python -m miles.bench.<name> ...`: the module's own flags, then its run."""
     parser = argparse.ArgumentParser(prog=f"miles bench {module.NAME}", description=describe(module),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=DefaultsHelpFormatter)
     module.add_arguments(parser)
     return int(module.run(parser.parse_args(sys.argv[1:] if argv is None else list(argv))) or 0)

@@ -76,8 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the bit-identity check")
     p.add_argument("--dir", default="miles-bench-megatron", help="directory on the disk under test: the store "
                    "arms' files and the arms' saved params (all removed at the end)")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=1234, help="seed of the weights and gradients, the same in every arm")
+    p.add_argument("--lr", type=float, default=1e-4, help="Adam's learning rate, the same in every arm")
     p.add_argument("--arm-timeout", type=float, default=0, help="seconds an arm may run before it is killed and "
                    "reported as failed (0: no limit)")
     p.add_argument("--after-load", action="store_true", help="store arms with a host tier: also time the "

@@ -59,10 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-numel", type=int, default=None, help="element budget per bucket (overrides --buckets)")
     p.add_argument("--device-budget-mb", type=int, default=None, help="the store's device budget, MiB (default: "
                    "one bucket of the default element budget); bucket size and depth are fitted to it unless given")
-    p.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_MB)
+    p.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_MB, help="the store's host staging chunk, MiB")
     p.add_argument("--depth", type=int, default=None, help=f"read-ahead depth (default: the deepest up to "
                    f"{DEFAULT_DEPTH} that the device budget allows)")
-    p.add_argument("--io-threads", type=int, default=DEFAULT_IO_THREADS)
+    p.add_argument("--io-threads", type=int, default=DEFAULT_IO_THREADS, help="the store's reader and writer threads, each")
     p.add_argument("--direct", choices=["auto", "on", "off"], default="auto", help="O_DIRECT for the floor and "
                    "the pipelined engine")
     p.add_argument("--repeat", type=int, default=1, help="rounds of (floors, sync step, pipelined step) and "

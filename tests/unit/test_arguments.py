@@ -42,6 +42,7 @@ def env(**kw) -> Environment:
         has_module=lambda m: m in modules,
         scratch_root="/scratch",
         run_id="RUN",
+        cpu_count=lambda: 64, host_memory_available=lambda: 1 << 40,  # not this machine's
     )
     base.update(kw)
     return Environment(**base)

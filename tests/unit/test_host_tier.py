@@ -397,11 +397,11 @@ def test_auto_without_meminfo_is_no_tier(tmp_path, monkeypatch, caplog):
 def test_the_run_flag_reaches_the_store_config():
     from miles.backends.torch_backend.trainer import store_config
     from miles.config.arguments import parse_args
-    from miles.config.validation import validate_args
+    from miles.config.validation import Environment, validate_args
 
     args = parse_args(["--stream-optimizer-state-to-disk", "--offload-train-target", "disk", "--num-train-ranks", "2",
                        "--stream-optimizer-state-host-cache-mb", "auto"])
-    config = store_config(validate_args(args), rank=1, ranks_on_node=2)
+    config = store_config(validate_args(args, Environment(cpu_count=lambda: 64)), rank=1, ranks_on_node=2)
     assert config.host_cache_mb == "auto" and config.host_cache_ranks_per_node == 2
     assert config.host_cache_rank_reserve_mb == 0
 
@@ -411,12 +411,12 @@ def test_a_trainer_shares_the_tier_with_the_ranks_of_its_node_only(tmp_path):
     divides the node's RAM by those, not by every rank of the run. In-process (no factory): all ranks."""
     from miles.backends.torch_backend.trainer import TorchTrainer, store_config
     from miles.config.arguments import parse_args
-    from miles.config.validation import validate_args
+    from miles.config.validation import Environment, validate_args
 
     args = parse_args(["--stream-optimizer-state-to-disk", "--offload-train-target", "disk", "--num-train-ranks", "8",
                        "--stream-optimizer-state-host-cache-mb", "auto",
                        "--offload-train-disk-dir", str(tmp_path / "root")])
-    cfg = validate_args(args)
+    cfg = validate_args(args, Environment(cpu_count=lambda: 64))
     on_a_node_of_two = TorchTrainer(cfg, rank=5, world_size=8, ranks_on_node=2)
     alone = TorchTrainer(cfg, rank=5, world_size=8)
     assert store_config(cfg, 5, on_a_node_of_two.ranks_on_node).host_cache_ranks_per_node == 2

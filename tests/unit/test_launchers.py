@@ -95,7 +95,8 @@ def gpu_machine() -> Environment:
     return dataclasses.replace(Environment(), python_version=(3, 12), cuda_available=lambda: True,
                                has_module=lambda name: True, path_exists=lambda p: True, is_dir=lambda p: True,
                                is_file=lambda p: True, check_prompt_data=lambda p: None,
-                               dir_writable=lambda p: True, disk_free_bytes=lambda p: 1 << 60)
+                               dir_writable=lambda p: True, disk_free_bytes=lambda p: 1 << 60,
+                               cpu_count=lambda: 128, host_memory_available=lambda: 1 << 41)
 
 
 def test_there_are_launchers_for_both_reference_models():

@@ -14,7 +14,8 @@ def _cfg(*argv):
             "--offload-train-disk-dir", "/scratch/run", "--metrics-file", "/scratch/m.jsonl",
             "--rollout-batch-size", "4"]
     return validate_args(parse_args(base + list(argv)), Environment(has_module=lambda m: False,
-                                                                     cuda_available=lambda: False))
+                                                                     cuda_available=lambda: False,
+                                                                     cpu_count=lambda: 64))
 
 
 def test_ranks_follow_the_nodes_whatever_order_ray_placed_the_bundles_in():

@@ -17,7 +17,8 @@ def _cfg(*argv, colocate=True):
     base = ["--num-train-ranks", "2", "--offload-train-disk-dir", "/scratch/run",
             *disk_chunk, "--metrics-file", "/scratch/m.jsonl"] + ["--colocate"] * colocate
     return validate_args(parse_args(base + list(argv)), Environment(has_module=lambda m: False,
-                                                                     cuda_available=lambda: False))
+                                                                     cuda_available=lambda: False,
+                                                                     cpu_count=lambda: 64))
 
 
 def test_rank_dir_names():

@@ -267,3 +267,16 @@ def test_miles_train_on_a_filesystem_without_locks_exits_with_one_line(make_conf
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("miles train: ") and "ENOLCK" in err[0], err
+
+
+def test_miles_train_with_a_root_whose_parent_is_missing_exits_with_one_line(make_config, tmp_path, capsys):
+    from miles.train import run
+
+    cfg = _config(make_config, tmp_path, "parentless")
+    cfg = dataclasses.replace(cfg, paths=dataclasses.replace(cfg.paths, root=str(tmp_path / "a" / "b" / "root")))
+    with pytest.raises(SystemExit) as exit_info:
+        run(cfg)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not exist" in err[0], err
+    assert not (tmp_path / "a").exists()

@@ -229,7 +229,7 @@ def test_not_enough_free_space_on_a_small_filesystem(tmp_path):
     try:
         snapshot = _existing_state(mnt)
         params = [torch.nn.Parameter(torch.randn(1_000_000))]  # 8 MB of moments on a 1 MiB filesystem
-        with pytest.raises(StoreConfigError, match=r"not enough free space .* need 0\.01 GiB"):
+        with pytest.raises(StoreConfigError, match=r"not enough free space .* need 7\.6\d MiB"):
             stream_optimizer_state(torch.optim.AdamW(params), dir=str(mnt))
         assert _unchanged(snapshot)
         assert sorted(os.listdir(mnt / "rank00000")) == ["opt9_99"]

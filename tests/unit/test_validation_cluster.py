@@ -40,7 +40,8 @@ def test_own_ray_counts_every_rank_on_the_driver_disk(tmp_path):
         validate(tmp_path, *FOUR_RANKS, disk_free_bytes=free)
     assert f"needs about {ALL_RANKS_NEED / GIB:.2f} GiB" in str(ei.value)
     assert "train ranks can run on this node" not in str(ei.value)
-    assert validate(tmp_path, *FOUR_RANKS, disk_free_bytes=lambda p: 4 * GIB).ray_address is None
+    assert validate(tmp_path, *FOUR_RANKS, disk_free_bytes=lambda p: 4 * GIB,
+                    cpu_count=lambda: 5).ray_address is None  # 4 ranks + 1 engine, one CPU each
 
 
 def test_joining_a_cluster_counts_only_what_fits_on_the_driver_node(tmp_path):

@@ -111,7 +111,28 @@ def test_rollout_record_splits_the_train_call_and_reports_the_handoff():
     assert rec["other_seconds"] == pytest.approx(0.75)
     assert rec["weight_handoff_seconds"] == 0.05 and rec["weight_handoff_buckets"] == 4
     line = format_rollout_line(rec, 1)
-    assert "fwd/bwd 1.00s + optimizer 0.25s + other 0.75s, weights 0.05s" in line
+    assert "train 1.60 (fb 1.00 opt 0.25 other 0.75) weights 0.05" in line
+
+
+def test_the_rollout_line_fits_one_terminal_line():
+    """Everything on: streaming, the handoff, a checkpoint, the figures of a large run."""
+    from types import SimpleNamespace
+
+    from miles.metrics import ROLLOUT_LINE_WIDTH, format_rollout_line, rollout_record
+
+    rank = {"loss": -0.0123456, "grad_norm": 1.0, "clipfrac": 0.0, "train_rollout_logprob_abs_diff": 0.0,
+            "forward_backward_seconds": 20.45, "optimizer_step_seconds": 9.37, "train_seconds": 30.6,
+            "stream_bytes_read": 123 << 30, "stream_bytes_written": 123 << 30, "stream_disk_bytes_read": 100 << 30,
+            "stream_disk_bytes_written": 100 << 30, "stream_tier_fill_bytes": 0, "stream_seconds": 50.0,
+            "stream_io_seconds": 10.0, "stream_peak_resident_bytes": 1, "stream_prefetched_buckets": 2}
+    handoff = [{"weight_handoff_seconds": 1.234, "weight_handoff_bytes": 1, "weight_handoff_buckets": 1,
+                "weight_handoff_largest_bucket_bytes": 1, "weight_handoff_through_host": False}]
+    timings = {"generate_seconds": 40.2, "train_seconds": 31.2, "sleep_seconds": 5.61, "wake_seconds": 4.27,
+               "step_seconds": 95.3}
+    rec = rollout_record(99, [1.0], [SimpleNamespace(response_ids=[1])], [rank], [], [], timings,
+                         "/ckpt/rollout_000100", handoff)
+    line = format_rollout_line(rec, 1000)
+    assert len(line) <= ROLLOUT_LINE_WIDTH, (len(line), line)
 
 
 def test_bench_phase_report_against_the_floors():
@@ -162,3 +183,19 @@ def test_a_bucket_cuda_refuses_to_export_goes_through_host_memory(monkeypatch, c
         assert sharer.share(buckets[0][0], first) == ("shared", 0)
         assert sharer.share(*buckets[1]) == ("shared", 1)
     assert sharer.through_host and caplog.text.count("through host shared memory") == 1
+
+
+def test_a_resumed_run_replaces_the_records_it_writes_again(tmp_path):
+    import json
+
+    from miles.metrics import MetricsSink
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"rollout_id": i, "reward_mean": i}) + "\n" for i in range(4)) + "not json\n")
+    sink = MetricsSink(str(path), None, start_rollout=2)
+    sink.write({"rollout_id": 2, "reward_mean": 20})
+    sink.close()
+    lines = path.read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    assert [r["rollout_id"] for r in records] == [0, 1, 2] and records[-1]["reward_mean"] == 20
+    assert "not json" in lines
