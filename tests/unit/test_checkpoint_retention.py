@@ -76,7 +76,7 @@ def test_keep_latest_keeps_exactly_n_newest_and_logs_what_it_removed(make_config
     assert _entries(save) == [checkpoint.LATEST_FILE, "rollout_000004", "rollout_000005"]
     assert checkpoint.resolve(save) == os.path.join(save, "rollout_000005")
     assert summary["checkpoints"] == [os.path.join(save, "rollout_000004"), os.path.join(save, "rollout_000005")]
-    removed = [r.getMessage() for r in caplog.records if "rollout_000001" in r.getMessage()]
+    removed = [r.getMessage() for r in caplog.records if r.name == "miles.checkpoint" and "rollout_000001" in r.getMessage()]
     assert len(removed) == 1 and "removed" in removed[0] and "newest 2" in removed[0]
 
 

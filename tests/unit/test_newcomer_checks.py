@@ -12,6 +12,7 @@ STREAM = ["--stream-optimizer-state-to-disk", "--offload-train-target=disk"]
 
 
 def machine(tmp_path, cpus=2, available_memory=64 * GIB, ray_address=None, **kw) -> Environment:
+    kw.setdefault("ray_running", lambda: False)  # a Ray another test of this process started is not this run's
     return Environment(cuda_available=lambda: False, has_module=lambda m: False,
                        scratch_root=str(tmp_path / "scratch"), run_id="test", ray_address=ray_address,
                        cpu_count=lambda: cpus, host_memory_available=lambda: available_memory, **kw)

@@ -20,6 +20,7 @@ from miles_plugins.optimizers.nvme_stream import (CheckpointError, StoreConfigEr
 from miles_plugins.optimizers.streaming.io import engine as engine_mod
 
 from test_store import make_adamw, make_params, streamed_moments
+from test_checkpoint_confinement import _edit_manifest
 
 BUCKET = 4096 + 100
 
@@ -232,15 +233,6 @@ def test_resident_optimizer_states_round_trip_with_weights_only(tmp_path):
 
 
 # ---- 7. a crafted manifest is refused before any live file changes ----------------------------------
-def _edit_manifest(directory, edit):
-    path = os.path.join(directory, "manifest.json")
-    with open(path) as f:
-        m = json.load(f)
-    m.pop("manifest_crc32")
-    edit(m)
-    m["manifest_crc32"] = zlib.crc32(json.dumps(m, sort_keys=True).encode())
-    with open(path, "w") as f:
-        json.dump(m, f)
 
 
 def _set_step(value):

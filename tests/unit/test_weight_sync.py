@@ -50,15 +50,20 @@ def test_feed_ranks_on_cpu_take_any_rank_of_the_node():
     assert engine_feed_ranks(ranks, [_info("a")], use_gpu=False, colocated_rank=[1]) == [0]
 
 
+def _tiny_moe(transformers, seed: int):
+    """A 2-layer, 4-expert Qwen3-MoE config and a random HF state dict of it."""
+    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=16, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return cfg, {k: torch.randn_like(v) for k, v in transformers.Qwen3MoeForCausalLM(cfg).state_dict().items()}
+
+
 def test_layer_by_layer_conversion_equals_the_dict_one():
     transformers = pytest.importorskip("transformers")
     from miles.backends.megatron_backend.convert import hf_to_megatron, iter_megatron_to_hf, megatron_to_hf
 
-    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
-                                      num_experts_per_tok=2, moe_intermediate_size=16, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    hf = {k: torch.randn_like(v) for k, v in transformers.Qwen3MoeForCausalLM(cfg).state_dict().items()}
+    cfg, hf = _tiny_moe(transformers, seed=0)
     mcore = hf_to_megatron(hf, cfg)
     pairs = list(iter_megatron_to_hf(mcore, cfg, hf_moe_layout="fused"))
     whole = megatron_to_hf(mcore, cfg, hf_moe_layout="fused")
@@ -73,11 +78,7 @@ def test_layer_experts_callback_supplies_the_other_ranks_experts():
     transformers = pytest.importorskip("transformers")
     from miles.backends.megatron_backend.convert import experts_to_global, hf_to_megatron, iter_megatron_to_hf
 
-    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
-                                      num_experts_per_tok=2, moe_intermediate_size=16, tie_word_embeddings=False)
-    torch.manual_seed(1)
-    hf = {k: torch.randn_like(v) for k, v in transformers.Qwen3MoeForCausalLM(cfg).state_dict().items()}
+    cfg, hf = _tiny_moe(transformers, seed=1)
     ranks = [hf_to_megatron(hf, cfg, ep_rank=r, ep_size=2) for r in range(2)]
     calls = []
 
