@@ -38,9 +38,11 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from miles.config import RunConfig
+if TYPE_CHECKING:  # annotations only: miles.config asks this module which model to load (no import cycle)
+    from miles.config import RunConfig
+from miles.sizing.presets import LLAMA_9B_RANDOM
 
 logger = logging.getLogger(__name__)
 
@@ -340,6 +342,9 @@ RANDOM_MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # Llama family, ~1.06B params (TinyLlama's shape with the char tokenizer's vocabulary).
     "llama-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
                      num_attention_heads=32, num_key_value_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # Llama-3-8B's shape with 42 layers, 9.16B params (miles/sizing/presets.py: LLAMA_9B_RANDOM, which
+    # `miles plan --preset llama-9.2b-random` sizes; the vocabulary is the char tokenizer's).
+    "llama-9.2b": dict({k: v for k, v in LLAMA_9B_RANDOM.items() if k != "vocab_size"}, rms_norm_eps=1e-5),
     # Qwen3-MoE layout, 8 experts (top-2), ~0.23B params.
     "qwen3-moe-8e": dict(model_type="qwen3_moe", hidden_size=1024, intermediate_size=2048, moe_intermediate_size=1024,
                          num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,

@@ -1,8 +1,14 @@
-"""The training-backend interface: what one train actor (one data-parallel rank) drives.
+"""The training-backend template: what one train actor (one data-parallel rank) drives.
 
-Every backend implements :class:`TrainBackend`; :data:`BACKENDS` names them by ``--train-backend``
-value as ``"module:Class"`` strings, so choosing a backend imports nothing until an actor builds it
-(megatron-core, for one, imports only on GPU machines that have it).
+:class:`TrainBackend` runs what every backend does the same way, in the manner of torch.optim's
+``Optimizer`` or verl's ``BaseEngine``: the setup sequence of ``init``, the loop of a train call (token
+counts all-reduced, grads zeroed, the store's read-ahead, the policy gradient over micro-batches, the
+optimizer step, the step's metrics), sleep/wake around the offloader, the checkpoint calls and shutdown.
+A backend fills in only its own part, the hooks below ``# ---- hooks``: how it joins the process group,
+builds the model and optimizer, computes log-probs, steps the optimizer, what it offloads, how it hands
+its weights over. :data:`BACKENDS` names the backends by ``--train-backend`` value as ``"module:Class"``
+strings, so choosing a backend imports nothing until an actor builds it (megatron-core, for one, imports
+only on GPU machines that have it).
 
 Lifecycle, as :class:`miles.ray.train_actor.TrainActor` calls it::
 
@@ -26,10 +32,20 @@ import abc
 import contextlib
 import importlib
 import logging
+import os
+import random
 import time
 from typing import Any, Iterator, Optional
 
+import torch
+import torch.distributed as dist
+
+from miles import checkpoint
 from miles.config import RunConfig
+from miles.models import torch_dtype
+from miles.offload import make_offloader
+from miles.rl.loss import accumulate_policy_gradient
+from miles_plugins.optimizers.nvme_stream import DEFAULT_BUCKET_NUMEL, StoreGroup, StreamConfig, stream_optimizer_state
 from miles_plugins.optimizers.streaming.io.ownership import DirectoryLock, claim_directory, remove_created
 
 logger = logging.getLogger(__name__)
@@ -55,6 +71,38 @@ def offload_stats(stats) -> dict[str, Any]:
     """An :class:`~miles.offload.OffloadStats` as the plain dict sleep/wake return."""
     return {"action": stats.action, "target": stats.target, "skipped": stats.skipped, "storages": stats.storages,
             "bytes": stats.bytes, "seconds": stats.seconds, "path": stats.path}
+
+
+def loss_arguments(config: RunConfig) -> dict[str, float]:
+    """The policy-gradient loss's knobs from the config, exactly as given (``--eps-clip 0`` is 0)."""
+    return {"eps_clip": config.training.eps_clip, "temperature": config.rollout.rollout_temperature}
+
+
+def store_config(config: RunConfig, rank: int, ranks_on_node: int) -> StreamConfig:
+    """The store's :class:`StreamConfig` from the run's config (the store's own defaults for the rest).
+    Flags at their defaults leave the choice to the store: the bucket size and depth it fits to the
+    device budget, the budget one default bucket's worth.
+
+    A host tier of "auto" is shared by the ranks of a node: ``ranks_on_node``, the train ranks the actor
+    factory placed on this rank's node (rank_nodes of the placement group). No rank reserve: streaming requires
+    --offload-train-target=disk (validation), so a sleeping trainer keeps no cpu backup in host RAM (its
+    disk offload stages through chunk buffers, which the node reserve covers)."""
+    opt = config.optimizer
+    bucket_numel = opt.stream_optimizer_state_bucket_numel
+    return StreamConfig(dir=config.paths.optimizer_state, chunk_mb=opt.stream_optimizer_state_chunk_mb,
+                        moment_dtype=opt.stream_optimizer_state_moment_dtype,
+                        bucket_numel=None if bucket_numel == DEFAULT_BUCKET_NUMEL else bucket_numel,
+                        device_budget_mb=opt.stream_optimizer_state_device_budget_mb or None,
+                        host_cache_mb=opt.stream_optimizer_state_host_cache_mb,
+                        host_cache_ranks_per_node=ranks_on_node,
+                        verify=opt.stream_optimizer_state_verify, rank=rank)
+
+
+def store_info(stores: list) -> dict[str, Any]:
+    """What ``info()["store"]`` reports of a rank's stores (one for torch, one per chained member for megatron)."""
+    return {"num_buckets": sum(s.stats.num_buckets for s in stores),
+            "state_bytes": sum(s.stats.state_bytes for s in stores),
+            "paths": [s.path for s in stores], "relative_dirs": [s.relative_dir for s in stores]}
 
 
 def stream_step_metrics(stores: list) -> dict[str, Any]:
@@ -92,7 +140,7 @@ def settle_store_for_sleep(store, flush: bool) -> dict[str, Any]:
 
 
 class TrainBackend(abc.ABC):
-    """One data-parallel rank of a training backend.
+    """One data-parallel rank of a training backend: the template; a backend implements the hooks.
 
     ``config``: the run's :class:`~miles.config.RunConfig`. ``rank``/``world_size``: this rank among the
     train actors of cell ``cell``. ``rank_dir``: this rank's private directory (``cell<i>_rank<j>``;
@@ -110,11 +158,121 @@ class TrainBackend(abc.ABC):
         self.cell = cell
         self.rank_dir = rank_dir
         self.rank_dir_lock: Optional[DirectoryLock] = None
-        self.store = None  # the optimizer-state store when streaming (anything with close())
+        self.device = torch.device("cpu")
+        self.dtype = torch_dtype(config.model.model_dtype)
+        self.tokenizer = None
+        self.optimizer = None
+        # the optimizer-state store when streaming: what stream_optimizer_state returned (a store, or the
+        # StoreGroup of a chained optimizer's stores)
+        self.store = None
         self.offloader = None  # the sleep/wake offloader when --offload-train (miles.offload)
         self.weight_group = None  # the weight-update group, when this rank is its source
+        self.init_info: dict[str, Any] = {}
         self.closed = False
 
+    # ---- setup --------------------------------------------------------------------------------
+    def init(self, rendezvous: str) -> dict[str, Any]:
+        """Join the process group at ``tcp://<rendezvous>`` (``host:port`` on rank 0's node), build model
+        and optimizer, bind the store, make the offloader; returns :meth:`info`."""
+        config = self.config
+        self.check_config()
+        torch.set_num_threads(config.cluster.num_cpus_per_rank)
+        process_group_backend = self.join_process_group(rendezvous)
+        self.claim_rank_dir()
+        self.seed(config.training.seed)
+        description = self.build_model()
+        if config.optimizer.stream_optimizer_state_to_disk:
+            self.store = stream_optimizer_state(self.optimizer,
+                                                config=store_config(config, self.rank, self.ranks_on_node))
+        self.offloader = self.make_offloader()
+        self.init_info = {"rank": self.rank, "pid": os.getpid(), "device": str(self.device),
+                          "backend": process_group_backend,
+                          "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # set per actor by Ray
+                          "dtype": str(self.dtype).replace("torch.", ""), "description": description,
+                          "rank_dir": self.rank_dir, "offload": type(self.offloader).__name__ if self.offloader else None,
+                          "store": store_info(self.streamed_stores()) if self.store is not None else None,
+                          **self.describe()}
+        return self.info()
+
+    def info(self) -> dict[str, Any]:
+        """What this rank runs: rank, pid, device, dtype, num_params, description, offloader, store info."""
+        return dict(self.init_info)
+
+    def seed(self, seed: int) -> None:
+        random.seed(seed)
+        torch.manual_seed(seed)
+
+    def make_offloader(self):
+        offload = self.config.offload
+        if not offload.offload_train:
+            return None
+        if offload.offload_train_target == "disk" and self.rank_dir is None:
+            raise RuntimeError("--offload-train-target=disk needs the rank directory: build the trainer with "
+                               "rank_dir=config.paths.rank_dir(cell, rank)")
+        return make_offloader(offload.offload_train_target, self.rank_dir, offload.offload_train_disk_chunk_mb,
+                              self.device.type, run_id=self.config.run_id, lock=self.rank_dir_lock)
+
+    def streamed_stores(self) -> list:
+        """The stores this rank streams through (none when the state is resident)."""
+        return StoreGroup.of(self.store).stores if self.store is not None else []
+
+    # ---- training -----------------------------------------------------------------------------
+    def all_reduce(self, values: list[float]) -> list[float]:
+        """``values`` summed over the data-parallel ranks (float64)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(t)
+        return [float(v) for v in t.cpu()]
+
+    def train(self, rollout_id: int, samples: list, advantages: list[float]) -> dict[str, Any]:
+        """One optimizer step over this rank's share of a rollout; returns the step's metrics.
+
+        ``samples`` carry ``prompt_ids``, ``response_ids``, ``response_logprobs`` (the rollout engine's
+        log-probs); ``advantages[i]`` belongs to ``samples[i]``. The loss is the token mean over the whole
+        rollout (all ranks): each rank divides by the global token count / world size, and the DP grad
+        average makes the sum.
+        """
+        start = time.perf_counter()
+        loss_args = loss_arguments(self.config)
+        local_tokens = float(sum(len(s.response_ids) for s in samples))
+        global_tokens, _ = self.all_reduce([local_tokens, float(len(samples))])
+        num_tokens = max(1.0, global_tokens) / self.world_size
+
+        self.zero_grads()
+        if self.store is not None:  # read-ahead: the disk is idle during forward/backward
+            self.store.prefetch()
+        fwd_bwd = time.perf_counter()
+        sums = accumulate_policy_gradient(samples, advantages, self.logprobs,
+                                          pad_id=self.tokenizer.pad_token_id,  # load_policy guarantees one
+                                          micro_batch_size=self.config.training.micro_batch_size,
+                                          device=self.device, eps_clip=loss_args["eps_clip"],
+                                          temperature=loss_args["temperature"], num_tokens=num_tokens)
+        self.finish_backward()
+        fwd_bwd = time.perf_counter() - fwd_bwd
+
+        step_start = time.perf_counter()
+        grad_norm = self.optimizer_step(rollout_id)
+        step_seconds = time.perf_counter() - step_start
+
+        loss_sum, clipped, absdiff = self.all_reduce(sums)
+        tokens = max(1.0, global_tokens)
+        metrics: dict[str, Any] = {
+            "rank": self.rank,
+            "loss": loss_sum / self.world_size,  # each rank's sum is its part of the global token mean x world
+            "clipfrac": clipped / tokens,
+            "train_rollout_logprob_abs_diff": absdiff / tokens,
+            "grad_norm": grad_norm,
+            "samples": len(samples),
+            "response_tokens": int(local_tokens),
+            "forward_backward_seconds": fwd_bwd,
+            "optimizer_step_seconds": step_seconds,
+            "train_seconds": time.perf_counter() - start,
+        }
+        if self.store is not None:
+            metrics.update(stream_step_metrics(self.streamed_stores()))
+        return metrics
+
+    # ---- weights ------------------------------------------------------------------------------
     @contextlib.contextmanager
     def awake(self):
         """Wake for the block if asleep (export, save and load need the weights), then sleep again."""
@@ -126,64 +284,6 @@ class TrainBackend(abc.ABC):
         finally:
             if was_asleep:
                 self.sleep()
-
-    def close_resources(self) -> bool:
-        """Close the store and the offloader once; False when already closed (shutdown is idempotent).
-        A store that fails to close is logged, so the rest of the teardown still runs."""
-        if self.closed:
-            return False
-        self.closed = True
-        if self.store is not None:
-            try:
-                self.store.close()
-            except Exception:
-                logger.exception("closing the optimizer-state store failed")
-        if self.offloader is not None:
-            self.offloader.close()
-        if self.weight_group is not None:
-            self.weight_group.destroy()
-        return True
-
-    def claim_rank_dir(self) -> None:
-        """Make the rank directory if missing (marked as this run's) and lock it for this process.
-
-        A directory that already exists is used as it is, not wiped: it was not made by this run, so
-        whatever is in it is someone else's (a second run on the same root is refused by the lock)."""
-        if not self.rank_dir:
-            return
-        self.rank_dir_lock = claim_directory(self.rank_dir, self.config.run_id, f"rank {self.rank} directory")
-        logger.info("rank %d: per-rank directory %s locked (removed at exit if this run made it)", self.rank,
-                    self.rank_dir)
-
-    def release_rank_dir(self) -> None:
-        """Remove the rank directory if this run made it, then drop the lock (idempotent; also at exit)."""
-        if self.rank_dir_lock is None or not self.rank_dir_lock.held:
-            return
-        left = remove_created(self.rank_dir, self.config.run_id)
-        self.rank_dir_lock.release()
-        if left:
-            logger.info("rank %d: per-rank directory left in place: %s", self.rank, left)
-        else:
-            logger.info("rank %d: removed per-rank directory %s", self.rank, self.rank_dir)
-
-    @abc.abstractmethod
-    def init(self, rendezvous: str) -> dict[str, Any]:
-        """Join the process group at ``tcp://<rendezvous>`` (``host:port`` on rank 0's node), build model
-        and optimizer; returns :meth:`info`."""
-
-    @abc.abstractmethod
-    def info(self) -> dict[str, Any]:
-        """What this rank runs: rank, pid, device, dtype, num_params, description, offloader, store info."""
-
-    @abc.abstractmethod
-    def train(self, rollout_id: int, samples: list, advantages: list[float]) -> dict[str, Any]:
-        """One optimizer step over this rank's share of a rollout; returns the step's metrics."""
-
-    @abc.abstractmethod
-    def hf_weights(self) -> Iterator[tuple[str, Any]]:
-        """The full weights as ``(HF-layout name, tensor on this rank's device)`` pairs (what the rollout
-        engine's model expects), converted lazily; a collective when the backend shards weights over ranks
-        (expert parallelism), so every rank iterates it. The trainer must be awake."""
 
     def export_weights(self) -> dict[str, Any]:
         """A host copy of :meth:`hf_weights` (checks and tests; the RL loop hands weights over by reference)."""
@@ -210,27 +310,167 @@ class TrainBackend(abc.ABC):
                                  group_engines=group_engines, max_bucket_bytes=mb * 2**20)
         return {"rank": self.rank, **stats}
 
-    @abc.abstractmethod
+    # ---- checkpoints --------------------------------------------------------------------------
     def save(self, base: str, wait: bool = True) -> dict[str, Any]:
         """Write this rank's part of the checkpoint under ``base``; with ``wait=False`` the streamed
         optimizer state may still be copying until :meth:`finish_save`."""
+        with self.awake():
+            self.prepare_save()
+            return checkpoint.save_train_state(base, model=self.checkpoint_model(),
+                                               optimizer=self.checkpoint_optimizer(), store=self.store,
+                                               rank=self.rank, world_size=self.world_size,
+                                               tokenizer=self.tokenizer, wait=wait)
 
-    @abc.abstractmethod
     def finish_save(self) -> Optional[dict[str, Any]]:
         """Wait for a background save started by ``save(base, wait=False)``."""
+        return checkpoint.finish_train_state(self.store)
 
-    @abc.abstractmethod
     def load(self, base: str, load_optimizer: bool) -> dict[str, Any]:
-        """Load this rank's part of the checkpoint at ``base`` (weights; the optimizer state if asked)."""
+        """Load this rank's part of the checkpoint at ``base``: the weights, then the mains from them
+        (through the store when streaming), then the optimizer state if asked."""
+        with self.awake():
+            return checkpoint.load_train_state(base, model=self.checkpoint_model(),
+                                               optimizer=self.checkpoint_optimizer(), store=self.store,
+                                               rank=self.rank, world_size=self.world_size,
+                                               load_optimizer=load_optimizer)
 
-    @abc.abstractmethod
+    # ---- sleep / wake -------------------------------------------------------------------------
     def sleep(self) -> dict[str, Any]:
         """Step aside for the rollout engine: offload weights, grads, optimizer state (idempotent)."""
+        store_wait = settle_store_for_sleep(self.store, self.config.optimizer.stream_optimizer_state_flush_at_sleep)
+        if self.offloader is None:
+            return {"rank": self.rank, "skipped": True, "reason": "--offload-train is off", **store_wait}
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        released = self.before_offload()
+        stats = self.offloader.sleep(self.offload_tensors())
+        if cuda:
+            torch.cuda.empty_cache()
+        return {"rank": self.rank, **offload_stats(stats), **released, **self.asleep_report(), **store_wait}
 
-    @abc.abstractmethod
     def wake(self) -> dict[str, Any]:
         """Undo :meth:`sleep`, bit-exactly (idempotent)."""
+        if self.offloader is None:
+            return {"rank": self.rank, "skipped": True, "reason": "--offload-train is off"}
+        stats = self.offloader.wake()
+        return {"rank": self.rank, **offload_stats(stats), **self.after_wake()}
 
-    @abc.abstractmethod
+    # ---- teardown -----------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Close files, leave the process group, remove ``rank_dir`` (idempotent)."""
+        if not self.close_resources():
+            return
+        self.leave_process_group()
+        self.release_rank_dir()
+
+    def close_resources(self) -> bool:
+        """Close the store and the offloader once; False when already closed (shutdown is idempotent).
+        A store that fails to close is logged, so the rest of the teardown still runs."""
+        if self.closed:
+            return False
+        self.closed = True
+        if self.store is not None:
+            try:
+                self.store.close()
+            except Exception:
+                logger.exception("closing the optimizer-state store failed")
+        if self.offloader is not None:
+            self.offloader.close()
+        if self.weight_group is not None:
+            self.weight_group.destroy()
+        return True
+
+    def leave_process_group(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+    def claim_rank_dir(self) -> None:
+        """Make the rank directory if missing (marked as this run's) and lock it for this process.
+
+        A directory that already exists is used as it is, not wiped: it was not made by this run, so
+        whatever is in it is someone else's (a second run on the same root is refused by the lock)."""
+        if not self.rank_dir:
+            return
+        self.rank_dir_lock = claim_directory(self.rank_dir, self.config.run_id, f"rank {self.rank} directory")
+        logger.info("rank %d: per-rank directory %s locked (removed at exit if this run made it)", self.rank,
+                    self.rank_dir)
+
+    def release_rank_dir(self) -> None:
+        """Remove the rank directory if this run made it, then drop the lock (idempotent; also at exit)."""
+        if self.rank_dir_lock is None or not self.rank_dir_lock.held:
+            return
+        left = remove_created(self.rank_dir, self.config.run_id)
+        self.rank_dir_lock.release()
+        if left:
+            logger.info("rank %d: per-rank directory left in place: %s", self.rank, left)
+        else:
+            logger.info("rank %d: removed per-rank directory %s", self.rank, self.rank_dir)
+
+    # ---- hooks: what each backend fills in ------------------------------------------------------
+    def check_config(self) -> None:
+        """Refuse, before anything is built, what this backend cannot run."""
+
+    @abc.abstractmethod
+    def join_process_group(self, rendezvous: str) -> str:
+        """Set ``self.device``, join the process group(s); returns the collective backend's name."""
+
+    @abc.abstractmethod
+    def build_model(self) -> str:
+        """Build the model, ``self.tokenizer`` and ``self.optimizer`` in ``self.dtype`` on ``self.device``;
+        returns the policy's description."""
+
+    @abc.abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """This backend's part of :meth:`info` (at least ``num_params``)."""
+
+    def zero_grads(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @abc.abstractmethod
+    def logprobs(self, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+        """Log-probs of ``input_ids[:, 1:]`` (``[B, L-1]``) of a collated micro-batch, with autograd."""
+
+    def finish_backward(self) -> None:
+        """After the micro-batches' backward passes: what the grads still need before the step."""
+
+    @abc.abstractmethod
+    def optimizer_step(self, rollout_id: int) -> float:
+        """Reduce and clip the grads, step the optimizer (the streamed step when the store is bound);
+        returns the global grad norm."""
+
+    @abc.abstractmethod
+    def hf_weights(self) -> Iterator[tuple[str, Any]]:
+        """The full weights as ``(HF-layout name, tensor on this rank's device)`` pairs (what the rollout
+        engine's model expects), converted lazily; a collective when the backend shards weights over ranks
+        (expert parallelism), so every rank iterates it. The trainer must be awake."""
+
+    def prepare_save(self) -> None:
+        """Before a checkpoint is written (on every rank, awake): gather what the model's save needs."""
+
+    @abc.abstractmethod
+    def checkpoint_model(self):
+        """What ``miles.checkpoint`` saves and loads as the model (``save_pretrained``, ``load_state_dict``)."""
+
+    def checkpoint_optimizer(self):
+        """What ``miles.checkpoint`` saves and loads as the optimizer (its state is the store's when bound)."""
+        return self.optimizer
+
+    def before_offload(self) -> dict[str, Any]:
+        """At sleep, before the offloader: what the backend drops itself; returns what to report."""
+        return {}
+
+    @abc.abstractmethod
+    def offload_tensors(self) -> list[torch.Tensor]:
+        """What the storage offloader backs up at sleep (torch_memory_saver pauses the whole process)."""
+
+    def asleep_report(self) -> dict[str, Any]:
+        """At the end of sleep: what the backend reports of the device while asleep."""
+        return {}
+
+    def after_wake(self) -> dict[str, Any]:
+        """At wake, after the offloader: what the backend restores itself; returns what to report."""
+        return {}

@@ -117,10 +117,8 @@ def adamw(params, device):
 
 # ---- the run ------------------------------------------------------------------------------------------
 def run(args) -> int:
-    from miles_plugins.optimizers.streaming.bucket import StreamEntry
-    from miles_plugins.optimizers.streaming.config import StreamConfig
+    from miles_plugins.optimizers.nvme_stream import NVMeOptimizerStateStore, StreamConfig, StreamEntry
     from miles_plugins.optimizers.streaming.io.stager import Stager
-    from miles_plugins.optimizers.streaming.store import NVMeOptimizerStateStore
 
     if not args.quiet:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

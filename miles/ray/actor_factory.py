@@ -92,7 +92,7 @@ def make_rollout_engines(cfg: RunConfig, pg, use_gpu: bool, engine_cls) -> list:
     remote_cls = ray.remote(engine_cls)
     engines = []
     for i in range(cfg.cluster.num_rollout_engines):
-        env = {**base_env(), "MILES_ENGINE": str(i), "OMP_NUM_THREADS": str(cfg.cluster.num_cpus_per_rank)}
+        env = {**base_env(), "OMP_NUM_THREADS": str(cfg.cluster.num_cpus_per_rank)}
         engines.append(remote_cls.options(
             num_cpus=res["num_cpus"], num_gpus=res["num_gpus"], max_restarts=0, max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(

@@ -49,7 +49,7 @@ def rank_env(cfg: RunConfig, cell: int, rank: int, *, use_gpu: bool,
              tms_library: Optional[str] = None, single_node: bool = True) -> dict[str, str]:
     """Environment variables of one train actor (passed through Ray's ``runtime_env.env_vars``).
 
-    Always: ``MILES_CELL``, ``MILES_RANK``, ``OMP_NUM_THREADS``; when every rank is on one node, gloo and
+    Always: ``OMP_NUM_THREADS`` (the actor gets its cell and rank as constructor arguments); when every rank is on one node, gloo and
     NCCL kept on loopback (across nodes they use the interfaces the node's environment names, e.g.
     ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` set before ``ray start``). With a disk
     mechanism on: ``TMS_DISK_BACKUP_DIR`` = the rank's directory (torch_memory_saver reads it from the
@@ -58,8 +58,6 @@ def rank_env(cfg: RunConfig, cell: int, rank: int, *, use_gpu: bool,
     (target disk) or ``TMS_INIT_ENABLE_CPU_BACKUP=1`` (target cpu).
     """
     env = {
-        "MILES_CELL": str(cell),
-        "MILES_RANK": str(rank),
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": str(cfg.cluster.num_cpus_per_rank),
     }

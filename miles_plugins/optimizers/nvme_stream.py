@@ -12,6 +12,8 @@ DEFAULT_BUCKET_NUMEL elements). Public API:
     store.prefetch()          # read-ahead before forward/backward
     store.flush()             # the files hold the state (write-behind and the host tier's dirty images landed)
     store.release_device()    # before sleeping: the device buffers are free; the disk may still be busy
+    StoreGroup.of(store).stores   # a ChainedOptimizer's stores (stream_optimizer_state returns their group)
+    StreamEntry(main=..., group=0, model_view=...)   # a store over raw fp32 shards: NVMeOptimizerStateStore(entries, adam, config)
 
 The code lives in `miles_plugins.optimizers.streaming` (docs/dev/architecture.md draws it): core at the
 top (plan -> layout -> codec -> bucket -> store, config, errors), io/ (the stager, the one door to files
@@ -24,7 +26,9 @@ import dataclasses
 
 import torch
 
+from .streaming.bind.megatron_optimizer import StoreGroup, bind_megatron
 from .streaming.bind.torch_adam import bind_plain_adam, bind_sharded_adam
+from .streaming.bucket import StreamEntry
 from .streaming.config import DEFAULT_BUCKET_NUMEL, DEFAULT_CHUNK_MB, MOMENT_DTYPES, StreamConfig, check_config
 from .streaming.errors import CheckpointError, StateCorruptionError, StoreConfigError, StorePoisonedError
 from .streaming.io.ownership import DirectoryInUseError
@@ -34,7 +38,7 @@ from .streaming.store import NVMeOptimizerStateStore, StepStats, StoreStats
 
 __all__ = ["stream_optimizer_state", "NVMeOptimizerStateStore", "StreamConfig", "StoreConfigError", "CheckpointError",
            "DirectoryInUseError", "StorePoisonedError", "StateCorruptionError",
-           "StoreStats", "StepStats", "plan_buckets", "fit_to_device_budget", "DEFAULT_BUCKET_NUMEL", "DEFAULT_CHUNK_MB", "MOMENT_DTYPES",
+           "StoreStats", "StepStats", "StoreGroup", "StreamEntry", "plan_buckets", "fit_to_device_budget", "DEFAULT_BUCKET_NUMEL", "DEFAULT_CHUNK_MB", "MOMENT_DTYPES",
            "STREAMED_DIR"]
 _FIELDS = tuple(f.name for f in dataclasses.fields(StreamConfig))
 
@@ -85,7 +89,6 @@ def stream_optimizer_state(optimizer, config: StreamConfig | None = None, *, ins
     """
     config = _resolve_config(config, fields)
     if _is_megatron_optimizer(optimizer):
-        from .streaming.bind.megatron_optimizer import bind_megatron
         return bind_megatron(optimizer, config, instance=instance)
     if hasattr(optimizer, "shards") and hasattr(optimizer, "inner"):
         return bind_sharded_adam(optimizer, config, instance=instance or 0)

@@ -200,7 +200,7 @@ def test_exported_weights_load_into_transformers_and_round_trip(tmp_path):
 
     batch = {k: v.cuda() for k, v in collate_samples(samples, trainer.tokenizer.pad_token_id, advantages).items()}
     with torch.no_grad():
-        ours = trainer._logprobs(batch, 1.0)
+        ours = trainer.logprobs(batch, 1.0)
         theirs = forward_logprobs(hf_model, batch["input_ids"], batch["attention_mask"])
     mask = batch["loss_mask"].bool()
     diff = (ours - theirs).abs()[mask].max().item()

@@ -66,10 +66,10 @@ def test_exposed_io_per_rollout_adds_the_sleep_wait():
 def test_megatron_store_set_settles_every_store(flush, call):
     """The megatron trainer's stores (one per chained optimizer member) take the same sleep call: the
     flush arm once failed on the H200 because the set had lost its flush()."""
-    from miles.backends.megatron_backend.checkpoint_views import StoreSet
+    from miles_plugins.optimizers.nvme_stream import StoreGroup
 
     stores = [_Store(), _Store()]
-    settle_store_for_sleep(StoreSet(SimpleNamespace(stores=stores)), flush)
+    settle_store_for_sleep(StoreGroup(stores), flush)
     assert [s.calls for s in stores] == [[call], [call]]
 
 

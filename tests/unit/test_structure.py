@@ -3,8 +3,16 @@
 1. No module uses another module's private names: `x._name` is allowed only where `_name` is defined in
    the same module (its own classes' attributes, its own helpers), on `self`/`cls`, or for the short list
    of third-party private APIs below.
+   Nor `from m import _name`, nor `getattr(x, "_name")` (hasattr/setattr/delattr too) of another module's name.
 2. The streaming package's imports form a tree of layers: no cycles; core (the package top) imports
    neither checkpoint/ nor bind/; io/ imports from core only errors, config, units and layout.
+3. The framework (miles/) imports from miles_plugins only the store's public API (nvme_stream's
+   ``__all__``) and the named set FRAMEWORK_MAY_IMPORT (architecture.md: "What the framework uses of the store").
+4. The training backends are one template: base.TrainBackend runs the train call, sleep/wake, checkpoints
+   and shutdown; a backend fills in its own hooks only, shares no code with the other by copy, and a
+   chain of stores is wrapped by one class.
+5. No import cycles in miles/ (function-level imports included) and no environment variable written
+   that nothing reads.
 ROOTS lists the directories checked: the store and the whole framework.
 """
 
@@ -27,8 +35,33 @@ THIRD_PARTY_PRIVATE = {
     # megatron-core DistributedOptimizer internals the binding adapts (bind/megatron_optimizer.py)
     "_get_model_param_range_map", "_is_distopt_quantized_param", "_copy_model_params_to_main_params",
     "_defer_param_sync",
+    "_get_scalar_dtype",  # torch.optim.optimizer._get_scalar_dtype: the dtype torch's Adam keeps `step` in
     # not private: the attribute name of the store on a bound optimizer is public API (DESIGN.md section 3)
     "_nvme_state_store",
+}
+NVME_STREAM = "miles_plugins.optimizers.nvme_stream"
+STREAMING_PKG = "miles_plugins.optimizers.streaming"
+# What miles/ may import from the store besides nvme_stream's __all__, module by module, with why
+# (the same list, in words: docs/dev/architecture.md, "What the framework uses of the store").
+FRAMEWORK_MAY_IMPORT = {
+    # the CLI's defaults and value sets are the store's own (one home per default)
+    f"{STREAMING_PKG}.config": {"DEFAULT_BUCKET_NUMEL", "DEFAULT_CHUNK_MB", "DEFAULT_DEPTH",
+                                "DEFAULT_HOST_CACHE_RESERVE_MB", "DEFAULT_IO_THREADS", "HOST_CACHE_AUTO",
+                                "IO_ENGINES", "MOMENT_DTYPES", "StreamConfig"},
+    f"{STREAMING_PKG}.units": {"GB", "MiB"},
+    # the run's own directories (run root, rank dirs, offload files, checkpoints) are owned, locked and
+    # swept exactly as the store's
+    f"{STREAMING_PKG}.io.ownership": {"CREATED_FILE", "DirectoryInUseError", "DirectoryLock", "LockUnsupportedError",
+                                      "OwnerRecord", "Sweep", "claim_directory", "listing", "make_directory",
+                                      "path_within", "pid_alive", "process_run_id", "read_record", "remove_created",
+                                      "sweep", "system_directory_reason"},
+    # validation's host-memory probe; the raw-file primitives `miles bench` measures the disk floor with
+    f"{STREAMING_PKG}.io.stager": {"available_host_memory", "HostMemory", "NO_DIRECT", "Stager", "align_up",
+                                   "drop_page_cache", "host_buffer", "open_direct", "pread_into", "pwrite_all"},
+    # `miles plan` and the disk checks size the store with its own codecs, layout and bucket plan
+    f"{STREAMING_PKG}.codec": {"make_moment_codecs"},
+    f"{STREAMING_PKG}.layout": {"EXP_AVG", "EXP_AVG_SQ", "MAIN", "bucket_layout"},
+    f"{STREAMING_PKG}.plan": {"place_in_host_ram", "plan_buckets"},
 }
 IO_MAY_IMPORT = {"errors", "config", "units", "layout"}
 # The one upward edge left: the store's save_to/load_from call checkpoint/ (architecture.md).
@@ -127,3 +160,238 @@ def test_streaming_layers_import_only_downwards():
             if layer == "checkpoint" and target_layer == "bind":
                 wrong.append(f"{module} imports {target}")
     assert not wrong, "\n".join(sorted(wrong))
+
+
+# ---- private imports and private getattrs ----------------------------------------------------------------
+PRIVATE_BY_NAME = ("getattr", "hasattr", "setattr", "delattr")
+
+
+def _private_name(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__") and name not in THIRD_PARTY_PRIVATE
+
+
+def _private_imports_and_getattrs(path: pathlib.Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    own = _defined_private_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            found += [f"{path.relative_to(REPO)}:{node.lineno}: from {'.' * node.level}{node.module or ''} import "
+                      f"{alias.name}" for alias in node.names if _private_name(alias.name)]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in PRIVATE_BY_NAME
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and isinstance(node.args[1].value, str) and _private_name(node.args[1].value)
+              and node.args[1].value not in own):
+            found.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_imports_or_getattrs_another_modules_private_names():
+    found = [hit for path in _python_files(ROOTS) for hit in _private_imports_and_getattrs(path)]
+    assert not found, "private names imported or fetched by name from another module (give them a public " \
+                      "name on their owner):\n" + "\n".join(found)
+
+
+# ---- the framework's view of the store -----------------------------------------------------------------
+def _public_api_of_nvme_stream() -> set[str]:
+    tree = ast.parse((REPO / "miles_plugins/optimizers/nvme_stream.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("nvme_stream.py declares no __all__")
+
+
+def _framework_plugin_imports() -> list[tuple[str, str, str]]:
+    """(where, module, name) of every import of miles_plugins in miles/, function-level ones included."""
+    found = []
+    for path in _python_files(["miles"]):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            where = f"{path.relative_to(REPO)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("miles_plugins"):
+                found += [(where, node.module, alias.name) for alias in node.names]
+            elif isinstance(node, ast.Import):
+                found += [(where, alias.name, "*") for alias in node.names if alias.name.startswith("miles_plugins")]
+    return found
+
+
+def test_the_framework_uses_only_the_plugins_public_face():
+    public = {NVME_STREAM: _public_api_of_nvme_stream(), **FRAMEWORK_MAY_IMPORT}
+    wrong = [f"{where}: from {module} import {name}" for where, module, name in _framework_plugin_imports()
+             if name not in public.get(module, set())]
+    assert not wrong, ("miles/ imports store internals outside nvme_stream's __all__ and FRAMEWORK_MAY_IMPORT "
+                       "(export the name from nvme_stream, or add it to the set and to architecture.md with "
+                       "why):\n" + "\n".join(wrong))
+
+
+def test_the_framework_set_is_written_down_in_the_architecture_page():
+    page = (REPO / "docs/dev/architecture.md").read_text()
+    missing = [f"{module}: {name}" for module, names in FRAMEWORK_MAY_IMPORT.items()
+               for name in sorted(names) if f"`{name}`" not in page or module.rsplit(".", 1)[1] not in page]
+    assert not missing, "architecture.md does not name these parts of the framework's view of the store:\n" + \
+        "\n".join(missing)
+
+
+# ---- the training backends: one template -----------------------------------------------------------------
+BACKENDS_DIR = REPO / "miles/backends"
+TRAINERS = {"TorchTrainer": BACKENDS_DIR / "torch_backend/trainer.py",
+            "MegatronTrainer": BACKENDS_DIR / "megatron_backend/trainer.py"}
+# What base.TrainBackend runs for every backend; a backend overriding one of them forks the template.
+TEMPLATE_METHODS = {"init", "train", "sleep", "wake", "save", "finish_save", "load", "shutdown", "info"}
+
+
+def _class_methods(path: pathlib.Path, cls: str) -> set[str]:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            return {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    raise AssertionError(f"{path} defines no class {cls}")
+
+
+def test_backends_fill_in_hooks_and_leave_the_template_to_the_base():
+    forked = {cls: sorted(_class_methods(path, cls) & TEMPLATE_METHODS) for cls, path in TRAINERS.items()}
+    assert not any(forked.values()), f"backends override template methods of base.TrainBackend: {forked}"
+    assert TEMPLATE_METHODS <= _class_methods(BACKENDS_DIR / "base.py", "TrainBackend")
+
+
+def test_no_backend_imports_another_backend():
+    wrong = []
+    for path in sorted(BACKENDS_DIR.rglob("*.py")):
+        own = path.relative_to(BACKENDS_DIR).parts[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("miles.backends."):
+                other = node.module.split(".")[2]
+                if other.endswith("_backend") and other != own:
+                    wrong.append(f"{path.relative_to(REPO)}:{node.lineno} imports {node.module}")
+    assert not wrong, "shared backend code belongs in miles/backends/ (base.py, store_setup.py):\n" + "\n".join(wrong)
+
+
+def _code_lines(path: pathlib.Path) -> list[str]:
+    """The lines `duplicates` compares: stripped, white space folded; no blanks, comments, lone punctuation,
+    imports or docstrings."""
+    tree = ast.parse(path.read_text())
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node):
+            first = node.body[0]
+            docstrings.update(range(first.lineno, first.end_lineno + 1))
+    lines = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        text = " ".join(line.split("#", 1)[0].split()) if "#" in line and "'" not in line and '"' not in line \
+            else " ".join(line.split())
+        if (number in docstrings or not text or text.startswith(("#", "import ", "from "))
+                or all(c in "()[]{},:" for c in text)):
+            continue
+        lines.append(text)
+    return lines
+
+
+def test_the_two_trainers_share_no_six_line_block():
+    first, second = (_code_lines(path) for path in TRAINERS.values())
+    runs = {tuple(first[i:i + 6]) for i in range(len(first) - 5)}
+    shared = [second[i:i + 6] for i in range(len(second) - 5) if tuple(second[i:i + 6]) in runs]
+    assert not shared, "the trainers repeat each other (move it into base.TrainBackend):\n" + \
+        "\n---\n".join("\n".join(block) for block in shared[:3])
+
+
+def test_one_class_wraps_a_chains_stores():
+    """A class holding a list of stores as `self.stores` is the store group; there is one."""
+    holders = []
+    for path in _python_files(ROOTS):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    isinstance(t, ast.Attribute) and t.attr == "stores" and isinstance(t.value, ast.Name)
+                    and t.value.id == "self" for n in ast.walk(node) if isinstance(n, ast.Assign) for t in n.targets):
+                holders.append(f"{path.relative_to(REPO)}: {node.name}")
+    assert len(holders) == 1, f"one wrapper for a ChainedOptimizer's stores, found {holders}"
+
+
+# ---- dead code: import cycles, environment variables ------------------------------------------------------
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(n) for n in ast.walk(node))
+    return skipped
+
+
+def _miles_imports() -> dict[str, set[str]]:
+    """{module of miles/: modules of miles/ it imports}, function-level imports included, typing-only not."""
+    modules = {_module_name(p): p for p in _python_files(["miles"])}
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        typing_only = _type_checking_nodes(tree)
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        targets = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def test_miles_config_and_models_do_not_import_each_other():
+    graph = _miles_imports()
+    config = {m for m in graph if m == "miles.config" or m.startswith("miles.config.")}
+    config_uses_models = sorted(m for m in config if "miles.models" in graph[m])
+    models_uses_config = sorted(graph["miles.models"] & config)
+    assert not (config_uses_models and models_uses_config), \
+        f"import cycle: {config_uses_models} import miles.models, which imports {models_uses_config}"
+
+
+def _environment_names(tree: ast.AST) -> tuple[set[str], set[str]]:
+    """MILES_* variable names written into an environment (dict keys and assignments) and read from one."""
+    written, read = set(), set()
+
+    def name_of(node):
+        return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+            and node.value.startswith("MILES_") else None
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            written.update(n for n in map(name_of, node.keys) if n)
+        elif isinstance(node, ast.Subscript) and name_of(node.slice):
+            (written if isinstance(node.ctx, ast.Store) else read).add(node.slice.value)
+        elif isinstance(node, ast.Call) and node.args and name_of(node.args[0]):
+            func = ast.unparse(node.func)
+            if func.endswith(("environ.get", "getenv", "environ.pop")):
+                read.add(node.args[0].value)
+            elif func.endswith("environ.setdefault"):
+                written.add(node.args[0].value)
+        elif isinstance(node, (ast.Tuple, ast.List)) and all(name_of(e) or isinstance(e, ast.Constant) for e in node.elts):
+            read.update(n for n in map(name_of, node.elts) if n)  # a list of names forwarded to a process
+    return written, read
+
+
+def test_every_environment_variable_written_is_read():
+    written, read = set(), set()
+    for path in _python_files(ROOTS):
+        w, r = _environment_names(ast.parse(path.read_text()))
+        written |= w
+        read |= r
+    assert not written - read, f"environment variables set and never read (drop them): {sorted(written - read)}"
+
+
+def test_the_public_api_offers_no_study_only_codec(tmp_path):
+    """The unscaled fp8 cast served only a study script; the store's API refuses it like any unknown format."""
+    import torch
+
+    from miles_plugins.optimizers import nvme_stream
+    from miles_plugins.optimizers.streaming import codec
+
+    assert not [name for name in dir(codec) if "unscaled" in name.lower()]
+    with pytest.raises(nvme_stream.StoreConfigError, match="is not supported"):
+        nvme_stream.stream_optimizer_state(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))]),
+                                           dir=str(tmp_path), moment_dtype="_fp8e4m3_unscaled")

@@ -235,7 +235,7 @@ def test_streamed_device_budget_reaches_the_store(tmp_path, trainers):
 
 
 def test_store_config_leaves_defaults_to_the_store(tmp_path):
-    from miles.backends.torch_backend.trainer import store_config
+    from miles.backends.base import store_config
 
     cfg = _args(tmp_path, "--stream-optimizer-state-to-disk", "--offload-train-target=disk")
     sc = store_config(cfg, rank=0, ranks_on_node=1)
@@ -267,7 +267,7 @@ def test_eps_clip_zero_reaches_the_loss(tmp_path, trainers, monkeypatch):
 
 
 def test_store_gets_its_own_chunk_flag(tmp_path):
-    from miles.backends.torch_backend.trainer import store_config
+    from miles.backends.base import store_config
 
     cfg = _args(tmp_path, "--stream-optimizer-state-to-disk", "--offload-train-target=disk",
                 "--stream-optimizer-state-chunk-mb", "8", "--offload-train-disk-chunk-mb", "32",

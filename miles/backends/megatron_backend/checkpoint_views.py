@@ -2,7 +2,8 @@
 
 ``miles.checkpoint.save_train_state`` / ``load_train_state`` expect a model with ``save_pretrained``
 and ``load_state_dict`` in HF names, an optimizer with ``state_dict`` / ``load_state_dict`` /
-``reload_model_params``, and a store with ``save_to(base, wait)`` / ``wait_for_save`` / ``load_from``.
+``reload_model_params``, and a store with ``save_to(base, wait)`` / ``wait_for_save`` / ``load_from``
+(a chained optimizer's stores come as the binding's ``StoreGroup``, which has them).
 These views give the Megatron objects that shape, so a Megatron checkpoint is an HF folder (loadable
 by transformers and by ``--hf-checkpoint``) plus the optimizer state.
 """
@@ -95,45 +96,3 @@ class ResidentOptimizerState:
     def reload_model_params(self) -> None:
         self.optimizer.reload_model_params()
 
-
-class StoreSet:
-    """The store(s) bound to one Megatron optimizer (one per non-stub chained member), as one store."""
-
-    def __init__(self, bound):
-        self.stores = list(getattr(bound, "stores", [bound]))
-
-    def prefetch(self) -> int:
-        return sum(s.prefetch() for s in self.stores)
-
-    def release_device(self) -> None:
-        for s in self.stores:
-            s.release_device()
-
-    def flush(self) -> None:
-        for s in self.stores:
-            s.flush()
-
-    def refresh_main_from_model_params(self) -> None:
-        for s in self.stores:
-            s.refresh_main_from_model_params()
-
-    def save_to(self, checkpoint_base: str, wait: bool = True) -> None:
-        for s in self.stores:
-            s.save_to(checkpoint_base, wait=wait)
-
-    def wait_for_save(self) -> Optional[dict[str, Any]]:
-        done = [s.wait_for_save() for s in self.stores]
-        done = [d for d in done if d]
-        return {"stores": done} if done else None
-
-    def load_from(self, checkpoint_base: str) -> bool:
-        return all([s.load_from(checkpoint_base) for s in self.stores])  # a list: every store loads
-
-    def close(self) -> None:
-        for s in self.stores:
-            s.close()
-
-    def info(self) -> dict[str, Any]:
-        return {"num_buckets": sum(s.stats.num_buckets for s in self.stores),
-                "state_bytes": sum(s.stats.state_bytes for s in self.stores),
-                "paths": [getattr(s, "path", None) for s in self.stores]}

@@ -59,7 +59,7 @@ weight matrix, 'elem' = 8 decades of scale inside every block; full table in doc
   * Block size 256: err 0.207 / 0.213 / 0.217 / 0.217 for 32 / 128 / 256 / 512 ('rows'; 0.602 at
     2048, where a block spans rows of different scale), for 0.25 / 0.06 / 0.03 / 0.016 B/param of scales.
 Training a small LM 200 steps through the store (docs/benchmarks.md): final loss within 0.05% of fp32
-for every format; the unscaled fp8 cast (private "_fp8e4m3_unscaled") diverges to loss ~1e5.
+for every format; a plain cast to fp8 without scales diverges to loss ~1e5.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ import math
 import torch
 
 from .layout import EXP_AVG, EXP_AVG_SQ
-from .config import MOMENT_DTYPES, STUDY_MOMENT_DTYPES, check_moment_dtype
+from .config import MOMENT_DTYPES, check_moment_dtype
 from .errors import StoreConfigError
 
 BLOCK_SIZE = 256
@@ -339,14 +339,6 @@ class BlockScaledCodec(_CodecBase):
                 "nonzero_never_decodes_to_zero": self.floor_nonzero}
 
 
-class UnscaledCastCodec(CastCodec):
-    """A saturating round-to-nearest cast with no scale: the seed's fp8. Kept only to show, next to the
-    real formats, what scaling buys; not a user-facing `moment_dtype`."""
-
-    def __init__(self, name: str, fmt: _Format):
-        super().__init__(name, fmt, stochastic=False)
-
-
 # ---- the moment_dtype table -------------------------------------------------------------------------
 # moment_dtype -> (exp_avg codec, exp_avg_sq codec); the segment-specific seeds keep their noise apart.
 def _moment_codecs(moment_dtype: str):
@@ -361,9 +353,6 @@ def _moment_codecs(moment_dtype: str):
                             BlockScaledCodec("fp8e4m3", f["fp8e4m3"], sqrt=True, floor_nonzero=True, seed=2)),
         "fp8e5m2": lambda: (BlockScaledCodec("fp8e5m2", f["fp8e5m2"], seed=1),
                             BlockScaledCodec("fp8e5m2", f["fp8e5m2"], floor_nonzero=True, seed=2)),
-        # Private, for scripts/compare_moment_dtypes.py: the seed's unscaled fp8.
-        "_fp8e4m3_unscaled": lambda: (UnscaledCastCodec("_fp8e4m3_unscaled", f["fp8e4m3"]),
-                                      UnscaledCastCodec("_fp8e4m3_unscaled", f["fp8e4m3"])),
     }
     return table.get(moment_dtype)
 
@@ -371,7 +360,7 @@ def _moment_codecs(moment_dtype: str):
 def codec_from_description(description: dict):
     """The codec whose describe() is `description` (what a checkpoint manifest recorded): it decodes the
     bytes of that checkpoint's segments. A clear error when this build has no such codec."""
-    for moment_dtype in MOMENT_DTYPES + STUDY_MOMENT_DTYPES:
+    for moment_dtype in MOMENT_DTYPES:
         for codec in _moment_codecs(moment_dtype)():
             if codec.describe() == description:
                 return codec

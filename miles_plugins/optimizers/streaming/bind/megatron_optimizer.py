@@ -18,7 +18,7 @@ from ..bucket import StreamEntry, adam_constructor_kwargs
 from ..config import StreamConfig
 from ..errors import StoreConfigError
 from ..store import NVMeOptimizerStateStore
-from .torch_adam import _bind_common, _state_marker, check_adam_family
+from .torch_adam import bind_common, state_marker, check_adam_family
 
 logger = logging.getLogger(__name__)
 _LOW_PRECISION = (torch.bfloat16, torch.float16)  # Megatron's float16 groups: the params whose masters stream
@@ -193,29 +193,50 @@ def _bind_distributed(opt, config: StreamConfig, *, instance: int, part: int) ->
     opt.reload_model_params = reload_model_params
     opt._copy_model_params_to_main_params = reload_model_params
     opt.sharded_state_dict = lambda *args, **kwargs: {}
-    _bind_common(opt, store)
+    bind_common(opt, store)
     return store
 
 
 class StoreGroup:
-    """The stores of a ChainedOptimizer's members, driven as one (same public methods as a store)."""
+    """The stores of a ChainedOptimizer's members (one per non-stub member), driven as one: the store's
+    public methods, each applied to every member's store in chain order."""
 
     def __init__(self, stores: list[NVMeOptimizerStateStore]):
-        self.stores = stores
+        self.stores = list(stores)
+
+    @classmethod
+    def of(cls, bound) -> "StoreGroup":
+        """What `stream_optimizer_state` returned (a store, or a chain's group), as a group."""
+        return bound if isinstance(bound, cls) else cls([bound])
 
     def step(self):
         return [s.step() for s in self.stores]
+
+    def prefetch(self) -> int:
+        return sum(s.prefetch() for s in self.stores)
+
+    def release_device(self) -> None:
+        for s in self.stores:
+            s.release_device()
+
+    def flush(self) -> None:
+        for s in self.stores:
+            s.flush()
 
     def refresh_main_from_model_params(self) -> None:
         for s in self.stores:
             s.refresh_main_from_model_params()
 
-    def save_to(self, checkpoint_base: str) -> None:
+    def save_to(self, checkpoint_base: str, wait: bool = True) -> None:
         for s in self.stores:
-            s.save_to(checkpoint_base)
+            s.save_to(checkpoint_base, wait=wait)
+
+    def wait_for_save(self) -> dict | None:
+        done = [d for d in (s.wait_for_save() for s in self.stores) if d]
+        return {"stores": done} if done else None
 
     def load_from(self, checkpoint_base: str) -> bool:
-        return all([s.load_from(checkpoint_base) for s in self.stores])
+        return all([s.load_from(checkpoint_base) for s in self.stores])  # a list: every store loads
 
     @property
     def stats(self):
@@ -252,7 +273,7 @@ def bind_megatron(optimizer, config: StreamConfig, instance: int | None = None):
     if hasattr(optimizer, "chained_optimizers"):
         group = StoreGroup(stores)
         optimizer._nvme_state_store = group
-        optimizer.state_dict = lambda: [_state_marker(s) for s in stores]
+        optimizer.state_dict = lambda: [state_marker(s) for s in stores]
         optimizer.sharded_state_dict = lambda *args, **kwargs: {}
         optimizer.load_state_dict = lambda state_dict: None
         return group

@@ -65,24 +65,24 @@ def check_distinct_params(params: list[torch.Tensor]) -> None:
                 "same bytes twice, bucket by bucket. Give the optimizer each tied weight once")
 
 
-def _state_marker(store: NVMeOptimizerStateStore) -> dict:
+def state_marker(store: NVMeOptimizerStateStore) -> dict:
     return {"nvme_stream": {"relative_dir": store.relative_dir,
                             "note": "optimizer state lives in bucket files; use store.save_to / store.load_from"}}
 
 
-def _bind_common(optimizer, store: NVMeOptimizerStateStore) -> None:
-    optimizer.state_dict = lambda: _state_marker(store)
+def bind_common(optimizer, store: NVMeOptimizerStateStore) -> None:
+    optimizer.state_dict = lambda: state_marker(store)
     optimizer.load_state_dict = lambda state_dict: None
     optimizer._nvme_state_store = store
 
 
 def _bind_torch(optimizer, store: NVMeOptimizerStateStore) -> None:
-    """`_bind_common`, and `load_state_dict` loads only this store's own marker (nothing to load): any
+    """`bind_common`, and `load_state_dict` loads only this store's own marker (nothing to load): any
     other state dict would be ignored while the bucket files keep their state."""
-    _bind_common(optimizer, store)
+    bind_common(optimizer, store)
 
     def load_state_dict(state_dict) -> None:
-        if state_dict == _state_marker(store):
+        if state_dict == state_marker(store):
             return
         found = f"keys {list(state_dict)[:5]}" if isinstance(state_dict, dict) else type(state_dict).__name__
         raise StoreConfigError(
