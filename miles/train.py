@@ -31,6 +31,7 @@ print one line and exit with 128 + the signal number.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -246,80 +247,32 @@ def _run_holding_root(config: RunConfig, stop: _StopOnSignal, summary: dict[str,
 
     from miles.models import load_tokenizer, prepare_policy
     from miles.ray.errors import ActorFailure
-    from miles.ray.node_disk import NodeDiskError, check_node_disks
-    from miles.ray.placement_group import bundle_nodes, create_placement_group, remove
-    from miles.ray.rollout_manager import RolloutManager
-    from miles.ray.train_group import RayTrainGroup
-    from miles.ray.weight_sync import WeightSync
+    from miles.ray.node_disk import NodeDiskError
+    from miles.ray.placement_group import remove
 
     t_run = time.perf_counter()
-    metrics_path = config.logging.metrics_file
     source = prepare_policy(config)  # one-time model conversion happens here, not in every actor
     tokenizer = load_tokenizer(config)
-    from miles.rl import make_prompt_source
-
     started_ray = _init_ray(config)
     stop.install()  # ray.init replaced the SIGTERM handler
-    pg = train_group = rollout = sink = None
-    actor_nodes: list[str] = []
+    run = _Actors()
+    sink = None
     failure: Optional[BaseException] = None
     try:
-        pg, use_gpu, bundles = create_placement_group(config)
-        actor_nodes = list(dict.fromkeys(bundle_nodes(pg)))  # every node an actor can run on, in bundle order
-        # every node's disk against what its ranks will write, before any actor starts
-        summary["nodes"] = [vars(n) for n in check_node_disks(config, pg, use_gpu)]
-        train_group = RayTrainGroup(config, pg, use_gpu)
-        rollout = RolloutManager(config, pg, use_gpu)
-        logger.info("starting %d train actor(s) and %d rollout engine(s) (each imports torch and builds the "
-                    "model: this takes a while on a small machine)", len(train_group.actors), len(rollout.engines))
-        infos = train_group.init()
-        engine_infos = rollout.init()
-        summary["train_ranks"], summary["rollout_engines"] = infos, engine_infos
-        info0 = infos[0]
-        logger.info("policy: %s | %.2fM params, %s on %s | %d train ranks (%s), %d rollout engine(s)%s",
-                    source.description, info0["num_params"] / 1e6, info0["dtype"], info0["device"], len(infos),
-                    info0["backend"], len(engine_infos), " colocated" if config.cluster.colocate else "")
-        if info0.get("store"):
-            st = info0["store"]
-            logger.info("streamed optimizer state: %d bucket(s), %.3f GB per rank under %s",
-                        st["num_buckets"], st["state_bytes"] / GB, config.paths.optimizer_state)
-        if config.offload.offload_train:
-            logger.info("trainer offload: target %s%s", config.offload.offload_train_target,
-                        f", per-rank directories under {config.paths.trainer}" if config.uses_rank_dirs else "")
-
-        # ---- resume
-        start_rollout, data_position = 0, 0
-        ckpt = config.checkpoint
-        if ckpt.load:
-            base = checkpoint.resolve(ckpt.load)
-            if base is None:
-                logger.warning("--load %s: no checkpoint there yet, starting fresh", ckpt.load)
-            else:
-                meta = checkpoint.read_meta(base)
-                load_optim = not (ckpt.no_load_optim or ckpt.finetune)
-                loaded = train_group.load(base, load_optim)
-                if not ckpt.finetune:
-                    start_rollout = int(meta["next_rollout_id"])
-                    data_position = int(meta.get("data_state", {}).get("consumed_prompts", 0))
-                logger.info("loaded %s: model%s; resuming at rollout %d, prompt %d", base,
-                            f", optimizer ({loaded[0]['optimizer']})" if load_optim else " only (optimizer skipped)",
-                            start_rollout, data_position)
-                summary["loaded_checkpoint"] = base
-                summary["load_info"] = loaded
-        summary["start_rollout"] = start_rollout
-        cursor = _DataCursor(make_prompt_source(config), data_position)
-
+        _start_actors(config, run, summary, source)
+        start_rollout, cursor = _resume(config, run.train_group, summary)
         # engines start from the trainer's weights (matters after --load or with a pretrained model)
-        weight_sync = WeightSync(config, train_group, rollout, infos, engine_infos, use_gpu)
+        from miles.ray.weight_sync import WeightSync
+
+        weight_sync = WeightSync(config, run.train_group, run.rollout, summary["train_ranks"],
+                                 summary["rollout_engines"], run.use_gpu)
         weight_sync.push(start_rollout)
         if config.offload.offload_train:
-            train_group.sleep()
-
-        sink = MetricsSink(metrics_path, config.logging.tensorboard_dir, start_rollout)
+            run.train_group.sleep()
+        sink = MetricsSink(config.logging.metrics_file, config.logging.tensorboard_dir, start_rollout)
         summary["tensorboard_dir"] = sink.tb_dir if sink.tb is not None else None
-        record = _loop(config, range(start_rollout, config.rollout.num_rollout), cursor, tokenizer, train_group,
-                       rollout, weight_sync, sink, summary)
-        summary["last_record"] = record
+        loop = _Loop(config, cursor, tokenizer, run.train_group, run.rollout, weight_sync, sink, summary)
+        summary["last_record"] = loop.run(range(start_rollout, config.rollout.num_rollout))
     except ActorFailure as e:
         failure = e
         logger.error("%s failed on %s. The actor's traceback:\n%s", e.what, e.actor, e.remote_traceback)
@@ -330,8 +283,8 @@ def _run_holding_root(config: RunConfig, stop: _StopOnSignal, summary: dict[str,
         failure = e
         raise
     finally:
-        _teardown(train_group, rollout, pg, sink, failed=failure is not None, remove_pg=remove)
-        summary["node_sweeps"] = _sweep_actor_nodes(config, actor_nodes, _actor_pids_by_node(summary))
+        _teardown(run.train_group, run.rollout, run.pg, sink, failed=failure is not None, remove_pg=remove)
+        summary["node_sweeps"] = _sweep_actor_nodes(config, run.actor_nodes, _actor_pids_by_node(summary))
         if started_ray:  # after the sweeps: they are Ray tasks
             ray.shutdown()
     summary["seconds"] = time.perf_counter() - t_run
@@ -343,89 +296,168 @@ def _run_holding_root(config: RunConfig, stop: _StopOnSignal, summary: dict[str,
     return summary
 
 
-def _loop(config: RunConfig, rollout_ids, cursor, tokenizer, train_group, rollout, weight_sync, sink,
-          summary) -> Optional[dict]:
-    from miles.rl import compute_rewards, encode_prompts, grpo_advantages
-    from miles.rollout.contract import KV_CACHE, WEIGHTS
-    from miles.rollout.types import SamplingParams
+class _Actors:
+    """What a run started on the cluster (None until started), for its teardown."""
 
-    offload = config.offload.offload_train
-    colocate = config.cluster.colocate
-    streaming = config.optimizer.stream_optimizer_state_to_disk
-    batch_size = config.rollout.rollout_batch_size
-    num_rollout = config.rollout.num_rollout
-    n_per_prompt = config.rollout.n_samples_per_prompt
-    record = None
-    pending = None  # a checkpoint whose streamed optimizer state is still being copied
-    with progress_bar(rollout_ids, total=num_rollout, initial=rollout_ids.start) as bar:
-        for rollout_id in bar:
-            t0 = time.perf_counter()
-            items = cursor.next_batch(batch_size)
-            prompt_ids = encode_prompts(tokenizer, [it.prompt for it in items])
-            samples = rollout.generate(prompt_ids, SamplingParams.from_config(config, rollout_id))
-            t_gen = time.perf_counter() - t0
-            answers = [items[s.prompt_index].answer for s in samples]
-            rewards = compute_rewards([s.response_text for s in samples], answers)
-            advantages = [float(a) for a in grpo_advantages(rewards, n_per_prompt)]
-            for s, r, a in zip(samples, rewards, advantages):
-                s.reward, s.advantage = r, a
+    def __init__(self):
+        self.pg = self.train_group = self.rollout = None
+        self.use_gpu = False
+        self.actor_nodes: list[str] = []
 
+
+def _start_actors(config: RunConfig, run: _Actors, summary: dict[str, Any], source) -> None:
+    """Placement group, the per-node disk check, the train actors and the rollout engines, initialized;
+    one line on what runs where."""
+    from miles.ray.node_disk import check_node_disks
+    from miles.ray.placement_group import bundle_nodes, create_placement_group
+    from miles.ray.rollout_manager import RolloutManager
+    from miles.ray.train_group import RayTrainGroup
+
+    run.pg, run.use_gpu, _ = create_placement_group(config)
+    run.actor_nodes = list(dict.fromkeys(bundle_nodes(run.pg)))  # every node an actor can run on, in bundle order
+    # every node's disk against what its ranks will write, before any actor starts
+    summary["nodes"] = [vars(n) for n in check_node_disks(config, run.pg, run.use_gpu)]
+    run.train_group = RayTrainGroup(config, run.pg, run.use_gpu)
+    run.rollout = RolloutManager(config, run.pg, run.use_gpu)
+    logger.info("starting %d train actor(s) and %d rollout engine(s) (each imports torch and builds the "
+                "model: this takes a while on a small machine)", len(run.train_group.actors), len(run.rollout.engines))
+    infos = run.train_group.init()
+    engine_infos = run.rollout.init()
+    summary["train_ranks"], summary["rollout_engines"] = infos, engine_infos
+    info0 = infos[0]
+    logger.info("policy: %s | %.2fM params, %s on %s | %d train ranks (%s), %d rollout engine(s)%s",
+                source.description, info0["num_params"] / 1e6, info0["dtype"], info0["device"], len(infos),
+                info0["backend"], len(engine_infos), " colocated" if config.cluster.colocate else "")
+    if info0.get("store"):
+        st = info0["store"]
+        logger.info("streamed optimizer state: %d bucket(s), %.3f GB per rank under %s",
+                    st["num_buckets"], st["state_bytes"] / GB, config.paths.optimizer_state)
+    if config.offload.offload_train:
+        logger.info("trainer offload: target %s%s", config.offload.offload_train_target,
+                    f", per-rank directories under {config.paths.trainer}" if config.uses_rank_dirs else "")
+
+
+def _resume(config: RunConfig, train_group, summary: dict[str, Any]) -> tuple[int, "_DataCursor"]:
+    """With --load: the checkpoint's model (and optimizer state) into every rank; the rollout to start at
+    and the prompt stream's position (both 0 on a fresh start or with --finetune)."""
+    from miles.rl import make_prompt_source
+
+    start_rollout, data_position = 0, 0
+    ckpt = config.checkpoint
+    if ckpt.load:
+        base = checkpoint.resolve(ckpt.load)
+        if base is None:
+            logger.warning("--load %s: no checkpoint there yet, starting fresh", ckpt.load)
+        else:
+            meta = checkpoint.read_meta(base)
+            load_optim = not (ckpt.no_load_optim or ckpt.finetune)
+            loaded = train_group.load(base, load_optim)
+            if not ckpt.finetune:
+                start_rollout = int(meta["next_rollout_id"])
+                data_position = int(meta.get("data_state", {}).get("consumed_prompts", 0))
+            logger.info("loaded %s: model%s; resuming at rollout %d, prompt %d", base,
+                        f", optimizer ({loaded[0]['optimizer']})" if load_optim else " only (optimizer skipped)",
+                        start_rollout, data_position)
+            summary["loaded_checkpoint"] = base
+            summary["load_info"] = loaded
+    summary["start_rollout"] = start_rollout
+    return start_rollout, _DataCursor(make_prompt_source(config), data_position)
+
+
+class _Loop:
+    """The rollouts of a run: each one generates, scores, trains, saves when due, hands the weights over
+    and puts the trainer to sleep (the module docstring has the order), then writes its record."""
+
+    def __init__(self, config: RunConfig, cursor, tokenizer, train_group, rollout, weight_sync, sink, summary):
+        self.config, self.cursor, self.tokenizer = config, cursor, tokenizer
+        self.train_group, self.rollout, self.weight_sync = train_group, rollout, weight_sync
+        self.sink, self.summary = sink, summary
+        self.pending = None  # a checkpoint whose streamed optimizer state is still being copied
+
+    def run(self, rollout_ids) -> Optional[dict]:
+        record = None
+        num_rollout = self.config.rollout.num_rollout
+        with progress_bar(rollout_ids, total=num_rollout, initial=rollout_ids.start) as bar:
+            for rollout_id in bar:
+                record = self.rollout_step(rollout_id)
+                self.sink.write(record)
+                self.summary["records"].append(record)
+                bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:+.3g}")
+                logger.info(format_rollout_line(record, num_rollout))
+        if self.pending is not None:
+            _publish(self.config, self.train_group, self.pending, self.summary)
+        return record
+
+    def generate(self, rollout_id: int) -> tuple[list, list[float], list[float]]:
+        """Samples of the rollout's prompts, their rewards and GRPO advantages (set on the samples too)."""
+        from miles.rl import compute_rewards, encode_prompts, grpo_advantages
+        from miles.rollout.types import SamplingParams
+
+        config = self.config
+        items = self.cursor.next_batch(config.rollout.rollout_batch_size)
+        prompt_ids = encode_prompts(self.tokenizer, [it.prompt for it in items])
+        samples = self.rollout.generate(prompt_ids, SamplingParams.from_config(config, rollout_id))
+        rewards = compute_rewards([s.response_text for s in samples], [items[s.prompt_index].answer for s in samples])
+        advantages = [float(a) for a in grpo_advantages(rewards, config.rollout.n_samples_per_prompt)]
+        for s, r, a in zip(samples, rewards, advantages):
+            s.reward, s.advantage = r, a
+        return samples, rewards, advantages
+
+    def save_if_due(self, completed: int) -> Optional[str]:
+        """Every --save-interval rollouts and at the end: the streamed state is copied in the background
+        while the next rollout runs and published after its step; the run's last checkpoint (nothing to
+        overlap with) is waited for at once."""
+        config = self.config
+        if self.pending is not None:  # the previous checkpoint's streamed state copied during this step
+            _publish(config, self.train_group, self.pending, self.summary)
+            self.pending = None
+        if not _should_save(config, completed):
+            return None
+        background = config.optimizer.stream_optimizer_state_to_disk and completed < config.rollout.num_rollout
+        pending = _save(config, self.train_group, completed, self.cursor, wait=not background)
+        if background:
+            self.pending = pending
+        else:
+            _publish(config, self.train_group, pending, self.summary, waited=True)
+        return pending["base"]
+
+    def rollout_step(self, rollout_id: int) -> dict[str, Any]:
+        from miles.rollout.contract import KV_CACHE, WEIGHTS
+
+        colocate = self.config.cluster.colocate
+        offload = self.config.offload.offload_train
+        timings: dict[str, float] = {}
+
+        @contextlib.contextmanager
+        def timed(key: str):
             t = time.perf_counter()
+            yield
+            timings[key] = timings.get(key, 0.0) + time.perf_counter() - t
+
+        t0 = time.perf_counter()
+        with timed("generate_seconds"):
+            samples, rewards, advantages = self.generate(rollout_id)
+        with timed("engine_release_seconds"):
             if colocate:
-                rollout.release_memory([WEIGHTS, KV_CACHE])
-            t_release = time.perf_counter() - t
-            t = time.perf_counter()
-            wake = train_group.wake() if offload else []
-            t_wake = time.perf_counter() - t
-            t = time.perf_counter()
-            ranks = train_group.train(rollout_id, _shards(samples, advantages, train_group.world_size))
-            t_train = time.perf_counter() - t
-            if pending is not None:  # the previous checkpoint's streamed state copied during this step
-                _publish(config, train_group, pending, summary)
-                pending = None
-
-            completed = rollout_id + 1
-            saved = None
-            t_save = 0.0
-            if _should_save(config, completed):
-                t = time.perf_counter()
-                # streamed state: copy in the background while the next rollout runs, publish after its
-                # step; the last checkpoint of the run (nothing to overlap with) is waited for at once
-                background = streaming and completed < num_rollout
-                pending = _save(config, train_group, completed, cursor, wait=not background)
-                saved = pending["base"]
-                if not background:
-                    _publish(config, train_group, pending, summary, waited=True)
-                    pending = None
-                t_save = time.perf_counter() - t
-
-            t = time.perf_counter()
+                self.rollout.release_memory([WEIGHTS, KV_CACHE])
+        with timed("wake_seconds"):
+            wake = self.train_group.wake() if offload else []
+        with timed("train_seconds"):
+            ranks = self.train_group.train(rollout_id, _shards(samples, advantages, self.train_group.world_size))
+        with timed("save_seconds"):
+            saved = self.save_if_due(rollout_id + 1)
+        with timed("engine_resume_seconds"):
             if colocate:
-                rollout.resume_memory([WEIGHTS])
-            t_resume = time.perf_counter() - t
-            t = time.perf_counter()
-            handoff = weight_sync.push(completed)
-            t_sync = time.perf_counter() - t
-            t = time.perf_counter()
-            sleep = train_group.sleep() if offload else []
-            t_sleep = time.perf_counter() - t
-            t = time.perf_counter()
+                self.rollout.resume_memory([WEIGHTS])
+        with timed("weight_sync_seconds"):
+            handoff = self.weight_sync.push(rollout_id + 1)
+        with timed("sleep_seconds"):
+            sleep = self.train_group.sleep() if offload else []
+        with timed("engine_resume_seconds"):
             if colocate:
-                rollout.resume_memory([KV_CACHE])
-            t_resume += time.perf_counter() - t
-
-            timings = {"generate_seconds": t_gen, "engine_release_seconds": t_release, "wake_seconds": t_wake,
-                       "train_seconds": t_train, "save_seconds": t_save, "sleep_seconds": t_sleep,
-                       "engine_resume_seconds": t_resume, "weight_sync_seconds": t_sync,
-                       "step_seconds": time.perf_counter() - t0}
-            record = rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, saved, handoff)
-            sink.write(record)
-            summary["records"].append(record)
-            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:+.3g}")
-            logger.info(format_rollout_line(record, num_rollout))
-    if pending is not None:
-        _publish(config, train_group, pending, summary)
-    return record
+                self.rollout.resume_memory([KV_CACHE])
+        timings["step_seconds"] = time.perf_counter() - t0
+        return rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, saved, handoff)
 
 
 def _save(config: RunConfig, train_group, completed: int, cursor: _DataCursor, wait: bool) -> dict[str, Any]:

@@ -43,10 +43,14 @@ __all__ = [
 
 
 def knob(default: Any, help: str, *, choices: Sequence[Any] | None = None, metavar: str | None = None,
-         parse: Callable[[str], Any] | None = None):
+         parse: Callable[[str], Any] | None = None, repeatable: bool = False):
     """A config field: ``default`` plus argparse metadata (``help``, optional ``choices``, and ``parse``:
-    the flag's value from its text, for a field whose type is not one callable, e.g. int or "auto")."""
+    the flag's value from its text, for a field whose type is not one callable, e.g. int or "auto").
+    ``repeatable``: a tuple of strings, one per use of the flag (parsed as a list, None when never given;
+    validation makes it a tuple)."""
     md: dict[str, Any] = {"help": help}
+    if repeatable:
+        md["repeatable"] = True
     if choices is not None:
         md["choices"] = tuple(choices)
     if metavar is not None:
@@ -103,10 +107,25 @@ class RolloutConfig:
     """Generation of samples."""
 
     rollout_engine: str = knob(
-        "embedded", "Rollout engine: embedded torch generation in a Ray actor. sglang is refused: miles train does "
-        "not drive an sglang engine yet.",
+        "embedded", "Rollout engine: embedded torch generation in a Ray actor, or sglang (an in-process sglang.Engine "
+        "per engine actor, or the server at --sglang-url; docs/advanced/sglang.md). sglang is refused where it is not "
+        "installed, and without --colocate (its weights arrive by reference only).",
         choices=("embedded", "sglang"),
     )
+    sglang_url: Optional[str] = knob(
+        None, "With --rollout-engine sglang: drive the sglang server already running at this URL "
+        "(http://HOST:PORT) instead of starting an engine in the actor; its model and server args are its own.",
+        metavar="URL")
+    sglang_tp_size: int = knob(
+        1, "With --rollout-engine sglang: tensor-parallel size of each sglang engine (with --sglang-url, the "
+        "server's own, checked when the run connects).", metavar="N")
+    sglang_mem_fraction_static: Optional[float] = knob(
+        None, "With --rollout-engine sglang: fraction of the GPU sglang takes for weights and KV cache, in (0, 1). "
+        "Unset: sglang's own default.", metavar="X")
+    sglang_server_arg: tuple[str, ...] = knob(
+        (), "With --rollout-engine sglang: one more sglang.Engine argument as KEY=VALUE (a ServerArgs field name, "
+        "e.g. attention_backend=triton or disable_cuda_graph=true; JSON values are parsed, anything else is a "
+        "string). Repeat the flag for more.", metavar="KEY=VALUE", repeatable=True)
     prompt_data: Optional[str] = knob(
         None,
         'JSONL prompt file, one {"prompt": ..., "answer": ...} object per line. Unset: the built-in '
@@ -305,7 +324,9 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hints: dict
     md = f.metadata
     # argparse %-formats help texts: a literal % (e.g. "41%") must be doubled
     kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": md["help"].replace("%", "%%")}
-    if tp is bool:
+    if md.get("repeatable"):
+        kwargs.update(action="append", type=str, default=None, metavar=md["metavar"])
+    elif tp is bool:
         if optional:  # tri-state: --x / --no-x / unset (None)
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
@@ -318,7 +339,7 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hints: dict
             kwargs["metavar"] = md["metavar"]
         elif "choices" not in md:
             kwargs["metavar"] = {int: "N", float: "X"}.get(tp, "STR")
-    if f.default is not None and tp is not bool:
+    if f.default is not None and tp is not bool and not md.get("repeatable"):
         kwargs["help"] += " (default: %(default)s)"
     group.add_argument(flag_name(f.name), **kwargs)
 

@@ -379,13 +379,70 @@ def _check_megatron(a: argparse.Namespace, env: Environment) -> None:
                    "pass --model-dtype bf16 (the default on CUDA).")
 
 
+def _sglang_flags_given(a: argparse.Namespace) -> list[str]:
+    given = [("--sglang-url", a.sglang_url is not None), ("--sglang-tp-size", a.sglang_tp_size != 1),
+             ("--sglang-mem-fraction-static", a.sglang_mem_fraction_static is not None),
+             ("--sglang-server-arg", bool(a.sglang_server_arg))]
+    return [flag for flag, is_given in given if is_given]
+
+
+def _check_sglang(a: argparse.Namespace, env: Environment) -> None:
+    """The --sglang-* flags on their own, then what the engine needs (sglang importable, a model folder, the
+    weights by reference)."""
+    from miles.rollout.sglang import INSTALL_HINT, check_url, parse_server_args
+
+    given = _sglang_flags_given(a)
+    if a.rollout_engine != "sglang":
+        if given:
+            raise _err(f"{given[0]} has no effect: --rollout-engine is {a.rollout_engine}.", (given[0],),
+                       f"add --rollout-engine sglang, or drop {given[0]}.")
+        return
+    if not env.has_module("sglang"):
+        raise _err("--rollout-engine sglang: sglang is not installed here.", ("--rollout-engine",),
+                   f"{INSTALL_HINT}; or use --rollout-engine embedded.")
+    if type(a.sglang_tp_size) is not int or a.sglang_tp_size < 1:
+        raise _err(f"--sglang-tp-size must be an int >= 1 (got {a.sglang_tp_size!r}).", ("--sglang-tp-size",),
+                   "pass the tensor-parallel size of each sglang engine, e.g. 1.")
+    fraction = a.sglang_mem_fraction_static
+    if fraction is not None and not 0 < fraction < 1:
+        raise _err(f"--sglang-mem-fraction-static must be in (0, 1) (got {fraction}).",
+                   ("--sglang-mem-fraction-static",), "pass a fraction such as 0.5, or drop the flag.")
+    try:
+        parse_server_args(a.sglang_server_arg or ())
+        if a.sglang_url is not None:
+            check_url(a.sglang_url)
+    except ValueError as e:
+        flag = "--sglang-url" if str(e).startswith("--sglang-url") else "--sglang-server-arg"
+        raise _err(f"{e}.", (flag,), f"fix {flag} as the message says.") from None
+    if a.sglang_url is not None:
+        for flag in ("--sglang-mem-fraction-static", "--sglang-server-arg"):
+            if flag in given:
+                raise _err(f"{flag} has no effect with --sglang-url {a.sglang_url}: the server runs with the "
+                           "arguments it was started with.", (flag, "--sglang-url"),
+                           f"pass it to the server when starting it, or drop {flag}.")
+        if a.num_rollout_engines != 1:
+            raise _err(f"--sglang-url drives one server, and --num-rollout-engines is {a.num_rollout_engines}.",
+                       ("--sglang-url", "--num-rollout-engines"), "pass --num-rollout-engines 1.")
+    else:
+        if a.sglang_tp_size > 1:
+            raise _err(f"--sglang-tp-size {a.sglang_tp_size}: an in-process sglang engine gets one GPU from Ray.",
+                       ("--sglang-tp-size",), f"start an sglang server with --tp-size {a.sglang_tp_size} and pass "
+                       "--sglang-url, or use --sglang-tp-size 1.")
+        if _resolve_model_source(a, env) == "tiny":
+            raise _err("--rollout-engine sglang loads the model from a HuggingFace folder, and the policy is the "
+                       "tiny random model, which has none.", ("--rollout-engine",),
+                       "pass --hf-checkpoint DIR (`miles` can write a random model folder: "
+                       "miles.models.write_random_model).")
+    if not a.colocate or a.weight_sync == "distributed":
+        why = "--weight-sync distributed" if a.colocate else "without --colocate"
+        raise _err(f"--rollout-engine sglang {why}: the weights reach an sglang engine only by reference, from the "
+                   "train rank it shares a GPU with (broadcasting to sglang is not wired).",
+                   ("--rollout-engine", "--colocate", "--weight-sync"),
+                   "add --colocate (and leave --weight-sync at auto or ipc).")
+
+
 def _check_rollout(a: argparse.Namespace, env: Environment) -> None:
-    if a.rollout_engine == "sglang" and not env.has_module("sglang"):
-        raise _err("--rollout-engine sglang: sglang is not importable here (it needs a CUDA machine with "
-                   "sglang installed).", ("--rollout-engine",), "use --rollout-engine embedded.")
-    if a.rollout_engine == "sglang":
-        raise _err("--rollout-engine sglang is not wired into miles train yet.", ("--rollout-engine",),
-                   "use --rollout-engine embedded.")
+    _check_sglang(a, env)
     if a.weight_sync == "ipc" and env.cuda_available() and not a.colocate:
         raise _err("--weight-sync ipc on GPUs needs --colocate: a CUDA IPC handle reaches only an engine on the "
                    "GPU of the train rank that made it.", ("--weight-sync", "--colocate"),
@@ -650,6 +707,7 @@ def validate_args(args: argparse.Namespace, env: Environment | None = None) -> R
     _check_checkpoint(a, env)
 
     # ---- resolve
+    a.sglang_server_arg = tuple(a.sglang_server_arg or ())  # a repeatable flag parses as None or a list
     if a.offload_train is None:
         a.offload_train = bool(a.colocate or a.offload_train_target == "disk")
     if a.offload_train_target is None:

@@ -22,8 +22,23 @@ from .train_actor import node_id
 logger = logging.getLogger(__name__)
 
 
+def build_engine(config: RunConfig, engine_id: int):
+    """The engine ``--rollout-engine`` names: the embedded torch engine, or sglang
+    (:class:`miles.rollout.sglang.engine.SglangRolloutEngine`, in-process or at ``--sglang-url``)."""
+    backend = config.rollout.rollout_engine
+    if backend == "embedded":
+        from miles.rollout.embedded import EmbeddedRolloutEngine
+
+        return EmbeddedRolloutEngine(config, engine_id=engine_id)
+    if backend == "sglang":
+        from miles.rollout.sglang.engine import SglangRolloutEngine
+
+        return SglangRolloutEngine.from_config(config, engine_id=engine_id)
+    raise ValueError(f"--rollout-engine {backend!r}: the engines are embedded and sglang")
+
+
 class RolloutEngineActor:
-    """Ray actor around :class:`miles.rollout.embedded.EmbeddedRolloutEngine` (built inside the actor)."""
+    """Ray actor around the engine ``--rollout-engine`` chooses (built inside the actor, :func:`build_engine`)."""
 
     def __init__(self, config: RunConfig, engine_id: int):
         configure_logging(config.logging.log_level)
@@ -31,13 +46,7 @@ class RolloutEngineActor:
 
         torch.set_num_threads(config.cluster.num_cpus_per_rank)
         self.engine_id = engine_id
-        backend = config.rollout.rollout_engine
-        if backend != "embedded":
-            raise NotImplementedError(f"--rollout-engine {backend} is not available in this build; "
-                                      "use --rollout-engine embedded")
-        from miles.rollout.embedded import EmbeddedRolloutEngine
-
-        self.engine = EmbeddedRolloutEngine(config, engine_id=engine_id)
+        self.engine = build_engine(config, engine_id)
 
     def info(self) -> dict[str, Any]:
         return {"engine": self.engine_id, "pid": os.getpid(), "node_id": node_id(), "description": self.engine.get_description(),

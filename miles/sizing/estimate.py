@@ -21,7 +21,7 @@ from miles_plugins.optimizers.streaming.config import DEFAULT_BUCKET_NUMEL, DEFA
 from .bounds import BUCKET_NUMEL, CHECKPOINT_COPIES, HARDWARE, MAX_BUCKETS, PlanInputError, check_bounds
 from .model_params import ModelTensors
 from .sharding import Parallelism, RankShard, check_parallelism, rank_shards
-from .store_plan import FP32_BYTES, StorePlan, plan_store
+from .store_plan import FP32_BYTES, StorePlan, TierSplit, plan_store, split_by_host_tier
 
 GB = 1e9
 GIB = 2**30
@@ -143,6 +143,8 @@ class Floors:
     node_write_bytes: int
     node_first_read_bytes: int
     tier_bytes_per_rank: int  # of the rank's step bytes, served by the host tier (each direction)
+    ram_bytes_per_rank: int = 0  # of the rank's streamed state, the buckets the host tier holds (no files)
+    disk_bytes_per_rank: int = 0  # of the rank's streamed state, the bucket files on disk
 
 
 @dataclass(frozen=True)
@@ -215,19 +217,27 @@ def _fit(stage: StageEstimate, hw: Hardware) -> Fit:
     return Fit(resident, cpu_offload, streaming, verdict, reason, device, host)
 
 
-def disk_bytes_per_rank(stage: StageEstimate, training: Training) -> dict:
+def tier_split(stage: StageEstimate, hw: Hardware) -> TierSplit:
+    """The rank's streamed state split between its host tier (whole buckets, in RAM only) and its files."""
+    return split_by_host_tier(stage.stores, int(hw.host_tier_gb * GB))
+
+
+def disk_bytes_per_rank(stage: StageEstimate, training: Training, host_tier_bytes: int = 0) -> dict:
     """Node-local disk one rank of ``stage`` writes, by mechanism (``miles train`` checks every node
-    against this times its ranks before starting the train actors)."""
+    against this times its ranks before starting the train actors). The streamed state's files are the
+    buckets a host tier of `host_tier_bytes` per rank cannot hold; a checkpoint copy holds all of it."""
     streamed = stage.streamed_state_bytes if training.stream_optimizer_state else 0
+    files = split_by_host_tier(stage.stores, host_tier_bytes).disk_state_bytes if streamed else 0
     in_memory_state = 0 if training.stream_optimizer_state else stage.resident_state_bytes
-    return {"streamed_state": streamed,
+    return {"streamed_state": files,
             "trainer_offload": (stage.weight_bytes + stage.grad_bytes + in_memory_state)
             if training.offload_train_to_disk else 0,
             "checkpoint_copies": training.checkpoint_copies * streamed}
 
 
 def _disk_per_node(stage: StageEstimate, hw: Hardware, training: Training) -> dict:
-    per_node = {k: hw.gpus_per_node * v for k, v in disk_bytes_per_rank(stage, training).items()}
+    per_node = {k: hw.gpus_per_node * v
+                for k, v in disk_bytes_per_rank(stage, training, int(hw.host_tier_gb * GB)).items()}
     per_node["total"] = sum(per_node.values())
     return per_node
 
@@ -241,7 +251,8 @@ def disk_seconds(read_bytes: float, write_bytes: float, hw: Hardware) -> float:
 def _floors(stage: StageEstimate, hw: Hardware) -> Floors:
     n = hw.gpus_per_node
     step, first_read = stage.step_bytes, stage.first_step_read_bytes
-    tier = min(int(hw.host_tier_gb * GB), step)
+    split = tier_split(stage, hw)
+    tier = split.ram_step_bytes
     model = (f"(read + write) / {hw.disk_combined_gbps} GB/s combined" if hw.disk_combined_gbps else
              f"read / {hw.disk_read_gbps} GB/s + write / {hw.disk_write_gbps} GB/s")
     return Floors(
@@ -249,7 +260,8 @@ def _floors(stage: StageEstimate, hw: Hardware) -> Floors:
         first_seconds=disk_seconds(n * first_read, n * step, hw),
         tiered_seconds=disk_seconds(n * (step - tier), n * (step - tier), hw) + tier / (hw.pcie_gbps * GB),
         node_read_bytes=n * step, node_write_bytes=n * step, node_first_read_bytes=n * first_read,
-        tier_bytes_per_rank=tier)
+        tier_bytes_per_rank=tier, ram_bytes_per_rank=split.ram_state_bytes,
+        disk_bytes_per_rank=split.disk_state_bytes)
 
 
 def check_inputs(par: Parallelism, hw: Hardware) -> None:

@@ -4,6 +4,7 @@
 |-----------------|--------|----------------|------------------------------------|---------|---------------|-------|--------|-----|
 | glm5-744b       | 6144   | 78 (first 3)   | MLA 64 heads, q/kv rank 2048/512,  | 154880  | 256 x 2048    | 8     | 1      | 1   |
 |                 |        |                | qk 192+64, v 256; DSA indexer 32x128 |       |               |       |        |     |
+| llama-9.2b-random | 4096 | 42 (42)        | GQA 32 q / 8 kv heads x 128        | 100     | dense 14336   |       |        | 0   |
 | qwen3-30b-a3b   | 2048   | 48 (0)         | GQA 32 q / 4 kv heads x 128        | 151936  | 128 x 768     | 8     | 0      | 0   |
 | qwen3.5-35b-a3b | 2048   | 40 (0)         | 3 of 4 Gated DeltaNet (16 k / 32 v | 248320  | 256 x 512     | 8     | 1x512  | 1   |
 |                 |        |                | heads x 128), 1 of 4 gated GQA     |         |               |       |        |     |
@@ -58,8 +59,19 @@ QWEN3_5_35B_A3B = {
     },
 }
 
+# Llama-3-8B's shape (hidden 4096, FFN 14336, 32 heads, 8 KV heads) with 42 layers instead of 32: 9.16B params
+# as scripts/make_random_model.py llama-9.2b builds it (its 100-token character tokenizer adds almost no
+# embedding); 110 GB of fp32 Adam state, the largest dense model one H200 host trains from RAM and disk.
+LLAMA_9B_RANDOM = {
+    "model_type": "llama",
+    "hidden_size": 4096, "num_hidden_layers": 42, "intermediate_size": 14336,
+    "num_attention_heads": 32, "num_key_value_heads": 8,
+    "vocab_size": 100, "tie_word_embeddings": False,
+}
+
 PRESETS: dict[str, dict] = {
     "glm5-744b": GLM5_744B,
+    "llama-9.2b-random": LLAMA_9B_RANDOM,
     "qwen3-30b-a3b": QWEN3_30B_A3B,
     "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
 }

@@ -88,6 +88,9 @@ def to_text(est: Estimate) -> str:
     if fl.tier_bytes_per_rank:
         lines.append(f"  with a host tier of {hw.host_tier_gb:g} GB per rank ({_size(fl.tier_bytes_per_rank)} of "
                      f"each step from RAM at {hw.pcie_gbps:g} GB/s): {fl.tiered_seconds:.1f} s per step")
+    if hw.host_tier_gb:
+        lines.append(f"state per rank with the host tier: {_size(fl.ram_bytes_per_rank)} in host RAM (whole buckets, no "
+                     f"files), {_size(fl.disk_bytes_per_rank)} in files on disk")
     if hw.disk_gb and est.disk_bytes_per_node["total"] > hw.disk_gb * GB:
         lines.append(f"WARNING: the node needs {_size(est.disk_bytes_per_node['total'])} of disk but has "
                      f"{hw.disk_gb:g} GB: use fewer checkpoint copies on the local disk or more nodes")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from miles_plugins.optimizers.streaming.codec import make_moment_codecs
 from miles_plugins.optimizers.streaming.config import DEFAULT_BUCKET_NUMEL
 from miles_plugins.optimizers.streaming.layout import EXP_AVG, EXP_AVG_SQ, MAIN, bucket_layout
-from miles_plugins.optimizers.streaming.plan import plan_buckets
+from miles_plugins.optimizers.streaming.plan import place_in_host_ram, plan_buckets
 
 FP32_BYTES = 4
 
@@ -20,6 +20,7 @@ class StorePlan:
     main_bytes: int  # payload of the main segments: what the first step reads (moments do not exist yet)
     moment_bytes: int  # payload of the moment segments
     max_bucket_numel: int
+    buckets: tuple[tuple[int, int], ...] = ()  # per bucket: (file bytes, payload bytes a step reads and writes)
 
     @property
     def payload_bytes(self) -> int:
@@ -34,6 +35,7 @@ def plan_store(entry_numels: list[int] | tuple[int, ...], moment_dtype: str = "f
     codecs = make_moment_codecs(moment_dtype)
     buckets = plan_buckets(list(entry_numels), bucket_numel)
     state = main = moments = 0
+    sizes = []
     for bucket in buckets:
         n = bucket.numel
         segments = [(EXP_AVG, codecs[EXP_AVG].encoded_nbytes(n)), (EXP_AVG_SQ, codecs[EXP_AVG_SQ].encoded_nbytes(n))]
@@ -42,7 +44,26 @@ def plan_store(entry_numels: list[int] | tuple[int, ...], moment_dtype: str = "f
             main += FP32_BYTES * n
         moments += segments[-1][1] + segments[-2][1]
         state += bucket_layout(segments).file_bytes
-    return StorePlan(len(buckets), state, main, moments, max((b.numel for b in buckets), default=0))
+        sizes.append((bucket_layout(segments).file_bytes, sum(nbytes for _, nbytes in segments)))
+    return StorePlan(len(buckets), state, main, moments, max((b.numel for b in buckets), default=0), tuple(sizes))
+
+
+@dataclass(frozen=True)
+class TierSplit:
+    """Where a rank's streamed state lives under a host tier, as the stores place it (whole buckets)."""
+
+    ram_state_bytes: int  # buckets in host RAM only: no file on disk
+    disk_state_bytes: int  # the bucket files on disk
+    ram_step_bytes: int  # of a step's payload (read, and written), what moves between the GPU and RAM
+
+
+def split_by_host_tier(stores: tuple[StorePlan, ...], tier_bytes: int) -> TierSplit:
+    """The stores' buckets, in order, under one tier of `tier_bytes`: each that still fits whole lives in
+    RAM (plan.place_in_host_ram, the store's own rule), the rest in files."""
+    buckets = [b for s in stores for b in s.buckets]
+    in_ram = place_in_host_ram([f for f, _ in buckets], tier_bytes)
+    ram = sum(f for (f, _), r in zip(buckets, in_ram) if r)
+    return TierSplit(ram, sum(f for f, _ in buckets) - ram, sum(p for (_, p), r in zip(buckets, in_ram) if r))
 
 
 def moment_bytes_per_param(moment_dtype: str, numel: int = 1 << 20) -> float:

@@ -160,8 +160,9 @@ CASES = [
      "--expert-model-parallel-size 2 must be >= 1 and divide --num-train-ranks 3. Fix: pick an "
      "expert-parallel size that divides the number of train ranks."),
     (["--rollout-engine", "sglang"],
-     "--rollout-engine sglang: sglang is not importable here (it needs a CUDA machine with sglang "
-     "installed). Fix: use --rollout-engine embedded."),
+     "--rollout-engine sglang: sglang is not installed here. Fix: pip install --no-deps sglang==0.5.17 into an "
+     "environment with torch==2.11.0 (CUDA 13); docs/advanced/sglang.md lists the other packages; or use "
+     "--rollout-engine embedded."),
     # --- files
     (["--prompt-data", "{tmp}/missing.jsonl"],
      "--prompt-data {tmp}/missing.jsonl: no such file. Fix: pass a JSONL file with one {{\"prompt\": ..., "
@@ -254,8 +255,8 @@ def test_megatron_accepts_its_own_features():
                   _gpu_megatron_env("transformer_engine"))
 
 
-def test_sglang_rejected_even_when_importable():
-    with pytest.raises(ArgumentError, match="not wired into miles train yet"):
+def test_sglang_needs_a_model_folder_when_importable():
+    with pytest.raises(ArgumentError, match="loads the model from a HuggingFace folder"):
         validate_args(parse_args(["--rollout-engine", "sglang"]), env(modules={"sglang"}))
 
 

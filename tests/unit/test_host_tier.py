@@ -41,13 +41,19 @@ def tier_mb(kind, fraction):
 
 
 def tiered(kind, root, fraction, **kw):
-    return build(kind, root, shapes=SHAPES, bucket_numel=BUCKET_NUMEL, host_cache_mb=tier_mb(kind, fraction), **kw)
+    """A store whose every bucket has a file, under a write-back tier of `fraction` of the state: set after
+    construction (a tier given when the store is built holds its buckets in RAM only: test_tier_files.py)."""
+    params, opt, store = build(kind, root, shapes=SHAPES, bucket_numel=BUCKET_NUMEL, **kw)
+    if fraction:
+        store.set_io(host_cache_mb=tier_mb(kind, fraction))
+    return params, opt, store
 
 
 def images(store):
-    """{bucket index: its image slot} for the buckets the tier holds."""
+    """{bucket index: its image slot} for the buckets the tier holds (write-back images, and buckets in RAM only)."""
     slots = {id(s.owner.file): s for s in store.stager.engine.cache.slots if s.owner is not None}
-    return {b.index: slots[id(b.file)] for b in store.buckets if id(b.file) in slots}
+    homes = {id(b.file): store.stager.engine._state(b.file).slot for b in store.buckets if b.file.home is not None}
+    return {b.index: {**slots, **homes}[id(b.file)] for b in store.buckets if id(b.file) in {**slots, **homes}}
 
 
 def resident_run(kind, steps):
@@ -395,7 +401,7 @@ def test_auto_without_meminfo_is_no_tier(tmp_path, monkeypatch, caplog):
 
 
 def test_the_run_flag_reaches_the_store_config():
-    from miles.backends.torch_backend.trainer import store_config
+    from miles.backends.base import store_config
     from miles.config.arguments import parse_args
     from miles.config.validation import Environment, validate_args
 
@@ -409,7 +415,8 @@ def test_the_run_flag_reaches_the_store_config():
 def test_a_trainer_shares_the_tier_with_the_ranks_of_its_node_only(tmp_path):
     """On a cluster the actor factory tells each rank how many train ranks its node holds; the auto tier
     divides the node's RAM by those, not by every rank of the run. In-process (no factory): all ranks."""
-    from miles.backends.torch_backend.trainer import TorchTrainer, store_config
+    from miles.backends.base import store_config
+    from miles.backends.torch_backend.trainer import TorchTrainer
     from miles.config.arguments import parse_args
     from miles.config.validation import Environment, validate_args
 
@@ -446,7 +453,7 @@ def test_trainer_sleep_releases_the_device_and_leaves_the_tier_dirty(tmp_path):
                 if sleeps:
                     assert not t.sleep()["skipped"]
                     assert t.store.stats.resident_bytes == 0
-                    assert any(slot.dirty for slot in images(t.store).values()), "sleep wrote the tier back"
+                    assert any(slot.dirty or slot.home for slot in images(t.store).values()), "sleep wrote the tier back"
                     t.wake()
             results[sleeps] = _params(t)
         finally:

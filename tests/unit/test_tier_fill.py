@@ -131,9 +131,9 @@ def test_the_sync_engine_has_no_tier_to_fill(tmp_path):
 
 
 def test_a_resumed_trainer_refills_its_tier_while_asleep_and_trains_bit_identically(tmp_path):
-    """The torch trainer's `--load` with a host tier: the load starts the tier's read-ahead, the trainer
-    sleeps (as it does while the first rollout generates) without waiting for it, and the first step
-    after the wake reads the tier, not the disk; the weights match the run that never stopped."""
+    """The torch trainer's `--load` with a host tier holding the whole state: the load installs it in RAM,
+    the trainer sleeps (as it does while the first rollout generates), and the first step after the wake
+    reads the tier, not the disk; the weights match the run that never stopped."""
     from test_trainer_checkpoint import _args, _params, _rendezvous, _same, _samples
 
     from miles import checkpoint
@@ -160,12 +160,14 @@ def test_a_resumed_trainer_refills_its_tier_while_asleep_and_trains_bit_identica
     try:
         b.init(_rendezvous())
         b.load(checkpoint.resolve(str(tmp_path / "ckpt")), load_optimizer=True)
-        assert b.store.stager.counters.fill_bytes_read > 0, "the load did not start the tier's read-ahead"
+        # the tier holds the whole state in RAM only: the load put it there itself, with no read-ahead
+        assert b.store.stats.ram_state_bytes == b.store.stats.state_bytes
+        assert b.store.stager.counters.fill_bytes_read == 0
         assert not b.sleep()["skipped"]
         b.wake()
         b.train(2, samples, adv)
         last = b.store.stats.last_step
-        assert last.disk_bytes_read == 0 and last.tier_fill_bytes > 0
+        assert last.disk_bytes_read == 0 and last.cache_bytes_read > 0
         assert _same(_params(b), expected)
     finally:
         b.shutdown()

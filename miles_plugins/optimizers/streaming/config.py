@@ -24,8 +24,6 @@ DEFAULT_DEPTH = 2  # buckets read ahead and written behind while one updates, at
 # moments stream), bf16 3.2 GB + 0.13 GB scratch. The store spends it on smaller buckets and depth 2.
 DEFAULT_IO_THREADS = 2  # reader and writer threads, each
 MOMENT_DTYPES = ("fp32", "bf16", "fp16", "fp8e4m3", "fp8e5m2")
-# Not offered to users: the unscaled fp8 cast the narrow-moment study compares against (codec.py).
-STUDY_MOMENT_DTYPES = ("_fp8e4m3_unscaled",)
 IO_ENGINES = ("pipelined", "sync")
 # host_cache_mb="auto": the host tier takes what the node has free, shared by its ranks (plan.fit_host_cache)
 HOST_CACHE_AUTO = "auto"
@@ -52,15 +50,21 @@ class StreamConfig:
         deepest up to DEFAULT_DEPTH that fits the device budget; given, used as is (checked the same way).
     io_threads: reader and writer threads, each. direct_io: None probes O_DIRECT, True requires it,
         False never.
-    host_cache_mb: the host tier, MiB of host RAM for write-back images of buckets (0: none): their
-        reads and writes move between the device and RAM only, and the files get their bytes on flush(),
-        save_to() and load_from(). "auto": fit to the node's free memory when the store is built,
-        min(state bytes, (MemAvailable - host_cache_reserve_mb) / host_cache_ranks_per_node
-        - host_cache_rank_reserve_mb), floored at 0 (plan.fit_host_cache; logged, and in stats).
+    host_cache_mb: the host tier, MiB of host RAM for buckets (0: none): their reads and writes move
+        between the device and RAM only. "auto": fit to the node's free memory when the store is built
+        (below; plan.fit_host_cache; logged, and in stats), floored at 0.
     host_cache_ranks_per_node: ranks of this node that take an "auto" tier each (default 1).
     host_cache_reserve_mb: node memory "auto" leaves free (DEFAULT_HOST_CACHE_RESERVE_MB, above).
     host_cache_rank_reserve_mb: memory each rank keeps for itself beside its tier under "auto" (e.g. a
-        trainer's cpu backup of its weights while asleep; default 0).
+        trainer's cpu backup of its weights while asleep with --offload-train-target=cpu; default 0).
+    host_cache_run_reserve_mb: node memory the rest of the run will hold that MemAvailable may not show yet
+        when the store is built, left free by "auto" on top of host_cache_reserve_mb (the rollout engine's
+        host copies of its weights while it sleeps, Ray's object store as it fills; default 0: the
+        framework passes what it knows). "auto" is then
+        min(state, (MemAvailable - host_cache_reserve_mb - host_cache_run_reserve_mb) / ranks - rank reserve).
+    A tier holds whole buckets: those it can hold live in host RAM only, with no file on disk (the disk is
+    asked only for the rest's files); the buckets are placed when the store is built, with the pipelined
+    engine. set_io(host_cache_mb=...) later changes only the write-back images over the rest.
     write_behind: let the step return before its last write-backs land.
     verify: checksum (crc32) every chunk of the bucket files as it is written and check it whenever it
         is read back from disk: a file changed outside the store raises StateCorruptionError and poisons
@@ -81,13 +85,14 @@ class StreamConfig:
     host_cache_ranks_per_node: int = 1
     host_cache_reserve_mb: int = DEFAULT_HOST_CACHE_RESERVE_MB
     host_cache_rank_reserve_mb: int = 0
+    host_cache_run_reserve_mb: int = 0
     write_behind: bool = True
     verify: bool = False
     device_budget_mb: Optional[int] = None
 
 
 def check_moment_dtype(moment_dtype) -> None:
-    if not isinstance(moment_dtype, str) or moment_dtype not in MOMENT_DTYPES + STUDY_MOMENT_DTYPES:
+    if not isinstance(moment_dtype, str) or moment_dtype not in MOMENT_DTYPES:
         raise StoreConfigError(f"moment_dtype {moment_dtype!r} is not supported; choose one of "
                                f"{', '.join(MOMENT_DTYPES)}")
 
@@ -130,6 +135,9 @@ def check_config(config: StreamConfig) -> None:
                                            f"(default {DEFAULT_HOST_CACHE_RESERVE_MB})")
     if not _whole(config.host_cache_rank_reserve_mb) or config.host_cache_rank_reserve_mb < 0:
         raise bad("host_cache_rank_reserve_mb", "an integer >= 0: MiB each rank keeps beside its 'auto' tier")
+    if not _whole(config.host_cache_run_reserve_mb) or config.host_cache_run_reserve_mb < 0:
+        raise bad("host_cache_run_reserve_mb", "an integer >= 0: MiB of node memory the rest of the run will hold, "
+                                               "left free by host_cache_mb='auto'")
     if not isinstance(config.write_behind, bool):
         raise bad("write_behind", "True or False")
     if not isinstance(config.verify, bool):

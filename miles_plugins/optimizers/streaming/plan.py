@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 from .config import DEFAULT_BUCKET_NUMEL, DEFAULT_DEPTH
 from .errors import StoreConfigError
-from .units import MiB
+from .units import MiB, binary_size
 # Split points of a large entry fall on multiples of this many elements, so a split piece starts on a
 # 4 KiB boundary for every element size and vectorized kernels walk the same lanes as on the whole entry.
 SPLIT_ALIGN_NUMEL = 4096
@@ -195,3 +195,31 @@ def fit_host_cache(available_bytes: int, state_bytes: int, ranks_per_node: int, 
     holds nothing more)."""
     share = (available_bytes - reserve_bytes) // ranks_per_node - rank_reserve_bytes
     return max(0, min(share, state_bytes))
+
+
+def place_in_host_ram(file_bytes: list[int], budget_bytes: int) -> tuple[bool, ...]:
+    """Which buckets live in host RAM only (True) under a host tier of `budget_bytes`: each bucket, in
+    order, that still fits whole; the others keep a file on disk. Decided once, when the store is built,
+    so the disk is asked only for the files of the rest."""
+    placed, used = [], 0
+    for nbytes in file_bytes:
+        fits = used + nbytes <= budget_bytes
+        placed.append(fits)
+        used += nbytes if fits else 0
+    return tuple(placed)
+
+
+def check_state_fits(state_bytes: int, ram_bytes: int, free_disk_bytes: int | None, root: str,
+                     tier_source: str) -> None:
+    """StoreConfigError, before anything is allocated, when the state is larger than the host tier's
+    buckets and the disk's free space together (None: the disk is not known yet; not checked). Without
+    buckets in RAM the directory's own free-space check says it (Stager.prepare_directory)."""
+    disk_bytes = state_bytes - ram_bytes
+    if ram_bytes == 0 or free_disk_bytes is None or disk_bytes <= free_disk_bytes:
+        return
+    raise StoreConfigError(
+        f"the optimizer state of {binary_size(state_bytes)} does not fit this rank's host RAM share and disk: the "
+        f"host tier holds {binary_size(ram_bytes)} of it ({tier_source}), the other {binary_size(disk_bytes)} need "
+        f"files under {root!r}, which has {binary_size(free_disk_bytes)} free. Give the tier more RAM "
+        "(--stream-optimizer-state-host-cache-mb), free disk space or choose a larger disk, use narrower moments "
+        "(moment_dtype='bf16'), or spread the state over more ranks")

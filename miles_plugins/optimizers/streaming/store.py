@@ -14,8 +14,10 @@ streams). A bucket's storage is released once its write-back no longer needs it.
                resident from its write-back is reused by the next step without a read (fp32 segments).
   order        the bucket order alternates every step, so the buckets written last are read first (still
                in the page cache with buffered I/O, or still resident on the device).
-  host tier    optional (host_cache_mb): write-back images of buckets in host RAM (io/hostcache.py):
-               their reads and writes cost a host<->device copy and no disk I/O. Their bytes reach the
+  host tier    optional (host_cache_mb): the buckets it holds whole when the store is built live in host
+               RAM only, with no file (plan.place_in_host_ram, Stager.create_in_ram); the disk holds the rest.
+               What is left, or a tier set later by set_io, keeps write-back images of files
+               (io/hostcache.py): their reads and writes cost a host<->device copy and no disk I/O. Their bytes reach the
                files only on flush() and save_to() (and set_io, which flushes); load_from() replaces
                the state and close() removes the files, neither writes them. release_device() frees
                the device without waiting for the disk. Images are fixed per file once given; a load
@@ -65,11 +67,11 @@ from .bucket import Bucket, StreamEntry, codec_scratch_bytes, inflight_bytes, st
 from .codec import Fp32Codec, make_moment_codecs
 from .config import DEFAULT_DEPTH, HOST_CACHE_AUTO, StreamConfig, check_config
 from .errors import CheckpointError, StateCorruptionError, StoreConfigError, StorePoisonedError
-from .io.stager import Stager, available_host_memory, on_a_worker_thread
+from .io.stager import Stager, available_host_memory, free_disk_bytes, on_a_worker_thread
 from .layout import (EXP_AVG, EXP_AVG_SQ, MAIN, STREAMED_DIR, bucket_filename, bucket_layout, store_identity,
                      store_relative_dir)
-from .plan import (DEFAULT_BUCKET_NUMEL, MIN_BUCKET_NUMEL, buckets_in_flight, fit_host_cache, fit_to_device_budget,
-                   plan_buckets)
+from .plan import (DEFAULT_BUCKET_NUMEL, MIN_BUCKET_NUMEL, buckets_in_flight, check_state_fits, fit_host_cache,
+                   fit_to_device_budget, place_in_host_ram, plan_buckets)
 from .units import GB, MiB
 
 logger = logging.getLogger(__name__)
@@ -121,6 +123,8 @@ class StoreStats:
     staging_bytes: int = 0  # host staging the engine may allocate (pinned on CUDA)
     host_cache_bytes: int = 0  # host-RAM budget for images of buckets (the host tier; host_cache_mb="auto": the
     #   size chosen when the store was built, or by set_io)
+    ram_state_bytes: int = 0  # of state_bytes, the buckets that live in host RAM only (no file on disk; placed
+    #   when the store was built); state_bytes - ram_state_bytes is what the files on disk hold
 
 
 class NVMeOptimizerStateStore:
@@ -185,9 +189,14 @@ class NVMeOptimizerStateStore:
         _refuse_directory_in_a_checkpoint(live_path)
         _refuse_shared_directory(live_path)
         self.host_cache_bytes = self._host_cache_bytes(config)
+        in_ram = place_in_host_ram(file_bytes, self.host_cache_bytes if config.io_engine == "pipelined" else 0)
+        self.stats.ram_state_bytes = sum(n for n, ram in zip(file_bytes, in_ram) if ram)
+        check_state_fits(self.stats.state_bytes, self.stats.ram_state_bytes,
+                         free_disk_bytes(config.dir, self.relative_dir), config.dir,
+                         f"host_cache_mb={config.host_cache_mb!r}: {self.host_cache_bytes / GB:.3f} GB")
         self.stager = Stager(self.device, config.chunk_mb * MiB, io_engine=config.io_engine,
                              io_threads=config.io_threads, direct_io=config.direct_io,
-                             host_cache_bytes=self.host_cache_bytes)
+                             host_cache_bytes=self.host_cache_bytes, ram_home_bytes=self.stats.ram_state_bytes)
         # weakly: the stager outlives a dropped store in its finalizer, and must not keep it alive
         self.stager.on_drain(_call_if_alive(weakref.WeakMethod(self._release_pipeline)))
         self._resources = _Resources(self.stager)
@@ -198,13 +207,15 @@ class NVMeOptimizerStateStore:
         self._closed = False
         _LIVE_STORES.add(self)
         try:
-            self.directory_lock = self.stager.prepare_directory(config.dir, self.relative_dir, sum(file_bytes))
+            self.directory_lock = self.stager.prepare_directory(config.dir, self.relative_dir,
+                                                                sum(file_bytes) - self.stats.ram_state_bytes)
             self._resources.directory_lock = self.directory_lock
             self.path = self.directory_lock.directory
             self.stager.expect_files(max(file_bytes, default=0))
             for i, (plan, layout) in enumerate(zip(plans, layouts)):
-                file = self.stager.create_file(os.path.join(self.path, bucket_filename(i)), layout.file_bytes,
-                                               layout=layout, bucket=i, verify=config.verify)
+                create = self.stager.create_in_ram if in_ram[i] else self.stager.create_file
+                file = create(os.path.join(self.path, bucket_filename(i)), layout.file_bytes, layout=layout, bucket=i,
+                              verify=config.verify)
                 self._resources.files.append(file)
                 self.buckets.append(Bucket(i, plan, entries, master, self.codecs, file, self.device,
                                            self.streams_main))
@@ -214,12 +225,14 @@ class NVMeOptimizerStateStore:
             raise
         logger.info("streaming optimizer state: %d buckets of <= %d elements, %.3f GB in %s (moments %s, mains "
                     "%s); %s I/O, depth %d, device residency bound %.3f GB of a %.3f GB device budget (%s) + "
-                    "host staging %.3f GB + host cache %.3f GB",
+                    "host staging %.3f GB + host cache %.3f GB (%.3f GB of the state in host RAM only, %.3f GB "
+                    "in files)",
                     len(self.buckets), self.bucket_numel, self.stats.state_bytes / GB, self.path,
                     config.moment_dtype, "streamed" if self.streams_main else "resident (they are the model params)",
                     self.stats.io_engine, self.depth, self.stats.residency_bound_bytes / GB,
                     self.device_budget_bytes / GB, "given" if config.device_budget_mb else "default: one bucket of "
-                    f"{DEFAULT_BUCKET_NUMEL} elements", self.stats.staging_bytes / GB, self.stats.host_cache_bytes / GB)
+                    f"{DEFAULT_BUCKET_NUMEL} elements", self.stats.staging_bytes / GB, self.stats.host_cache_bytes / GB,
+                    self.stats.ram_state_bytes / GB, (self.stats.state_bytes - self.stats.ram_state_bytes) / GB)
         if fit.below_minimum:
             logger.warning("the device budget of %.3f GB holds only buckets of %d elements (depth %d), below the "
                            "%d the store prefers: many small buckets cost per-bucket overhead every step. Raise "
@@ -259,11 +272,13 @@ class NVMeOptimizerStateStore:
                            "tier; pass host_cache_mb in MiB instead")
             return 0
         reserve, rank_reserve = config.host_cache_reserve_mb * MiB, config.host_cache_rank_reserve_mb * MiB
-        size = fit_host_cache(available, self.stats.state_bytes, config.host_cache_ranks_per_node, reserve,
-                              rank_reserve)
+        run_reserve = config.host_cache_run_reserve_mb * MiB
+        size = fit_host_cache(available, self.stats.state_bytes, config.host_cache_ranks_per_node,
+                              reserve + run_reserve, rank_reserve)
         logger.info("host tier (host_cache_mb='auto'): %.3f GB = min(state %.3f GB, (MemAvailable %.3f GB - node "
-                    "reserve %.3f GB) / %d ranks on the node - rank reserve %.3f GB), at least 0",
-                    size / GB, self.stats.state_bytes / GB, available / GB, reserve / GB,
+                    "reserve %.3f GB - the run's other host memory %.3f GB) / %d ranks on the node - rank reserve "
+                    "%.3f GB), at least 0",
+                    size / GB, self.stats.state_bytes / GB, available / GB, reserve / GB, run_reserve / GB,
                     config.host_cache_ranks_per_node, rank_reserve / GB)
         return size
 

@@ -2,7 +2,8 @@
 
 Format, version 1. `store.save_to(base)` writes one directory per store, named by the store:
   <base>/nvme_opt_state/<store.relative_dir>/     (e.g. rank00000/opt0_0/)
-    bucket00000.bin ...  byte copies of the live bucket files ([main | exp_avg | exp_avg_sq], layout.py)
+    bucket00000.bin ...  byte copies of the live buckets ([main | exp_avg | exp_avg_sq], layout.py): of their
+                         files, or of their host RAM for buckets that live there only (no file, no write-back)
     manifest.json        format, version, relative_dir, streams_main (false: plain fp32 Adam, moments only),
       segments     {segment: codec.describe()}: storage dtype, block size, scale layout
       entries      [{name, start, stop, full_numel, group}]: elements [start, stop) of the flattened
@@ -24,7 +25,8 @@ renamed to `<dir>` and its parent fsynced. A kill at any point leaves what `<dir
 when each checkpoint has its own base) or the complete new one. A `.tmp-` leftover is never read; the
 next save to that base removes it. Other bases (the previous checkpoint) are never touched.
 
-No stall: save_to lands pending writes and the host images' dirty bytes in the files, snapshots the metadata and hands the copy to a thread
+No stall: save_to lands pending writes and the write-back images' dirty bytes in the files (buckets in host
+RAM only have nothing to land: they are copied from RAM), snapshots the metadata and hands the copy to a thread
 (reflink where the filesystem has it). Until a bucket is copied its live file has a `before_write`
 guard: the first write to it (the next step) copies it first. Training waits only for buckets it is
 about to overwrite. wait=False returns after the snapshot; wait_for_save() returns once published.
@@ -170,10 +172,12 @@ class SaveJob:
                     # next write to the bucket (right after this copy) replaces it
                     check = file.checksums.in_order_check()
                     crc = None  # reflinked: checksummed (and checked) later from the clone, off the training path
-                    if self.use_reflink and io.reflink(file.fd, fd):
+                    # a bucket in host RAM only is copied from its memory file straight into the checkpoint:
+                    # its bytes are written once, and no reflink is tried (RAM has no extents to share)
+                    if file.home is None and self.use_reflink and io.reflink(file.fd, fd):
                         self.checks[i] = check
                     else:
-                        self.use_reflink = False
+                        self.use_reflink = self.use_reflink and file.home is not None
                         crc = io.copy_with_crc(file.fd, fd, file.nbytes, inspect=check)
                     self.manifest["buckets"][i]["crc32"] = crc
             except Exception as e:  # training goes on; wait_for_save() reports it

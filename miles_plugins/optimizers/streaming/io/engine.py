@@ -88,6 +88,7 @@ class PipelinedEngine:
         if self.cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.chunk_bytes = chunk_bytes
+        self.expected_file_bytes = chunk_bytes  # the largest file (expect_files): set_engine hands it on
         self.counters = IOCounters()
         self.error: BaseException | None = None  # the first error of any task: the engine is broken after it
         self._want_direct = direct
@@ -113,7 +114,7 @@ class PipelinedEngine:
 
     def expect_files(self, max_nbytes: int) -> None:
         """No request is larger than the largest file: staging buffers need not exceed it."""
-        self._expected_file_bytes = max_nbytes
+        self.expected_file_bytes = max_nbytes
         nbytes = min(self.chunk_bytes, align_up(max(max_nbytes, 1)))
         self._read_staging.nbytes = self._write_staging.nbytes = nbytes
 
@@ -148,7 +149,7 @@ class PipelinedEngine:
     def _dfd(self, file) -> int:
         """The file's O_DIRECT descriptor (opened with the file, never by path here), or -1 where direct
         I/O is off or the filesystem refused it (logged once)."""
-        if not self.direct:
+        if not self.direct or file.home is not None:  # a bucket in host RAM only has no disk file
             return -1
         if file.dfd < 0:
             refusal = file.direct_refusal or OSError(0, "the file has no O_DIRECT descriptor")

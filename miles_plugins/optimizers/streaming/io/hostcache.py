@@ -8,6 +8,9 @@ disk at all. Dirty chunks reach the file only when someone needs the file to hol
 with its contents kept (drop_cache, set_engine, forget; a load drops them unwritten: it rewrites the
 files), and when a read or a partial write needs the file's bytes under them. Files get images at
 their first write while the budget lasts (or from engine.fill_image, after a load) and keep them.
+A bucket that lives in host RAM only (the store places the buckets its tier can hold there when it is
+built: BucketFile.home, an anonymous memory file, never on disk) has a home slot instead: its whole
+image is always valid, nothing of it is ever dirty or dropped, and it takes nothing from the pool.
 The engine (engine.py) does the copies and the I/O; this module only decides which file has which
 image, what it holds and which of its chunks the file lacks.
 """
@@ -23,9 +26,13 @@ from .tickets import Ticket, overlap
 
 
 class _Slot:
-    def __init__(self, image: torch.Tensor):
+    def __init__(self, image: torch.Tensor, home: bool = False):
         self.image = image
         self.capacity = image.numel()
+        # home: the image is the bucket's own storage (a bucket that lives in host RAM only, its BucketFile's
+        # `home`), not a copy of a file: never dirty, since there is no disk to write back to, and never
+        # dropped or given to another file; it is not part of the tier's pool (HostCache.slots)
+        self.home = home
         self.owner: FileState | None = None
         self.valid: list[tuple[int, int]] = []  # sorted, disjoint byte ranges the image holds
         # Chunks written into the image and not yet to the file: offset -> (nbytes, pad). Kept in the
@@ -62,6 +69,8 @@ class _Slot:
     def mark_dirty(self, offset: int, nbytes: int, pad: bool) -> None:
         """A write puts these bytes into the image. Dirty chunks it covers whole are replaced; the engine
         writes back any it overlaps only in part before the write (their other bytes are still dirty)."""
+        if self.home:
+            return
         for o, n, _ in self.dirty_in((offset, offset + nbytes)):
             del self.dirty[o]
         self.dirty[offset] = (nbytes, pad)
@@ -136,6 +145,9 @@ class FileState:
         self.reads: list[Ticket] = []
         self.writes: list[Ticket] = []
         self.slot: _Slot | None = None
+        if file.home is not None:  # a bucket in host RAM only: every byte of it is in its image, always
+            self.slot = _Slot(file.home, home=True)
+            self.slot.owner, self.slot.valid = self, [(0, file.nbytes)]
 
     def prune(self) -> None:
         self.reads = [t for t in self.reads if not t.done()]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
+import mmap
 import os
 import queue
 import threading
@@ -14,6 +16,8 @@ import threading
 import torch
 
 from ..layout import ALIGN_BYTES, align_up
+
+logger = logging.getLogger(__name__)
 
 _IOV_MAX_BYTES = 1 << 30  # one preadv/pwrite moves at most this much (Linux caps a call near 2 GiB)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024  # buffers per call (EINVAL beyond)
@@ -143,6 +147,31 @@ class HostMemory:
                 off = (-raw.data_ptr()) % ALIGN_BYTES
                 buf = raw[off:off + nbytes]
         return buf
+
+    def map_file(self, fd: int, nbytes: int) -> torch.Tensor:
+        """The `nbytes` of the file `fd` as a host tensor (a shared mapping: the tensor and positional I/O
+        on `fd` see the same bytes), page-locked in place where CUDA is (left pageable, and logged, where
+        the driver refuses to register it)."""
+        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        buf = torch.frombuffer(mapping, dtype=torch.uint8)
+        if self.pinned:
+            rt = _cudart()
+            if rt is not None and hasattr(rt, "cudaHostRegister") and int(rt.cudaHostRegister(buf.data_ptr(), nbytes, 0)) == 0:
+                self._registered.append(buf.data_ptr())
+            else:
+                logger.warning("could not page-lock %d bytes of host RAM for a bucket: its copies to and from the "
+                               "device run at pageable speed", nbytes)
+        return buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Unregister one buffer `map_file` page-locked (before its memory goes)."""
+        ptr = buf.data_ptr()
+        if ptr in self._registered:
+            self._registered.remove(ptr)
+            try:
+                _cudart().cudaHostUnregister(ptr)
+            except Exception:  # pragma: no cover
+                pass
 
     def close(self) -> None:
         rt = _cudart() if self._registered else None

@@ -110,6 +110,10 @@ class BucketFile:
     dfd: int = -1  # O_DIRECT descriptor of the same file (create_file), -1 where the filesystem refuses it
     direct_refusal: OSError | None = None  # why there is no O_DIRECT descriptor (the engine logs its fallback)
     checksums: FileChecksums | None = None  # verify: crc32 per chunk written, checked on reads (verify.py)
+    # A bucket that lives in host RAM only: `fd` is an anonymous memory file (memfd: never on a disk, gone
+    # when closed) and `home` its bytes mapped as a host tensor. The engines serve its reads and writes
+    # from `home`; checkpoints copy it through `fd` like any file. None: a file on disk.
+    home: torch.Tensor | None = None
 
 
 class Stager:
@@ -133,7 +137,9 @@ class Stager:
     """
 
     def __init__(self, device: torch.device, chunk_bytes: int, io_engine: str = "pipelined", io_threads: int = 2,
-                 direct_io: bool | None = None, host_cache_bytes: int = 0):
+                 direct_io: bool | None = None, host_cache_bytes: int = 0, ram_home_bytes: int = 0):
+        """host_cache_bytes: the host tier in all; ram_home_bytes of it are taken by the buckets that live
+        in host RAM only (create_in_ram), the rest is the write-back images' budget."""
         if chunk_bytes < 4096 or chunk_bytes % 4096:
             raise StoreConfigError(f"chunk size must be a positive multiple of 4 KiB, got {chunk_bytes} bytes")
         if io_engine not in IO_ENGINES:
@@ -144,8 +150,10 @@ class Stager:
             check_host_cache_budget(host_cache_bytes, available_host_memory())
         self.device = torch.device(device)
         self.chunk_bytes = chunk_bytes
+        self.ram_home_bytes = ram_home_bytes
+        self._homes = HostMemory(pinned=self.device.type == "cuda")  # outlives engines: set_engine keeps them
         self.engine = make_engine(io_engine, self.device, chunk_bytes, threads=io_threads, direct=direct_io,
-                                  host_cache_bytes=host_cache_bytes)
+                                  host_cache_bytes=max(0, host_cache_bytes - ram_home_bytes))
         self.counters = self.engine.counters
         self._drain_hooks: list[Callable[[], None]] = []
 
@@ -271,6 +279,23 @@ class Stager:
             raise
         return file
 
+    def create_in_ram(self, name: str, nbytes: int, layout: BucketLayout | None = None, bucket: int = 0,
+                      verify: bool = False) -> BucketFile:
+        """A bucket that lives in host RAM only (BucketFile.home): an anonymous memory file, never on a
+        disk, its pages reserved now and mapped, page-locked where CUDA is. `name` only names it in
+        messages; nothing is created in any directory. Its memory is freed by close_file."""
+        fd = os.memfd_create(f"miles-{os.path.basename(name)}", os.MFD_CLOEXEC)
+        path = f"{name} (in host RAM, no file)"
+        segments = layout.segments if layout is not None else {}
+        file = BucketFile(path, fd, nbytes, checksums=FileChecksums(path, bucket, segments, verify))
+        try:
+            _preallocate(fd, nbytes, path)
+            file.home = self._homes.map_file(fd, nbytes)
+        except BaseException:
+            Stager.close_descriptors(file)
+            raise
+        return file
+
     @staticmethod
     def files_rewritten(files: list[BucketFile]) -> None:
         """The caller rewrote these files through their descriptors, not the engine (a checkpoint load,
@@ -291,6 +316,9 @@ class Stager:
         try:
             self.engine.forget(file, write_back=write_back)
         finally:
+            if file.home is not None:  # its memory goes with the last reference to the mapping
+                self._homes.release(file.home)
+                file.home = None
             Stager.close_descriptors(file)
 
     @staticmethod
@@ -398,9 +426,12 @@ class Stager:
                    host_cache_bytes: int = 0, discard_errors: bool = False) -> None:
         """Replace the engine (its host images are written back first). Benchmarks and A/B runs switch
         engines on the same files this way. discard_errors: the old engine failed and the store recovers
-        (load_from on a poisoned store): its error is dropped with it instead of raised."""
+        (load_from on a poisoned store): its error is dropped with it instead of raised. host_cache_bytes:
+        the tier in all; the buckets in host RAM only keep theirs (ram_home_bytes), the rest is the new
+        engine's write-back images."""
         if io_engine not in IO_ENGINES:
             raise StoreConfigError(f"io_engine must be one of {IO_ENGINES}, got {io_engine!r}")
+        host_cache_bytes = max(0, host_cache_bytes - self.ram_home_bytes)
         if host_cache_bytes:
             check_host_cache_budget(host_cache_bytes, available_host_memory())
         old = self.engine
@@ -410,12 +441,24 @@ class Stager:
             old.drop_cache()  # the new engine starts without images: the files must hold their bytes
         self.engine = make_engine(io_engine, self.device, self.chunk_bytes, threads=io_threads, direct=direct_io,
                                   host_cache_bytes=host_cache_bytes)
-        self.engine.expect_files(getattr(old, "_expected_file_bytes", self.chunk_bytes))
+        self.engine.expect_files(old.expected_file_bytes)
         self.counters = self.engine.counters
         old.close()
 
     def close(self) -> None:
         self.engine.close()
+        self._homes.close()
+
+
+def free_disk_bytes(root: str, relative_dir: str) -> int | None:
+    """Bytes a store under `root` may fill: the filesystem's free space plus what an earlier store left in
+    `<root>/<relative_dir>` (emptied before the files are made). None where `root` and its parent do not
+    exist (prepare_directory says why)."""
+    root = os.path.abspath(root)
+    probe = root if os.path.isdir(root) else os.path.dirname(root)
+    if not os.path.isdir(probe):
+        return None
+    return shutil.disk_usage(probe).free + _tree_bytes(os.path.join(root, relative_dir))
 
 
 def _tree_bytes(path: str) -> int:

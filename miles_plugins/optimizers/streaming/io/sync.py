@@ -32,6 +32,7 @@ class SyncEngine:
         self.device = torch.device(device)
         self.chunk_bytes = chunk_bytes
         self.counters = IOCounters()
+        self.expected_file_bytes = chunk_bytes  # the largest file (expect_files): set_engine hands it on
         self._staging = None
         if self.device.type != "cpu":
             self._staging = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
@@ -41,7 +42,7 @@ class SyncEngine:
         return 0 if self._staging is None else self.chunk_bytes
 
     def expect_files(self, max_nbytes: int) -> None:
-        self._expected_file_bytes = max_nbytes
+        self.expected_file_bytes = max_nbytes
 
     def read(self, file, offset: int, dsts: list[torch.Tensor]) -> Ticket:
         return self._move("read", file, offset, dsts)

@@ -1,0 +1,417 @@
+"""The rollout-engine contract (:class:`miles.rollout.contract.RolloutEngine`) on sglang.
+
+    engine = SglangRolloutEngine.from_config(config, engine_id)   # in-process sglang.Engine, or --sglang-url
+    engine.release_memory_occupation()                           # sglang tags weights, kv_cache, cuda_graph
+    engine.resume_memory_occupation(["weights"])
+    engine.begin_weight_update(v); engine.update_weights_from_tensor([shared_bucket]); engine.end_weight_update(v)
+    engine.resume_memory_occupation(["kv_cache"])                # kv_cache and cuda_graph
+    samples = engine.generate(prompt_ids, SamplingParams(...))
+
+What the client adds to sglang, which checks less than the contract promises:
+
+- The memory states are tracked here: each tag is released or resumed once (sglang is told only about
+  tags that change), ``generate`` and weight updates are refused with the contract's errors before
+  anything reaches sglang, and release is refused while a ``generate`` runs. sglang reports no sizes:
+  release and resume report 0 bytes per tag.
+- Weight-update sessions are the client's; from sglang 0.5.21 (:data:`WEIGHT_SESSION_SINCE`) they are also
+  opened and closed on sglang (``begin_weight_update`` / ``end_weight_update``), which refuses updates
+  outside one. The radix cache is flushed once after a session, before the next ``generate``.
+- A :class:`miles.weights.SharedBucket` is opened here and rebuilt as sglang's own flattened bucket, one
+  serialized payload per tensor-parallel rank (:mod:`miles.rollout.sglang.payloads`); payloads already
+  serialized for sglang (one per rank) pass through untouched.
+- ``generate`` sends each of the ``n`` samples of a prompt as its own request (prompt-major), with the
+  seed of sample ``k`` = ``seed * 65537 + k`` as sglang's ``sampling_seed`` when the call has a seed;
+  ``meta_info.output_token_logprobs`` (``(logprob, token_id, text)`` triples) become the samples'
+  ``response_logprobs``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+from miles.rollout.contract import FLATTENED_BUCKET, KV_CACHE, LOAD_FORMATS, WEIGHTS, check_memory_tags
+from miles.rollout.sglang import needs_weight_session, parse_server_args, parse_version
+from miles.rollout.sglang.transport import HttpSglang, InProcessSglang, SglangCallError
+from miles.rollout.types import Sample, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SglangRolloutEngine", "SGLANG_TAGS", "server_args", "sglang_sampling_params", "samples_from_outputs"]
+
+# The contract's tags and sglang's: "kv_cache" is everything generation holds besides the weights.
+SGLANG_TAGS = {WEIGHTS: ("weights",), KV_CACHE: ("kv_cache", "cuda_graph")}
+_SAMPLE_SEED_STRIDE = 65537  # sample k of a call seeded s draws with s * stride + k: no overlap across calls
+_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+@dataclass
+class _Session:
+    version: int
+    tensors: int = 0
+    bytes: int = 0
+
+
+def server_args(config, model_path: str, engine_id: int) -> dict[str, Any]:
+    """``sglang.Engine``'s keywords for this run: the model folder, ``--sglang-tp-size``,
+    ``--sglang-mem-fraction-static``, the memory saver under ``--colocate``, the engine's seed and dtype, then
+    the ``--sglang-server-arg`` pass-through (which may not override these)."""
+    rollout = config.rollout
+    args: dict[str, Any] = {"model_path": model_path, "tp_size": rollout.sglang_tp_size,
+                            "enable_memory_saver": bool(config.cluster.colocate), "base_gpu_id": 0,
+                            "random_seed": rollout.rollout_seed + engine_id, "dtype": _DTYPES[config.model.model_dtype],
+                            "skip_server_warmup": True}
+    if rollout.sglang_mem_fraction_static is not None:
+        args["mem_fraction_static"] = rollout.sglang_mem_fraction_static
+    args.update(parse_server_args(rollout.sglang_server_arg))
+    return args
+
+
+def sglang_sampling_params(sp: SamplingParams, sample: int) -> dict[str, Any]:
+    """sglang's sampling params for sample ``sample`` of a call (one sample per request)."""
+    out: dict[str, Any] = {"temperature": sp.temperature, "top_p": sp.top_p, "max_new_tokens": sp.max_new_tokens}
+    if sp.stop_token_ids is not None:
+        out["stop_token_ids"] = [int(t) for t in sp.stop_token_ids]
+    if sp.seed is not None:
+        out["sampling_seed"] = int(sp.seed) * _SAMPLE_SEED_STRIDE + sample
+    return out
+
+
+def _check_prompts(input_ids: Any) -> list[list[int]]:
+    if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence):
+        raise TypeError(f"generate takes input_ids, a list of token-id lists, got {type(input_ids).__name__}")
+    prompts = []
+    for i, ids in enumerate(input_ids):
+        if isinstance(ids, str) or not isinstance(ids, Sequence):
+            raise TypeError(f"input_ids[{i}] is a {type(ids).__name__}, not a list of token ids: tokenize prompts "
+                            "first (miles.rl.encode_prompts)")
+        if not ids:
+            raise ValueError(f"input_ids[{i}] is empty")
+        prompts.append([int(t) for t in ids])
+    return prompts
+
+
+def _bad_output(index: int, problem: str) -> SglangCallError:
+    return SglangCallError("generate", f"output {index}: {problem}")
+
+
+def _finish_reason(index: int, meta: dict) -> str:
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind == "abort":
+        raise _bad_output(index, f"sglang aborted the request: {reason.get('message', reason)}")
+    if kind not in ("stop", "length"):
+        raise _bad_output(index, f"finish_reason {reason!r} is neither stop nor length")
+    return kind
+
+
+def _sample(index: int, prompt_index: int, prompt: list[int], out: Any, return_logprob: bool,
+            weight_version: int) -> Sample:
+    if not isinstance(out, dict) or not isinstance(out.get("meta_info"), dict):
+        raise _bad_output(index, f"expected a dict with meta_info, got {type(out).__name__}")
+    meta = out["meta_info"]
+    ids = out.get("output_ids")
+    logprobs: list[float] = []
+    if return_logprob:
+        triples = meta.get("output_token_logprobs")
+        if not isinstance(triples, list):
+            raise _bad_output(index, "meta_info has no output_token_logprobs list (was return_logprob sent?)")
+        try:
+            logprobs = [float(t[0]) for t in triples]
+            logprob_ids = [int(t[1]) for t in triples]
+        except (TypeError, ValueError, IndexError):
+            raise _bad_output(index, "output_token_logprobs are not (logprob, token_id, text) triples") from None
+        if ids is None:
+            ids = logprob_ids
+        elif [int(t) for t in ids] != logprob_ids:
+            raise _bad_output(index, f"output_ids {list(ids)[:8]}... differ from the token ids of "
+                                     f"output_token_logprobs {logprob_ids[:8]}...")
+    if not isinstance(ids, list):
+        raise _bad_output(index, "no output_ids (and no log-probs to take the token ids from)")
+    return Sample(index=index, prompt_index=prompt_index, prompt_ids=list(prompt), response_ids=[int(t) for t in ids],
+                  response_logprobs=logprobs, response_text=str(out.get("text") or ""),
+                  finish_reason=_finish_reason(index, meta), weight_version=weight_version)
+
+
+def samples_from_outputs(outputs: Any, prompts: list[list[int]], n: int, return_logprob: bool,
+                         weight_version: int) -> list[Sample]:
+    """The contract's samples from sglang's answer to a batch of ``len(prompts) * n`` requests, prompt-major."""
+    expected = len(prompts) * n
+    if isinstance(outputs, dict) and expected == 1:
+        outputs = [outputs]  # sglang answers a batch of one with a bare dict
+    if not isinstance(outputs, list) or len(outputs) != expected:
+        got = len(outputs) if isinstance(outputs, list) else type(outputs).__name__
+        raise SglangCallError("generate", f"expected {expected} outputs ({len(prompts)} prompts x n={n}), got {got}")
+    return [_sample(k, k // n, prompts[k // n], out, return_logprob, weight_version) for k, out in enumerate(outputs)]
+
+
+def _result_view(result: Any) -> Any:
+    """sglang's in-process answers are dataclasses (``FlushCacheReqOutput``): as a dict, to be checked."""
+    if dataclasses.is_dataclass(result) and not isinstance(result, type):
+        return {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+    return result
+
+
+class SglangRolloutEngine:
+    """The contract on sglang, through ``transport`` (:class:`InProcessSglang` or :class:`HttpSglang`: anything
+    with ``request(endpoint, body)``, ``version``, ``tp_size``, ``where``, ``health()``, ``shutdown()``).
+
+    ``tp_size`` must be the engine's tensor-parallel size (checked against the transport's); ``payloads``
+    builds the weight payloads (default: sglang's own classes, imported at the first update)."""
+
+    def __init__(self, transport: Any, *, tp_size: int, engine_id: int = 0, payloads: Any = None):
+        self.transport = transport
+        self.version = parse_version(transport.version)
+        if transport.tp_size != tp_size:
+            raise ValueError(f"{transport.where} runs with tp_size {transport.tp_size!r}, and --sglang-tp-size is "
+                             f"{tp_size}: pass --sglang-tp-size {transport.tp_size!r}")
+        self.tp_size = tp_size
+        self.engine_id = engine_id
+        self.device = transport.where
+        self.sessions_on_server = needs_weight_session(self.version)
+        self._payloads = payloads
+        self._released: set[str] = set()
+        self._session: Optional[_Session] = None
+        self._flush_pending = False
+        self._generating = False
+        self._groups: set[str] = set()
+        self._closed = False
+        self.weight_version = 0
+        logger.info("rollout engine %d: %s", engine_id, self.get_description())
+
+    @classmethod
+    def from_config(cls, config, engine_id: int = 0) -> "SglangRolloutEngine":
+        """A client of the server at ``--sglang-url``, or an in-process ``sglang.Engine`` of the policy's folder."""
+        rollout = config.rollout
+        if rollout.sglang_url:
+            return cls(HttpSglang(rollout.sglang_url), tp_size=rollout.sglang_tp_size, engine_id=engine_id)
+        from miles.models import resolve_policy_source
+
+        source = resolve_policy_source(config)
+        if source.path is None:
+            raise ValueError(f"--rollout-engine sglang loads the model from a HuggingFace folder, and the policy is "
+                             f"{source.description}: pass --hf-checkpoint DIR")
+        transport = InProcessSglang(server_args(config, source.path, engine_id))
+        return cls(transport, tp_size=rollout.sglang_tp_size, engine_id=engine_id)
+
+    # ---------------------------------------------------------------------------------- info
+
+    def get_description(self) -> str:
+        session = "begin/end sessions on the server" if self.sessions_on_server else "no server-side sessions"
+        return (f"sglang {'.'.join(map(str, self.version))} ({self.transport.where}, tp {self.tp_size}; "
+                f"{session})")
+
+    def get_weight_version(self) -> int:
+        return self.weight_version
+
+    def health(self) -> bool:
+        return not self._closed and self.transport.health()
+
+    def _request(self, endpoint: str, body: Optional[dict] = None) -> Any:
+        if self._closed:
+            raise RuntimeError(f"rollout engine {self.engine_id}: {endpoint}() after close()")
+        return self.transport.request(endpoint, body)
+
+    def _released_tags(self) -> list[str]:
+        return [t for t in (WEIGHTS, KV_CACHE) if t in self._released]
+
+    # ---------------------------------------------------------------------------------- generate
+
+    def generate(self, input_ids: Sequence[Sequence[int]], sampling_params: Union[SamplingParams, dict, None] = None,
+                 return_logprob: bool = True) -> list[Sample]:
+        """See :meth:`miles.rollout.contract.RolloutEngine.generate`."""
+        released = self._released_tags()
+        if released:
+            raise RuntimeError(f"rollout engine {self.engine_id}: {released} released; call "
+                               f"resume_memory_occupation({released}) before generate()")
+        if self._session is not None:
+            raise RuntimeError(f"rollout engine {self.engine_id}: weight update to version {self._session.version} "
+                               "in progress; call end_weight_update() before generate()")
+        sp = SamplingParams.coerce(sampling_params).check()
+        prompts = _check_prompts(input_ids)
+        if self._flush_pending:  # prompts cached before the update were computed with the old weights
+            self.flush_cache()
+        requests = [ids for ids in prompts for _ in range(sp.n)]
+        body = {"input_ids": requests, "sampling_params": [sglang_sampling_params(sp, k) for k in range(len(requests))],
+                "return_logprob": bool(return_logprob)}
+        self._generating = True
+        try:
+            outputs = self._request("generate", body)
+        finally:
+            self._generating = False
+        return samples_from_outputs(outputs, prompts, sp.n, bool(return_logprob), self.weight_version)
+
+    def flush_cache(self) -> None:
+        """sglang's radix cache: prompt prefixes computed with the weights of their time."""
+        result = _result_view(self._request("flush_cache"))
+        if isinstance(result, dict) and result.get("success") is False:
+            raise SglangCallError("flush_cache", str(result.get("message") or "success=False"), self.transport.where)
+        self._flush_pending = False
+
+    # ---------------------------------------------------------------------------------- memory
+
+    def release_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> dict:
+        """See :meth:`miles.rollout.contract.RolloutEngine.release_memory_occupation` (0 bytes: sglang does not
+        say)."""
+        tags = check_memory_tags(tags)
+        if self._generating:
+            raise RuntimeError(f"rollout engine {self.engine_id}: cannot release {list(tags)} while generate runs")
+        if WEIGHTS in tags and self._session is not None:
+            raise RuntimeError(f"rollout engine {self.engine_id}: cannot release weights during the weight update to "
+                               f"version {self._session.version}; end it first")
+        changing = [t for t in tags if t not in self._released]
+        if changing:
+            self._request("release_memory_occupation", {"tags": [s for t in changing for s in SGLANG_TAGS[t]]})
+            self._released.update(changing)
+        return {t: 0 for t in tags}
+
+    def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> dict:
+        """See :meth:`miles.rollout.contract.RolloutEngine.resume_memory_occupation`: resumed ``"weights"`` are
+        undefined until the next update (sglang keeps no backup)."""
+        tags = check_memory_tags(tags)
+        changing = [t for t in tags if t in self._released]
+        if changing:
+            self._request("resume_memory_occupation", {"tags": [s for t in changing for s in SGLANG_TAGS[t]]})
+            self._released.difference_update(changing)
+        return {t: 0 for t in tags}
+
+    # ---------------------------------------------------------------------------------- weights
+
+    def begin_weight_update(self, version: int) -> None:
+        """See :meth:`miles.rollout.contract.RolloutEngine.begin_weight_update`."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"weight version must be an int >= 0, got {version!r}")
+        if WEIGHTS in self._released:
+            raise RuntimeError(f"rollout engine {self.engine_id}: weights are released; call "
+                               "resume_memory_occupation(['weights']) before begin_weight_update()")
+        if self._session is not None:
+            raise RuntimeError(f"rollout engine {self.engine_id}: a weight update to version {self._session.version} "
+                               f"is already open; end it before beginning version {version}")
+        if self.sessions_on_server:
+            self._request("begin_weight_update", {"selector": "all"})
+        self._session = _Session(version)
+
+    def end_weight_update(self, version: int) -> dict:
+        """See :meth:`miles.rollout.contract.RolloutEngine.end_weight_update`."""
+        session = self._open_session("end_weight_update")
+        if version != session.version:
+            raise RuntimeError(f"end_weight_update({version!r}): the open update is for version {session.version}")
+        if self.sessions_on_server:
+            self._request("end_weight_update", {})
+        self._session = None
+        self.weight_version = session.version
+        self._flush_pending = True
+        return {"version": session.version, "tensors": session.tensors, "bytes": session.bytes}
+
+    def _open_session(self, call: str) -> _Session:
+        if self._session is None:
+            raise RuntimeError(f"rollout engine {self.engine_id}: {call}() outside a weight update; call "
+                               "begin_weight_update(version) first")
+        return self._session
+
+    def _payload_builder(self):
+        if self._payloads is None:
+            from miles.rollout.sglang.payloads import SglangPayloads
+
+            self._payloads = SglangPayloads.from_sglang()
+        return self._payloads
+
+    def _build_payloads(self, items: list, load_format: Optional[str]):
+        """``(payloads, keep_alive, stats)`` for sglang from what the contract's caller passed."""
+        from miles.weights import SharedBucket, open_bucket, unpack_bucket
+
+        if load_format is None:
+            built = self._payload_builder().build(items, self.tp_size)
+            return built.payloads, built, {"tensors": built.tensors, "bytes": built.bytes}
+        if items and all(isinstance(p, (str, bytes)) for p in items):
+            if len(items) != self.tp_size:
+                raise ValueError(f"pre-serialized sglang payloads go one per tensor-parallel rank: {self.tp_size} "
+                                 f"expected, got {len(items)}")
+            return list(items), None, {"tensors": 0, "bytes": 0}  # the sender knows what it packed
+        if len(items) != 1 or not isinstance(items[0], SharedBucket):
+            kinds = sorted({type(p).__name__ for p in items})
+            raise TypeError(f"load_format 'flattened_bucket' takes one miles.weights.SharedBucket (serialized here once "
+                            f"per tensor-parallel rank) or {self.tp_size} payloads serialized for sglang; got "
+                            f"{len(items)} of {kinds}")
+        spec, flat = open_bucket(items[0])
+        try:
+            built = self._payload_builder().build(list(unpack_bucket(spec, flat)), self.tp_size)
+        finally:
+            del flat  # the bucket now holds its own copy; the producer's mapping is dropped
+        return built.payloads, built, {"tensors": built.tensors, "bytes": built.bytes}
+
+    def update_weights_from_tensor(self, serialized_named_tensors: list, load_format: Optional[str] = FLATTENED_BUCKET,
+                                   flush_cache: bool = False) -> dict:
+        """See :meth:`miles.rollout.contract.RolloutEngine.update_weights_from_tensor`. Names are checked by
+        sglang's model loader (sglang's ``load_weights`` names, the HF checkpoint's)."""
+        session = self._open_session("update_weights_from_tensor")
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
+        payloads, keep_alive, stats = self._build_payloads(list(serialized_named_tensors), load_format)
+        try:  # CUDA payloads are IPC handles of keep_alive's flat: it lives until sglang has read it
+            self._request("update_weights_from_tensor", {"serialized_named_tensors": payloads,
+                                                         "load_format": FLATTENED_BUCKET, "flush_cache": False})
+        finally:
+            if keep_alive is not None:
+                keep_alive.release()
+        session.tensors += stats["tensors"]
+        session.bytes += stats["bytes"]
+        if flush_cache:
+            self.flush_cache()
+        return stats
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str) -> None:
+        """See :meth:`miles.rollout.contract.RolloutEngine.init_weights_update_group`. sglang's ranks take
+        ``rank_offset .. rank_offset + tp_size - 1``: ``world_size`` counts every tensor-parallel rank."""
+        if group_name in self._groups:
+            raise ValueError(f"rollout engine {self.engine_id} already joined weight update group {group_name!r}; "
+                             "destroy it first or pick another name")
+        self._request("init_weights_update_group", {"master_address": master_address, "master_port": master_port,
+                                                    "rank_offset": rank_offset, "world_size": world_size,
+                                                    "group_name": group_name, "backend": backend})
+        self._groups.add(group_name)
+
+    def update_weights_from_distributed(self, bucket_specs: list[dict], group_name: str, src: int = 0) -> dict:
+        """See :meth:`miles.rollout.contract.RolloutEngine.update_weights_from_distributed`. sglang receives each
+        bucket as one broadcast from rank 0 in its own flattened layout: the sender broadcasts
+        :meth:`SglangPayloads.broadcast_flat` of the spec's tensors, not miles' aligned flat."""
+        from miles.weights import BucketSpec
+
+        session = self._open_session("update_weights_from_distributed")
+        if group_name not in self._groups:
+            raise KeyError(f"rollout engine {self.engine_id} has not joined weight update group {group_name!r} "
+                           f"(joined: {sorted(self._groups)}); call init_weights_update_group first")
+        if src != 0:
+            raise ValueError(f"sglang receives weight broadcasts from rank 0 of the group, got src={src}")
+        specs = [BucketSpec.from_dict(d) for d in bucket_specs]  # all validated before any is received
+        total = {"tensors": 0, "bytes": 0}
+        for spec in specs:
+            self._request("update_weights_from_distributed", {
+                "names": [t.name for t in spec.tensors], "dtypes": [t.dtype for t in spec.tensors],
+                "shapes": [list(t.shape) for t in spec.tensors], "group_name": group_name, "flush_cache": False,
+                "load_format": FLATTENED_BUCKET})
+            total["tensors"] += len(spec.tensors)
+            total["bytes"] += sum(t.nbytes for t in spec.tensors)
+        session.tensors += total["tensors"]
+        session.bytes += total["bytes"]
+        return total
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        """See :meth:`miles.rollout.contract.RolloutEngine.destroy_weights_update_group`."""
+        if group_name not in self._groups:
+            raise KeyError(f"rollout engine {self.engine_id} has not joined weight update group {group_name!r} "
+                           f"(joined: {sorted(self._groups)})")
+        self._request("destroy_weights_update_group", {"group_name": group_name})
+        self._groups.discard(group_name)
+
+    def close(self) -> None:
+        """Leave every weight-update group and shut an in-process engine down (a server is left running)."""
+        if self._closed:
+            return
+        for name in sorted(self._groups):
+            self.destroy_weights_update_group(name)
+        self._closed = True
+        self.transport.shutdown()

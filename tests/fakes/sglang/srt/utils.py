@@ -1,0 +1,1 @@
+from fake_sglang import FakeSerializer as MultiprocessingSerializer  # noqa: F401

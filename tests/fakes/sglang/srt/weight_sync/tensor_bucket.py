@@ -1,0 +1,1 @@
+from fake_sglang import FakeFlattenedTensorBucket as FlattenedTensorBucket  # noqa: F401
