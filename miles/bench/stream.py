@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from miles.sizing.model_params import STAND_IN_TENSORS, stand_in_numels
 from miles_plugins.optimizers.streaming.config import DEFAULT_CHUNK_MB, DEFAULT_DEPTH, DEFAULT_IO_THREADS, MOMENT_DTYPES
 from miles_plugins.optimizers.streaming.units import GB, MiB
 
@@ -54,8 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default="miles-bench-stream", help="directory on the disk under test (created; "
                    "the bench's files are removed at the end)")
     p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--buckets", type=int, default=None, help="buckets the state is cut into (sets bucket_numel; "
-                   "default: the store fits bucket_numel to the device budget)")
+    p.add_argument("--buckets", type=int, default=None, help="sets bucket_numel to params / N (the store then cuts at "
+                   "least N buckets: more where a tensor straddles a bucket's end; default: the store fits "
+                   "bucket_numel to the device budget)")
     p.add_argument("--bucket-numel", type=int, default=None, help="element budget per bucket (overrides --buckets)")
     p.add_argument("--device-budget-mb", type=int, default=None, help="the store's device budget, MiB (default: "
                    "one bucket of the default element budget); bucket size and depth are fitted to it unless given")
@@ -91,12 +93,10 @@ def main(argv=None) -> int:
 
 
 # ---- helpers ------------------------------------------------------------------------------------------
-def make_state(total: int, device: torch.device, tensors: int = 16):
+def make_state(total: int, device: torch.device, tensors: int = STAND_IN_TENSORS):
     """bf16 model params, fp32 masters (copies), fp32 grads on the masters; irregular sizes so that
     buckets split params."""
-    base = max(1, total // tensors)
-    sizes = [base * 3 // 4 if i % 2 == 0 else base * 5 // 4 for i in range(tensors - 1)]
-    sizes.append(total - sum(sizes))
+    sizes = stand_in_numels(total, tensors)  # `miles plan --params` plans these: the same buckets
     gen = torch.Generator(device=device).manual_seed(0)
     model, masters = [], []
     for n in sizes:

@@ -4,8 +4,7 @@
     miles plan --config path/to/config.json --nodes 8 --gpus-per-node 4 --tp 8 --pp 4 --ep 8 --json plan.json
     miles plan --params 1.5B --nodes 1 --gpus-per-node 1 --from-bench bench.json
 
-Defaults of the hardware and training knobs live in `estimate.Hardware` / `estimate.Training`.
-Also runs as `python -m miles.sizing.cli`.
+`miles plan --help` lists every flag with its default. Also runs as `python -m miles.sizing.cli`.
 """
 
 from __future__ import annotations
@@ -19,11 +18,12 @@ import stat
 import sys
 from typing import Callable, Optional
 
+from miles.cli import DefaultsHelpFormatter
 from miles_plugins.optimizers.streaming.config import MOMENT_DTYPES
 
 from .bounds import (BUCKET_NUMEL, CHECKPOINT_COPIES, HARDWARE, MAX_JSON_BYTES, PARALLEL_SIZE, PARAMS, PIPELINE_SIZE,
                      TIMING, Bound, PlanInputError, check_bound, shown, shown_path)
-from .estimate import GB, GRAD_BYTES, Hardware, Training, estimate
+from .estimate import GB, GRAD_BYTES, Hardware, SizingError, Training, estimate, short_decimal
 from .model_params import ModelTensors, flat_model, model_tensors
 from .presets import PRESETS, preset_config
 from .report import to_json, to_text
@@ -70,6 +70,13 @@ def _hw_default(name: str):
     return next(f.default for f in dataclasses.fields(Hardware) if f.name == name)
 
 
+def _hw_help(text: str, field: str) -> str:
+    """A hardware flag's help with Hardware's default; a field whose default is None ("not given") says in
+    its own help what happens then."""
+    default = _hw_default(field)
+    return text if default is None else f"{text} (default: {short_decimal(default)})"
+
+
 class PlanArgumentParser(argparse.ArgumentParser):
     """Refuses a bad command line in one line (what was wrong, with which value), exit code 2."""
 
@@ -79,7 +86,7 @@ class PlanArgumentParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = PlanArgumentParser(prog="miles plan", description=__doc__.split("\n\n")[0],
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=DefaultsHelpFormatter)
     m = p.add_argument_group("model (one of)").add_mutually_exclusive_group(required=True)
     m.add_argument("--preset", choices=sorted(PRESETS), help="a named model (miles/sizing/presets.py says its source)")
     m.add_argument("--config", metavar="CONFIG_JSON", help="a transformers config.json")
@@ -96,15 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--pipeline-layers", type=_layers, default=None,
                      help="decoder layers per pipeline stage, e.g. 21,19,19,19 (default: even split)")
 
-    hw = p.add_argument_group("hardware (per node; defaults: estimate.Hardware)")
+    hw = p.add_argument_group("hardware (per node)")
     for flag, help_ in (
             ("nodes", "training nodes"), ("gpus-per-node", "training GPUs per node"),
             ("hbm-gb", "HBM per GPU, GB"), ("host-ram-gb", "host RAM per node, GB"),
             ("disk-read-gbps", "node-local disk read speed alone, GB/s"),
             ("disk-write-gbps", "node-local disk write speed alone, GB/s"),
-            ("disk-combined-gbps", "read + write bytes per second when both run at once (when "
-                                   "known, this decides the floor)"),
-            ("disk-gb", "node-local disk capacity, GB (checked when given)"),
+            ("disk-combined-gbps", "read + write GB per second when both run at once (default: not known; "
+                                   "when known, this decides the floor)"),
+            ("disk-gb", "node-local disk capacity, GB (default: not checked)"),
             ("pcie-gbps", "host <-> GPU speed per direction, GB/s"),
             ("host-tier-gb", "host RAM per rank for hot buckets, GB"),
             ("device-budget-mb", "GPU bytes the stores may hold, MB (default: what their depth holds)"),
@@ -112,22 +119,25 @@ def build_parser() -> argparse.ArgumentParser:
         field = flag.replace("-", "_")
         bound = HARDWARE[field]
         hw.add_argument(f"--{flag}", type=bounded(int if bound.integer else float, bound), default=None,
-                        help=f"{help_} [{_hw_default(field)}]")
+                        help=_hw_help(help_, field))
     hw.add_argument("--from-bench", metavar="FILE", help="take the disk speeds from `miles bench stream --json FILE` "
-                    "(flags given explicitly win)")
+                    "(flags given explicitly win; default: the speeds above)")
 
     t = p.add_argument_group("training")
     t.add_argument("--moment-dtype", choices=MOMENT_DTYPES, default=Training.moment_dtype,
                    help="storage of the Adam moments in the streamed files")
     t.add_argument("--bucket-numel", type=count_flag(BUCKET_NUMEL), default=Training.bucket_numel,
-                   help="elements per bucket")
+                   help=f"elements per bucket, e.g. 62.5M (default: the store's, "
+                   f"{short_decimal(Training.bucket_numel / 1e6)}M)")
     t.add_argument("--grad-dtype", choices=sorted(GRAD_BYTES), default=Training.grad_dtype,
                    help="Megatron DDP grad buffer dtype")
     t.add_argument("--no-offload-train-to-disk", action="store_true",
-                   help="the trainer's weights and grads do not go to the disk during rollouts")
+                   help="the sleeping trainer's weights (and its optimizer state, when not streamed) do not go "
+                   "to the disk during rollouts")
     t.add_argument("--checkpoint-copies", type=bounded(int, CHECKPOINT_COPIES), default=Training.checkpoint_copies,
                    help="saved copies of the streamed state on the node-local disk")
-    p.add_argument("--json", metavar="FILE", help="write the estimate as JSON ('-': stdout, instead of the table)")
+    p.add_argument("--json", metavar="FILE", help="also write the estimate as JSON ('-': to stdout, instead of the "
+                   "table)")
     return p
 
 
@@ -215,10 +225,37 @@ def _hardware(args) -> Hardware:
     return Hardware(**given)
 
 
+def _gpu_flags(args, hw: Hardware) -> str:
+    """`--nodes 1 (default) x --gpus-per-node 8`: the flags the GPU count comes from, and which were given."""
+    flags = [f"--{name.replace('_', '-')} {getattr(hw, name)}" + ("" if getattr(args, name) is not None else
+                                                                   " (default)")
+             for name in ("nodes", "gpus_per_node")]
+    return " x ".join(flags)
+
+
+def data_parallel_size(args, hw: Hardware) -> int:
+    """--dp, or the GPUs / (TP x PP) it defaults to; a layout that does not cover the GPUs exactly is
+    refused naming the flags given and a change that makes it fit."""
+    per_replica = args.tp * args.pp
+    model_parallel = f"--tp {args.tp} x --pp {args.pp}"
+    if args.dp is None:
+        if hw.gpus % per_replica:
+            raise SizingError(f"{model_parallel} = {per_replica} GPUs per model replica does not divide the "
+                              f"{hw.gpus} GPUs of {_gpu_flags(args, hw)}: choose --tp and --pp whose product "
+                              f"divides {hw.gpus}, or --nodes and --gpus-per-node that make a multiple of "
+                              f"{per_replica} GPUs")
+        return hw.gpus // per_replica
+    if per_replica * args.dp != hw.gpus:
+        raise SizingError(f"{model_parallel} x --dp {args.dp} = {per_replica * args.dp} GPUs, but "
+                          f"{_gpu_flags(args, hw)} = {hw.gpus} GPUs: leave --dp out to derive it, or change --dp, "
+                          "--tp/--pp or --nodes/--gpus-per-node so that the two agree")
+    return args.dp
+
+
 def plan_from_args(argv: list[str]):
     args = build_parser().parse_args(argv)
     hw = _hardware(args)
-    dp = args.dp if args.dp is not None else max(hw.gpus // (args.tp * args.pp), 1)
+    dp = data_parallel_size(args, hw)
     par = Parallelism(tp=args.tp, pp=args.pp, dp=dp, ep=args.ep, etp=args.etp, pipeline_layers=args.pipeline_layers)
     training = Training(moment_dtype=args.moment_dtype, bucket_numel=args.bucket_numel, grad_dtype=args.grad_dtype,
                         offload_train_to_disk=not args.no_offload_train_to_disk,

@@ -13,6 +13,7 @@ instead (each GPU has its own link; both directions run at once).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -32,6 +33,14 @@ RESIDENT_STATE_BYTES = 12  # Megatron's resident Adam: fp32 main + two fp32 mome
 # 28.9 GB of RSS for 16.1 GB of state): staging buffers and pinned copies come on top of the state.
 CPU_OFFLOAD_RSS_FACTOR = 1.8
 DEFAULT_RESERVE_FRACTION = 0.10  # of HBM, for activations, CUDA context, NCCL and allocator slack
+
+
+def short_decimal(value: float) -> str:
+    """A speed or hardware size as the plan prints it: two decimals (three significant digits below 1),
+    trailing zeros dropped: 1.4310890165543473 -> 1.43, 2.10 -> 2.1, 50.0 -> 50, 0.123456 -> 0.123."""
+    decimals = 2 if value == 0 or abs(value) >= 1 else 2 - math.floor(math.log10(abs(value)))
+    text = f"{value:.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
 
 
 class SizingError(PlanInputError):
@@ -73,7 +82,8 @@ class Training:
     moment_dtype: str = "fp32"
     bucket_numel: int = DEFAULT_BUCKET_NUMEL
     grad_dtype: str = "fp32"
-    offload_train_to_disk: bool = True  # trainer weights + grads go to the disk while the rollout runs
+    # The trainer's weights go to the disk while the rollout runs (its grads are dropped, not backed up)
+    offload_train_to_disk: bool = True
     # False: the Adam state stays in memory (and goes to the disk with the trainer when it offloads there)
     stream_optimizer_state: bool = True
     checkpoint_copies: int = 1  # saved copies of the streamed state kept on the node-local disk
@@ -212,8 +222,8 @@ def _fit(stage: StageEstimate, hw: Hardware) -> Fit:
                                            "(with streaming: " + gb(device["streaming"]) + "): raise TP, PP or EP, "
                                            "or use more nodes")
         if host["streaming"] > ram:
-            reason = (f"the host tier ({hw.host_tier_gb} GB x {hw.gpus_per_node} GPUs) exceeds the node's "
-                      f"{hw.host_ram_gb} GB of RAM: lower --host-tier-gb")
+            reason = (f"the host tier ({short_decimal(hw.host_tier_gb)} GB x {hw.gpus_per_node} GPUs) exceeds the "
+                      f"node's {short_decimal(hw.host_ram_gb)} GB of RAM: lower --host-tier-gb")
     return Fit(resident, cpu_offload, streaming, verdict, reason, device, host)
 
 
@@ -225,13 +235,17 @@ def tier_split(stage: StageEstimate, hw: Hardware) -> TierSplit:
 def disk_bytes_per_rank(stage: StageEstimate, training: Training, host_tier_bytes: int = 0) -> dict:
     """Node-local disk one rank of ``stage`` writes, by mechanism (``miles train`` checks every node
     against this times its ranks before starting the train actors). The streamed state's files are the
-    buckets a host tier of `host_tier_bytes` per rank cannot hold; a checkpoint copy holds all of it."""
+    buckets a host tier of `host_tier_bytes` per rank cannot hold; a checkpoint copy holds all of it.
+
+    The trainer offload is what a sleeping trainer backs up, the same on both backends: the weights, and
+    the optimizer state when it is not streamed (the streamed state is in its files already). Not the
+    grads: every step starts from zeroed grads, so the megatron backend frees its grad buffers at sleep
+    and the torch backend's step leaves none."""
     streamed = stage.streamed_state_bytes if training.stream_optimizer_state else 0
     files = split_by_host_tier(stage.stores, host_tier_bytes).disk_state_bytes if streamed else 0
     in_memory_state = 0 if training.stream_optimizer_state else stage.resident_state_bytes
     return {"streamed_state": files,
-            "trainer_offload": (stage.weight_bytes + stage.grad_bytes + in_memory_state)
-            if training.offload_train_to_disk else 0,
+            "trainer_offload": stage.weight_bytes + in_memory_state if training.offload_train_to_disk else 0,
             "checkpoint_copies": training.checkpoint_copies * streamed}
 
 
@@ -253,8 +267,8 @@ def _floors(stage: StageEstimate, hw: Hardware) -> Floors:
     step, first_read = stage.step_bytes, stage.first_step_read_bytes
     split = tier_split(stage, hw)
     tier = split.ram_step_bytes
-    model = (f"(read + write) / {hw.disk_combined_gbps} GB/s combined" if hw.disk_combined_gbps else
-             f"read / {hw.disk_read_gbps} GB/s + write / {hw.disk_write_gbps} GB/s")
+    model = (f"(read + write) / {short_decimal(hw.disk_combined_gbps)} GB/s combined" if hw.disk_combined_gbps else
+             f"read / {short_decimal(hw.disk_read_gbps)} GB/s + write / {short_decimal(hw.disk_write_gbps)} GB/s")
     return Floors(
         disk_model=model, steady_seconds=disk_seconds(n * step, n * step, hw),
         first_seconds=disk_seconds(n * first_read, n * step, hw),

@@ -339,11 +339,25 @@ def _model_tensors(cfg: dict, name: str, tp: int, mtp: bool) -> ModelTensors:
     return ModelTensors(name, first, layers, tuple(last))
 
 
-def flat_model(params: int, tensors: int = 64, name: str = "flat") -> ModelTensors:
-    """A stand-in of `params` parameters in `tensors` equal dense tensors (one per layer), like `miles bench
-    stream`'s: for sizing the state of a parameter count without an architecture."""
+STAND_IN_TENSORS = 16  # tensors of a parameter count's stand-in (`miles plan --params`, `miles bench stream`)
+
+
+def stand_in_numels(params: int, tensors: int = STAND_IN_TENSORS) -> list[int]:
+    """The tensor sizes standing in for `params` parameters, one list for `miles plan --params` and the state
+    `miles bench stream` builds, so the plan's buckets are the bench store's: alternately 3/4 and 5/4 of the
+    mean (irregular, so that buckets split tensors as a real model's do), the last taking the rest. Fewer
+    parameters than tensors make one tensor."""
+    if params < tensors:
+        return [params]
+    mean = params // tensors
+    sizes = [mean * 3 // 4 if i % 2 == 0 else mean * 5 // 4 for i in range(tensors - 1)]
+    return [*sizes, params - sum(sizes)]
+
+
+def flat_model(params: int, tensors: int = STAND_IN_TENSORS, name: str = "flat") -> ModelTensors:
+    """A dense stand-in of `params` parameters in the tensors of :func:`stand_in_numels` (one per layer):
+    for sizing the state of a parameter count without an architecture."""
     check_bound(ModelConfigError, f"{name}: parameter count", params, PARAMS)
     check_bound(ModelConfigError, f"{name}: tensor count", tensors, Bound(1, MAX_LAYERS, integer=True))
-    base, extra = divmod(params, tensors)
-    sizes = [base + (1 if i < extra else 0) for i in range(tensors)]
+    sizes = stand_in_numels(params, tensors)
     return ModelTensors(name, (), tuple((Tensor(f"layers.{i}.weight", (n,)),) for i, n in enumerate(sizes) if n), ())

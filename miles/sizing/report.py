@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .estimate import GB, GIB, RESIDENT_STATE_BYTES, Estimate, StageEstimate
+from .estimate import GB, GIB, RESIDENT_STATE_BYTES, Estimate, StageEstimate, short_decimal
 from .store_plan import moment_bytes_per_param
 
 
@@ -51,9 +51,9 @@ def to_text(est: Estimate) -> str:
         f"miles plan: {est.model}, {_params(est.total_params)} params ({_params(est.dense_params)} dense, "
         f"{_params(est.expert_params)} in routed experts)",
         f"layout: {hw.nodes} node(s) x {hw.gpus_per_node} GPUs, TP{p.tp} PP{p.pp} DP{p.dp} EP{p.ep} ETP{p.etp} "
-        f"(expert-DP {p.edp}); {hw.hbm_gb:g} GB HBM, {hw.host_ram_gb:g} GB RAM per node",
+        f"(expert-DP {p.edp}); {short_decimal(hw.hbm_gb)} GB HBM, {short_decimal(hw.host_ram_gb)} GB RAM per node",
         f"training: bf16 weights, {tr.grad_dtype} grads, Adam moments stored as {tr.moment_dtype} "
-        f"({4 + mom:.2f} B/param streamed), buckets of {tr.bucket_numel / 1e6:g}M elements",
+        f"({4 + mom:.2f} B/param streamed), buckets of {short_decimal(tr.bucket_numel / 1e6)}M elements",
         "",
         f"per rank, pipeline stage {s.stage + 1} of {p.pp} (the largest; mean over stages "
         f"{_params(est.mean_params_owned)} params owned):",
@@ -79,19 +79,20 @@ def to_text(est: Estimate) -> str:
         f"disk per node ({hw.gpus_per_node} ranks): streamed state {_size(est.disk_bytes_per_node['streamed_state'])}"
         f" + trainer offload {_size(est.disk_bytes_per_node['trainer_offload'])} + checkpoint copy "
         f"{_size(est.disk_bytes_per_node['checkpoint_copies'])} = {_size(est.disk_bytes_per_node['total'])}"
-        + (f" of {hw.disk_gb:g} GB" if hw.disk_gb else ""),
+        + (f" of {short_decimal(hw.disk_gb)} GB" if hw.disk_gb else ""),
         f"streamed per step and rank: first step read {_size(s.first_step_read_bytes)} (mains only) + write "
         f"{_size(s.step_bytes)}; then read {_size(s.step_bytes)} + write {_size(s.step_bytes)}",
         f"step-time floor ({hw.gpus_per_node} ranks share a node's disk; {fl.disk_model}):",
         f"  first step {fl.first_seconds:.1f} s, then {fl.steady_seconds:.1f} s per step",
     ]
     if fl.tier_bytes_per_rank:
-        lines.append(f"  with a host tier of {hw.host_tier_gb:g} GB per rank ({_size(fl.tier_bytes_per_rank)} of "
-                     f"each step from RAM at {hw.pcie_gbps:g} GB/s): {fl.tiered_seconds:.1f} s per step")
+        lines.append(f"  with a host tier of {short_decimal(hw.host_tier_gb)} GB per rank "
+                     f"({_size(fl.tier_bytes_per_rank)} of each step from RAM at {short_decimal(hw.pcie_gbps)} GB/s): "
+                     f"{fl.tiered_seconds:.1f} s per step")
     if hw.host_tier_gb:
         lines.append(f"state per rank with the host tier: {_size(fl.ram_bytes_per_rank)} in host RAM (whole buckets, no "
                      f"files), {_size(fl.disk_bytes_per_rank)} in files on disk")
     if hw.disk_gb and est.disk_bytes_per_node["total"] > hw.disk_gb * GB:
         lines.append(f"WARNING: the node needs {_size(est.disk_bytes_per_node['total'])} of disk but has "
-                     f"{hw.disk_gb:g} GB: use fewer checkpoint copies on the local disk or more nodes")
+                     f"{short_decimal(hw.disk_gb)} GB: use fewer checkpoint copies on the local disk or more nodes")
     return "\n".join(lines)

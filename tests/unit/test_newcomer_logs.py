@@ -56,8 +56,13 @@ def test_a_store_step_save_and_load_log_their_documented_lines(log_stream, tmp_p
     configure_logging("INFO")
     params = [torch.nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(n))) for n in (1000, 5000)]
     opt = torch.optim.AdamW(params, lr=1e-2)
-    store = stream_optimizer_state(opt, dir=str(tmp_path / "state"), bucket_numel=4096, host_cache_mb="auto")
+    stream_optimizer_state(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(8))]), dir=str(tmp_path / "auto"),
+                           host_cache_mb="auto").close()  # its sizing line
+    store = stream_optimizer_state(opt, dir=str(tmp_path / "state"), bucket_numel=4096)
     try:
+        # write-back images over the bucket files: a tier set after construction keeps every bucket's file
+        # (one given at construction holds what fits in RAM only), so a load reads the images back
+        store.set_io(host_cache_mb=1)
         for p in params:
             p.grad = torch.ones_like(p)
         opt.step()
