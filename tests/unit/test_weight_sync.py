@@ -214,3 +214,23 @@ def test_auto_tier_leaves_room_for_the_colocated_engines_host_copies(make_config
     assert store_config(cfg, 0, 1, 3 * 1024).host_cache_run_reserve_mb == 3 * 1024
     apart = make_config("--tiny-model", "--stream-optimizer-state-to-disk", "--offload-train-target=disk")
     assert engine_host_copies_mb(apart, 1, 3 << 30, cuda=True) == 0  # an engine that never releases keeps no copy
+
+
+def test_the_first_steps_disk_writes_are_its_own(tmp_path):
+    """The mains evicted at construction are not counted as the first step's disk writes (a mixed-precision
+    optimizer streams them: the torch backend's sharded Adam)."""
+    from miles.backends.torch_backend.sharded_optimizer import ShardedMixedPrecisionAdam
+    from miles_plugins.optimizers.nvme_stream import stream_optimizer_state
+
+    params = [torch.nn.Parameter(torch.randn(3000, dtype=torch.bfloat16)) for _ in range(2)]
+    opt = ShardedMixedPrecisionAdam([{"params": params}], lr=1e-3, optimizer_cls=torch.optim.AdamW)
+    store = stream_optimizer_state(opt, dir=str(tmp_path))
+    try:
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.reduce_grads()
+        opt.update()
+        step = store.stats.last_step
+        assert step.disk_bytes_written <= step.bytes_written, (step.disk_bytes_written, step.bytes_written)
+    finally:
+        store.close()

@@ -307,6 +307,7 @@ class NVMeOptimizerStateStore:
         for entry in self.entries:
             entry.main.untyped_storage().resize_(0)
         nbytes = 4 * sum(b.numel for b in self.buckets)
+        self._marks = self._read_marks()  # the first step's stats count from here: not the eviction's writes
         logger.info("evicted %.3f GB of fp32 mains to disk in %.2f s", nbytes / GB, time.perf_counter() - start)
 
     # ---- the step: a pipeline over the bucket phases -------------------------------------------
