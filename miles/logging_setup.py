@@ -39,14 +39,22 @@ def configure_logging(level: str) -> None:
     Only the loggers of :data:`MILES_LOGGERS` get ``level``: third-party libraries keep their own (DEBUG
     on the root would flood the log with Ray's and torch's internals).
     """
-    root = logging.getLogger()
-    if not any(getattr(h, "_miles", False) for h in root.handlers):
-        handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter(LOG_FORMAT, DATE_FORMAT))
-        handler._miles = True  # marks the handler this function installed (idempotence)
-        root.addHandler(handler)
+    stderr_handler()
     for name in MILES_LOGGERS:
         logging.getLogger(name).setLevel(level.upper())
+
+
+def stderr_handler() -> logging.Handler:
+    """The root logger's stderr handler that :func:`configure_logging` installs (installed now if absent)."""
+    root = logging.getLogger()
+    for handler in root.handlers:
+        if getattr(handler, "_miles", False):
+            return handler
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, DATE_FORMAT))
+    handler._miles = True  # marks the handler this function installed (idempotence)
+    root.addHandler(handler)
+    return handler
 
 
 # Read by the Ray driver when it prints actor lines (RAY_COLOR_PREFIX: no ANSI colour codes in a log file)

@@ -46,7 +46,7 @@ from miles.config import RunConfig
 from miles.models import torch_dtype
 from miles.offload import make_offloader
 from miles.rl.loss import accumulate_policy_gradient
-from miles_plugins.optimizers.nvme_stream import DEFAULT_BUCKET_NUMEL, StoreGroup, StreamConfig, stream_optimizer_state
+from miles_plugins.optimizers.nvme_stream import StoreGroup, StreamConfig, stream_optimizer_state
 from miles_plugins.optimizers.streaming.io.ownership import DirectoryLock, claim_directory, remove_created
 
 logger = logging.getLogger(__name__)
@@ -92,8 +92,8 @@ def engine_host_copies_mb(config: RunConfig, ranks_on_node: int, weight_bytes: i
 
 def store_config(config: RunConfig, rank: int, ranks_on_node: int, run_reserve_mb: int = 0) -> StreamConfig:
     """The store's :class:`StreamConfig` from the run's config (the store's own defaults for the rest).
-    Flags at their defaults leave the choice to the store: the bucket size and depth it fits to the
-    device budget, the budget one default bucket's worth.
+    Flags not given (None) leave the choice to the store: the bucket size and depth it fits to the device
+    budget, the budget one default bucket's worth.
 
     A host tier of "auto" is shared by the ranks of a node: ``ranks_on_node``, the train ranks the actor
     factory placed on this rank's node (rank_nodes of the placement group). No rank reserve: streaming requires
@@ -101,11 +101,10 @@ def store_config(config: RunConfig, rank: int, ranks_on_node: int, run_reserve_m
     disk offload stages through chunk buffers, which the node reserve covers). ``run_reserve_mb``: node
     memory the rest of the run holds later (:func:`engine_host_copies_mb`), left free by "auto"."""
     opt = config.optimizer
-    bucket_numel = opt.stream_optimizer_state_bucket_numel
     return StreamConfig(dir=config.paths.optimizer_state, chunk_mb=opt.stream_optimizer_state_chunk_mb,
                         moment_dtype=opt.stream_optimizer_state_moment_dtype,
-                        bucket_numel=None if bucket_numel == DEFAULT_BUCKET_NUMEL else bucket_numel,
-                        device_budget_mb=opt.stream_optimizer_state_device_budget_mb or None,
+                        bucket_numel=opt.stream_optimizer_state_bucket_numel,  # None: the store chooses
+                        device_budget_mb=opt.stream_optimizer_state_device_budget_mb,
                         host_cache_mb=opt.stream_optimizer_state_host_cache_mb,
                         host_cache_ranks_per_node=ranks_on_node, host_cache_run_reserve_mb=run_reserve_mb,
                         verify=opt.stream_optimizer_state_verify, rank=rank)

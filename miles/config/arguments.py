@@ -190,16 +190,16 @@ class OptimizerConfig:
     stream_optimizer_state_moment_dtype: str = knob(
         "fp32", "Storage dtype of the streamed Adam moments (fp8 uses per-block scaling).", choices=MOMENT_DTYPES
     )
-    stream_optimizer_state_bucket_numel: int = knob(
-        DEFAULT_BUCKET_NUMEL, "Elements per streamed bucket. At the default the store cuts smaller buckets when "
-        "the device budget needs it (--stream-optimizer-state-device-budget-mb); any other value is used as given "
-        "and must fit the budget.",
+    stream_optimizer_state_bucket_numel: Optional[int] = knob(
+        None, "Elements per streamed bucket, used as given (it must fit the device budget). Not given: the store "
+        f"fits the bucket size to the device budget, up to {DEFAULT_BUCKET_NUMEL} elements "
+        "(--stream-optimizer-state-device-budget-mb).",
         metavar="N",
     )
-    stream_optimizer_state_device_budget_mb: int = knob(
-        0, "Device memory, MiB, the streamed optimizer state may hold during a step (buckets in flight, encoded "
-        "moments, codec scratch); the store picks bucket size and read-ahead depth to fit it. 0: what one bucket "
-        f"of {DEFAULT_BUCKET_NUMEL} elements needs (fp32: 2.4 GB with streamed mains).",
+    stream_optimizer_state_device_budget_mb: Optional[int] = knob(
+        None, "Device memory, MiB, the streamed optimizer state may hold during a step (buckets in flight, encoded "
+        "moments, codec scratch); the store picks bucket size and read-ahead depth to fit it. Not given: what one "
+        f"bucket of {DEFAULT_BUCKET_NUMEL} elements needs (fp32: 2.4 GB with streamed mains).",
         metavar="MB",
     )
     stream_optimizer_state_chunk_mb: int = knob(

@@ -267,10 +267,11 @@ _NOT_IMPLEMENTED = (("reset_optimizer_states", "--reset-optimizer-states"),
 
 
 def _check_streaming(a: argparse.Namespace) -> None:
-    if a.stream_optimizer_state_device_budget_mb < 0:
-        raise _err(f"--stream-optimizer-state-device-budget-mb must be >= 0 (got "
-                   f"{a.stream_optimizer_state_device_budget_mb}).", ("--stream-optimizer-state-device-budget-mb",),
-                   "pass 0 (one default bucket's worth) or a budget in MiB.")
+    budget = a.stream_optimizer_state_device_budget_mb
+    if budget is not None and budget < 1:
+        raise _err(f"--stream-optimizer-state-device-budget-mb must be >= 1 (got {budget}).",
+                   ("--stream-optimizer-state-device-budget-mb",),
+                   "pass a budget in MiB, or drop the flag (one default bucket's worth).")
     host_cache = a.stream_optimizer_state_host_cache_mb
     if host_cache != HOST_CACHE_AUTO and (not isinstance(host_cache, int) or isinstance(host_cache, bool)
                                           or host_cache < 0):

@@ -71,8 +71,9 @@ def per_rank_disk_bytes(cfg: RunConfig, model: ModelTensors) -> int:
         return 0
     n = cfg.cluster.num_train_ranks
     offload = cfg.offload
+    bucket_numel = cfg.optimizer.stream_optimizer_state_bucket_numel  # None: the store fits it (at most the default)
     training = Training(moment_dtype=cfg.optimizer.stream_optimizer_state_moment_dtype,
-                        bucket_numel=cfg.optimizer.stream_optimizer_state_bucket_numel,
+                        **({} if bucket_numel is None else {"bucket_numel": bucket_numel}),
                         offload_train_to_disk=offload.offload_train and offload.offload_train_target == "disk",
                         stream_optimizer_state=cfg.optimizer.stream_optimizer_state_to_disk, checkpoint_copies=0)
     par = Parallelism(dp=n, ep=cfg.training.expert_model_parallel_size)

@@ -62,8 +62,8 @@ CASES = [
     ([STREAM, DISK, "--stream-optimizer-state-chunk-mb", "8"], None),
     ([STREAM, DISK, "--stream-optimizer-state-device-budget-mb", "1024"], None),
     ([STREAM, DISK, "--stream-optimizer-state-device-budget-mb", "-1"],
-     "--stream-optimizer-state-device-budget-mb must be >= 0 (got -1). Fix: pass 0 (one default bucket's worth) "
-     "or a budget in MiB."),
+     "--stream-optimizer-state-device-budget-mb must be >= 1 (got -1). Fix: pass a budget in MiB, or drop the flag "
+     "(one default bucket's worth)."),
     (["--stream-optimizer-state-device-budget-mb", "1024"],
      "--stream-optimizer-state-device-budget-mb 1024 has no effect: --stream-optimizer-state-to-disk is off. Fix: "
      "add --stream-optimizer-state-to-disk --offload-train-target=disk, or drop "
@@ -291,7 +291,8 @@ def test_defaults_and_types():
     assert a.num_train_ranks == 1 and a.num_rollout_engines == 1 and a.num_cpus_per_rank == 1
     assert a.colocate is False and a.offload_train is None and a.offload_train_target is None
     # the store's knobs take their defaults and choices from the store's own config module
-    assert a.stream_optimizer_state_bucket_numel == DEFAULT_BUCKET_NUMEL
+    assert a.stream_optimizer_state_bucket_numel is None  # not given: the store fits it to its device budget
+    assert a.stream_optimizer_state_device_budget_mb is None
     assert a.stream_optimizer_state_chunk_mb == DEFAULT_CHUNK_MB
     assert a.offload_train_disk_chunk_mb == DEFAULT_CHUNK_MB
     moment = next(x for x in build_parser()._actions if x.dest == "stream_optimizer_state_moment_dtype")

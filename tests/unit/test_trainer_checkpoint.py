@@ -216,10 +216,11 @@ def test_streamed_device_budget_reaches_the_store(tmp_path, trainers):
     and the measured peak stay under it, and the weights are bit-identical to the default budget's."""
     samples, adv = _samples()
     results = {}
-    for budget_mb in ("0", "1"):
+    for budget_mb in ("default", "1"):
         (tmp_path / f"b{budget_mb}" / "offload").mkdir(parents=True)  # the driver creates the offload root
+        budget_flag = [] if budget_mb == "default" else ["--stream-optimizer-state-device-budget-mb", budget_mb]
         args = _args(tmp_path / f"b{budget_mb}", "--stream-optimizer-state-to-disk", "--offload-train-target=disk",
-                     "--stream-optimizer-state-device-budget-mb", budget_mb)
+                     *budget_flag)
         t = TorchTrainer(args, rank=0, world_size=1, rank_dir=str(tmp_path / f"rank{budget_mb}"))
         trainers.append(t)
         t.init(_rendezvous())
@@ -228,7 +229,7 @@ def test_streamed_device_budget_reaches_the_store(tmp_path, trainers):
         results[budget_mb] = (_params(t), t.store.stats)
         t.shutdown()
         trainers.remove(t)
-    (params0, default), (params1, budget) = results["0"], results["1"]
+    (params0, default), (params1, budget) = results["default"], results["1"]
     assert budget.device_budget_bytes == 2**20 < default.device_budget_bytes
     assert budget.peak_resident_bytes <= budget.residency_bound_bytes <= budget.device_budget_bytes
     assert _same(params1, params0)

@@ -234,3 +234,19 @@ def test_the_first_steps_disk_writes_are_its_own(tmp_path):
         assert step.disk_bytes_written <= step.bytes_written, (step.disk_bytes_written, step.bytes_written)
     finally:
         store.close()
+
+
+def test_a_store_knob_given_at_its_default_value_is_used_as_given(make_config):
+    """'Let the store choose' is None, not 'the flag equals its default': passing the default explicitly
+    fixes the bucket size; not passing it leaves the store to fit it."""
+    from miles.backends.base import store_config
+    from miles_plugins.optimizers.nvme_stream import DEFAULT_BUCKET_NUMEL
+
+    stream = ("--tiny-model", "--stream-optimizer-state-to-disk", "--offload-train-target=disk")
+    chosen = store_config(make_config(*stream), 0, 1)
+    assert chosen.bucket_numel is None and chosen.device_budget_mb is None
+    given = store_config(make_config(*stream, "--stream-optimizer-state-bucket-numel", str(DEFAULT_BUCKET_NUMEL),
+                                     "--stream-optimizer-state-device-budget-mb", "4096"), 0, 1)
+    assert given.bucket_numel == DEFAULT_BUCKET_NUMEL and given.device_budget_mb == 4096
+    with pytest.raises(Exception, match="device-budget-mb must be >= 1"):
+        make_config(*stream, "--stream-optimizer-state-device-budget-mb", "0")
