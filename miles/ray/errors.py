@@ -13,6 +13,8 @@ from typing import Any, Optional, Sequence
 import ray
 from ray.exceptions import RayError
 
+from .actor_logs import unwrap_replies
+
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -36,7 +38,9 @@ class ActorFailure(RuntimeError):
 
 def wait_all(refs: Sequence[Any], what: str, labels: Optional[Sequence[str]] = None,
              timeout: Optional[float] = None) -> list[Any]:
-    """``ray.get`` of every ref, raising :class:`ActorFailure` on the first one that fails."""
+    """``ray.get`` of every ref, raising :class:`ActorFailure` on the first one that fails. The actors'
+    log lines that came with the replies are logged here, before the caller logs its own line (on a
+    failure: those of the replies that came before it)."""
     refs = list(refs)
     labels = list(labels) if labels is not None else [f"actor {i}" for i in range(len(refs))]
     label_of = {ref: label for ref, label in zip(refs, labels)}
@@ -50,8 +54,9 @@ def wait_all(refs: Sequence[Any], what: str, labels: Optional[Sequence[str]] = N
             try:
                 results[ref] = ray.get(ref)
             except RayError as e:
+                unwrap_replies(list(results.values()))
                 raise ActorFailure(what, label_of[ref], e) from e
-    return [results[r] for r in refs]
+    return unwrap_replies([results[r] for r in refs])
 
 
 def close_then_kill(actors: Sequence[Any], method: str, timeout_s: float) -> None:
@@ -66,11 +71,13 @@ def close_then_kill(actors: Sequence[Any], method: str, timeout_s: float) -> Non
             pass
     if refs:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        replies = []
         for ref in ready:
             try:
-                ray.get(ref)
+                replies.append(ray.get(ref))
             except Exception:
                 pass
+        unwrap_replies(replies)
     for actor in actors:
         try:
             ray.kill(actor, no_restart=True)

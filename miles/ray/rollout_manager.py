@@ -16,6 +16,7 @@ from miles.config import RunConfig
 from miles.logging_setup import configure_logging
 
 from . import actor_factory
+from .actor_logs import ActorLogs, reports_logs
 from .errors import close_then_kill, wait_all
 from .train_actor import node_id
 
@@ -42,30 +43,38 @@ class RolloutEngineActor:
 
     def __init__(self, config: RunConfig, engine_id: int):
         configure_logging(config.logging.log_level)
+        self.logs = ActorLogs(f"engine {engine_id}")
         import torch
 
         torch.set_num_threads(config.cluster.num_cpus_per_rank)
         self.engine_id = engine_id
         self.engine = build_engine(config, engine_id)
 
+    @reports_logs
     def info(self) -> dict[str, Any]:
         return {"engine": self.engine_id, "pid": os.getpid(), "node_id": node_id(), "description": self.engine.get_description(),
                 "device": str(self.engine.device), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     # The rollout-engine contract (miles.rollout.contract.RolloutEngine), one Ray method each: the driver
-    # calls the memory and session methods, the train ranks the two update methods, bucket by bucket.
+    # calls the memory and session methods (their replies carry the engine's log lines), the train ranks
+    # the two update methods, bucket by bucket (plain results: a train rank does not re-log lines).
+    @reports_logs
     def generate(self, input_ids, sampling_params, return_logprob: bool = True) -> list:
         return self.engine.generate(input_ids, sampling_params, return_logprob)
 
+    @reports_logs
     def release_memory_occupation(self, tags=None) -> dict:
         return self.engine.release_memory_occupation(tags)
 
+    @reports_logs
     def resume_memory_occupation(self, tags=None) -> dict:
         return self.engine.resume_memory_occupation(tags)
 
+    @reports_logs
     def begin_weight_update(self, version: int) -> None:
         self.engine.begin_weight_update(version)
 
+    @reports_logs
     def end_weight_update(self, version: int) -> dict:
         return self.engine.end_weight_update(version)
 
@@ -73,6 +82,7 @@ class RolloutEngineActor:
                                    flush_cache: bool = False) -> dict:
         return self.engine.update_weights_from_tensor(serialized_named_tensors, load_format, flush_cache)
 
+    @reports_logs
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
                                   backend) -> None:
         self.engine.init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name,
@@ -84,6 +94,7 @@ class RolloutEngineActor:
     def flush_cache(self) -> None:
         self.engine.flush_cache()
 
+    @reports_logs
     def close(self) -> bool:
         self.engine.close()
         return True

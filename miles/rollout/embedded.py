@@ -38,6 +38,7 @@ from miles.config import RunConfig
 from miles.offload import StorageOffloader, make_resizable
 from miles.rollout import decode
 from miles.rollout.contract import FLATTENED_BUCKET, KV_CACHE, LOAD_FORMATS, WEIGHTS, check_memory_tags
+from miles.rollout.engine_state import EngineState
 from miles.rollout.types import Sample, SamplingParams
 from miles_plugins.optimizers.streaming.config import DEFAULT_CHUNK_MB
 
@@ -46,13 +47,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["EmbeddedRolloutEngine"]
 
 GROUP_BACKENDS = ("gloo", "nccl")
-
-
-@dataclass
-class _UpdateSession:
-    version: int
-    tensors: int = 0
-    bytes: int = 0
 
 
 @dataclass
@@ -144,9 +138,7 @@ class EmbeddedRolloutEngine:
             decode.use_packed_gqa_attention(self.model)
         self._static = decode.StaticDecoderPool(self.model, self.cuda_graphs)
         self._check_every = 1 if self.device.type == "cpu" else decode.CUDA_CHECK_EVERY
-        self._kv_cache_resident = True
-        self._generating = False
-        self._session: Optional[_UpdateSession] = None
+        self._state = EngineState(engine_id)  # released tags, the open weight update, a generate running
         self._groups: dict[str, _Group] = {}
         self._closed = False
         logger.info("rollout engine %d: %s on %s (%s)", engine_id, self.description, self.device,
@@ -187,9 +179,6 @@ class EmbeddedRolloutEngine:
     def health(self) -> bool:
         return not self._closed
 
-    def _released_tags(self) -> list[str]:
-        return ([WEIGHTS] if self._offloader.asleep else []) + ([] if self._kv_cache_resident else [KV_CACHE])
-
     # ---------------------------------------------------------------------------------- generate
 
     def _check_prompts(self, input_ids: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -214,13 +203,7 @@ class EmbeddedRolloutEngine:
     def generate(self, input_ids: Sequence[Sequence[int]], sampling_params: Union[SamplingParams, dict, None] = None,
                  return_logprob: bool = True) -> list[Sample]:
         """See :meth:`miles.rollout.contract.RolloutEngine.generate`."""
-        released = self._released_tags()
-        if released:
-            raise RuntimeError(f"rollout engine {self.engine_id}: {released} released; call "
-                               f"resume_memory_occupation({released}) before generate()")
-        if self._session is not None:
-            raise RuntimeError(f"rollout engine {self.engine_id}: weight update to version {self._session.version} "
-                               "in progress; call end_weight_update() before generate()")
+        self._state.check_generate()
         sp = SamplingParams.coerce(sampling_params).check()
         prompts = self._check_prompts(input_ids)
         jobs = [(i, ids) for i, ids in enumerate(prompts) for _ in range(sp.n)]
@@ -229,8 +212,7 @@ class EmbeddedRolloutEngine:
             gen = torch.Generator(device=self.device).manual_seed(int(sp.seed))
         stop = tuple(sp.stop_token_ids) if sp.stop_token_ids is not None else self.stop_token_ids
         samples: list[Sample] = []
-        self._generating = True
-        try:
+        with self._state.generating_call():
             for start in range(0, len(jobs), self.max_batch_size):
                 chunk = jobs[start: start + self.max_batch_size]
                 results = self._generate_batch([ids for _, ids in chunk], sp, stop, gen)
@@ -241,8 +223,6 @@ class EmbeddedRolloutEngine:
                         response_text=self.tokenizer.decode(resp, skip_special_tokens=True),
                         finish_reason=reason, weight_version=self.weight_version,
                     ))
-        finally:
-            self._generating = False
         return samples
 
     def _generate_batch(self, batch: list[list[int]], sp: SamplingParams, stop: tuple[int, ...], gen):
@@ -271,37 +251,20 @@ class EmbeddedRolloutEngine:
 
     def begin_weight_update(self, version: int) -> None:
         """See :meth:`miles.rollout.contract.RolloutEngine.begin_weight_update`."""
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"weight version must be an int >= 0, got {version!r}")
-        if self._offloader.asleep:
-            raise RuntimeError(f"rollout engine {self.engine_id}: weights are released; call "
-                               "resume_memory_occupation(['weights']) before begin_weight_update()")
-        if self._session is not None:
-            raise RuntimeError(f"rollout engine {self.engine_id}: a weight update to version {self._session.version} "
-                               f"is already open; end it before beginning version {version}")
-        self._session = _UpdateSession(version)
+        self._state.begin(version)
 
     def end_weight_update(self, version: int) -> dict:
         """See :meth:`miles.rollout.contract.RolloutEngine.end_weight_update`."""
-        session = self._open_session("end_weight_update")
-        if version != session.version:
-            raise RuntimeError(f"end_weight_update({version!r}): the open update is for version {session.version}")
-        self._session = None
+        session = self._state.end(version)
         self.weight_version = session.version
         return {"version": session.version, "tensors": session.tensors, "bytes": session.bytes}
-
-    def _open_session(self, call: str) -> _UpdateSession:
-        if self._session is None:
-            raise RuntimeError(f"rollout engine {self.engine_id}: {call}() outside a weight update; call "
-                               "begin_weight_update(version) first")
-        return self._session
 
     @torch.no_grad()
     def update_weights_from_tensor(self, serialized_named_tensors: list, load_format: Optional[str] = FLATTENED_BUCKET,
                                    flush_cache: bool = False) -> dict:
         """See :meth:`miles.rollout.contract.RolloutEngine.update_weights_from_tensor` (tensor parallel size 1:
         one payload)."""
-        session = self._open_session("update_weights_from_tensor")
+        session = self._state.open_session("update_weights_from_tensor")
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
         if load_format is None:
@@ -324,7 +287,7 @@ class EmbeddedRolloutEngine:
                 stats = self._copy_in(unpack_bucket(spec, flat))
             finally:
                 del flat
-        self._count(session, stats)
+        session.count(stats)
         if flush_cache:
             self.flush_cache()
         return stats
@@ -352,7 +315,7 @@ class EmbeddedRolloutEngine:
         """See :meth:`miles.rollout.contract.RolloutEngine.update_weights_from_distributed`."""
         from miles.weights import BucketSpec, receive_bucket, unpack_bucket
 
-        session = self._open_session("update_weights_from_distributed")
+        session = self._state.open_session("update_weights_from_distributed")
         joined = self._group(group_name)
         specs = [BucketSpec.from_dict(d) for d in bucket_specs]  # all validated before any is received
         total = {"tensors": 0, "bytes": 0}
@@ -360,7 +323,7 @@ class EmbeddedRolloutEngine:
             flat = receive_bucket(joined.group, spec, joined.receive_device, src)
             stats = self._copy_in(unpack_bucket(spec, flat))
             del flat
-            self._count(session, stats)
+            session.count(stats)
             total = {k: total[k] + stats[k] for k in total}
         return total
 
@@ -374,11 +337,6 @@ class EmbeddedRolloutEngine:
             raise KeyError(f"rollout engine {self.engine_id} has not joined weight update group {group_name!r} "
                            f"(joined: {sorted(self._groups)}); call init_weights_update_group first")
         return self._groups[group_name]
-
-    @staticmethod
-    def _count(session: _UpdateSession, stats: dict) -> None:
-        session.tensors += stats["tensors"]
-        session.bytes += stats["bytes"]
 
     def _copy_in(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict:
         """Copy named tensors into the weights after checking every name and shape (nothing is copied when
@@ -405,7 +363,7 @@ class EmbeddedRolloutEngine:
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the engine's state dict (tests, debugging)."""
-        if self._offloader.asleep:
+        if WEIGHTS in self._state.released:
             raise RuntimeError("rollout engine weights are released; call resume_memory_occupation(['weights'])")
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
@@ -414,18 +372,15 @@ class EmbeddedRolloutEngine:
     def release_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> dict:
         """See :meth:`miles.rollout.contract.RolloutEngine.release_memory_occupation`."""
         tags = check_memory_tags(tags)
-        if self._generating:
-            raise RuntimeError(f"rollout engine {self.engine_id}: cannot release {list(tags)} while generate runs")
-        if WEIGHTS in tags and self._session is not None:
-            raise RuntimeError(f"rollout engine {self.engine_id}: cannot release weights during the weight update to "
-                               f"version {self._session.version}; end it first")
+        self._state.check_release(tags)
         freed = {}
         if KV_CACHE in tags:
-            freed[KV_CACHE] = self._static.clear() if self._kv_cache_resident else 0
-            self._kv_cache_resident = False
+            freed[KV_CACHE] = 0 if KV_CACHE in self._state.released else self._static.clear()
+            self._state.released.add(KV_CACHE)
         if WEIGHTS in tags:
             self._static.drop_graphs()  # they point at the weights' storages, which come back elsewhere
             stats = self._offloader.sleep(self._tensors)
+            self._state.released.add(WEIGHTS)
             freed[WEIGHTS] = stats.bytes
             if not stats.skipped:
                 logger.info("rollout engine %d: released %.1f MiB of weights to %s in %.2f s", self.engine_id,
@@ -442,8 +397,9 @@ class EmbeddedRolloutEngine:
         restored = {}
         if WEIGHTS in tags:
             restored[WEIGHTS] = self._offloader.wake().bytes
+            self._state.released.discard(WEIGHTS)
         if KV_CACHE in tags:
-            self._kv_cache_resident = True
+            self._state.released.discard(KV_CACHE)
             restored[KV_CACHE] = 0
         return restored
 

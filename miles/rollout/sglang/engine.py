@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 from miles.rollout.contract import FLATTENED_BUCKET, KV_CACHE, LOAD_FORMATS, WEIGHTS, check_memory_tags
+from miles.rollout.engine_state import EngineState
 from miles.rollout.sglang import needs_weight_session, parse_server_args, parse_version
 from miles.rollout.sglang.transport import HttpSglang, InProcessSglang, SglangCallError
 from miles.rollout.types import Sample, SamplingParams
@@ -45,13 +45,6 @@ __all__ = ["SglangRolloutEngine", "SGLANG_TAGS", "server_args", "sglang_sampling
 SGLANG_TAGS = {WEIGHTS: ("weights",), KV_CACHE: ("kv_cache", "cuda_graph")}
 _SAMPLE_SEED_STRIDE = 65537  # sample k of a call seeded s draws with s * stride + k: no overlap across calls
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
-
-
-@dataclass
-class _Session:
-    version: int
-    tensors: int = 0
-    bytes: int = 0
 
 
 def server_args(config, model_path: str, engine_id: int) -> dict[str, Any]:
@@ -172,10 +165,8 @@ class SglangRolloutEngine:
         self.device = transport.where
         self.sessions_on_server = needs_weight_session(self.version)
         self._payloads = payloads
-        self._released: set[str] = set()
-        self._session: Optional[_Session] = None
+        self._state = EngineState(engine_id)  # released tags, the open weight update, a generate running
         self._flush_pending = False
-        self._generating = False
         self._groups: set[str] = set()
         self._closed = False
         self.weight_version = 0
@@ -214,21 +205,12 @@ class SglangRolloutEngine:
             raise RuntimeError(f"rollout engine {self.engine_id}: {endpoint}() after close()")
         return self.transport.request(endpoint, body)
 
-    def _released_tags(self) -> list[str]:
-        return [t for t in (WEIGHTS, KV_CACHE) if t in self._released]
-
     # ---------------------------------------------------------------------------------- generate
 
     def generate(self, input_ids: Sequence[Sequence[int]], sampling_params: Union[SamplingParams, dict, None] = None,
                  return_logprob: bool = True) -> list[Sample]:
         """See :meth:`miles.rollout.contract.RolloutEngine.generate`."""
-        released = self._released_tags()
-        if released:
-            raise RuntimeError(f"rollout engine {self.engine_id}: {released} released; call "
-                               f"resume_memory_occupation({released}) before generate()")
-        if self._session is not None:
-            raise RuntimeError(f"rollout engine {self.engine_id}: weight update to version {self._session.version} "
-                               "in progress; call end_weight_update() before generate()")
+        self._state.check_generate()
         sp = SamplingParams.coerce(sampling_params).check()
         prompts = _check_prompts(input_ids)
         if self._flush_pending:  # prompts cached before the update were computed with the old weights
@@ -236,11 +218,8 @@ class SglangRolloutEngine:
         requests = [ids for ids in prompts for _ in range(sp.n)]
         body = {"input_ids": requests, "sampling_params": [sglang_sampling_params(sp, k) for k in range(len(requests))],
                 "return_logprob": bool(return_logprob)}
-        self._generating = True
-        try:
+        with self._state.generating_call():
             outputs = self._request("generate", body)
-        finally:
-            self._generating = False
         return samples_from_outputs(outputs, prompts, sp.n, bool(return_logprob), self.weight_version)
 
     def flush_cache(self) -> None:
@@ -256,60 +235,44 @@ class SglangRolloutEngine:
         """See :meth:`miles.rollout.contract.RolloutEngine.release_memory_occupation` (0 bytes: sglang does not
         say)."""
         tags = check_memory_tags(tags)
-        if self._generating:
-            raise RuntimeError(f"rollout engine {self.engine_id}: cannot release {list(tags)} while generate runs")
-        if WEIGHTS in tags and self._session is not None:
-            raise RuntimeError(f"rollout engine {self.engine_id}: cannot release weights during the weight update to "
-                               f"version {self._session.version}; end it first")
-        changing = [t for t in tags if t not in self._released]
+        self._state.check_release(tags)
+        changing = [t for t in tags if t not in self._state.released]
         if changing:
             self._request("release_memory_occupation", {"tags": [s for t in changing for s in SGLANG_TAGS[t]]})
-            self._released.update(changing)
+            self._state.released.update(changing)
         return {t: 0 for t in tags}
 
     def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> dict:
         """See :meth:`miles.rollout.contract.RolloutEngine.resume_memory_occupation`: resumed ``"weights"`` are
         undefined until the next update (sglang keeps no backup)."""
         tags = check_memory_tags(tags)
-        changing = [t for t in tags if t in self._released]
+        changing = [t for t in tags if t in self._state.released]
         if changing:
             self._request("resume_memory_occupation", {"tags": [s for t in changing for s in SGLANG_TAGS[t]]})
-            self._released.difference_update(changing)
+            self._state.released.difference_update(changing)
         return {t: 0 for t in tags}
 
     # ---------------------------------------------------------------------------------- weights
 
     def begin_weight_update(self, version: int) -> None:
         """See :meth:`miles.rollout.contract.RolloutEngine.begin_weight_update`."""
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"weight version must be an int >= 0, got {version!r}")
-        if WEIGHTS in self._released:
-            raise RuntimeError(f"rollout engine {self.engine_id}: weights are released; call "
-                               "resume_memory_occupation(['weights']) before begin_weight_update()")
-        if self._session is not None:
-            raise RuntimeError(f"rollout engine {self.engine_id}: a weight update to version {self._session.version} "
-                               f"is already open; end it before beginning version {version}")
+        self._state.begin(version)
         if self.sessions_on_server:
-            self._request("begin_weight_update", {"selector": "all"})
-        self._session = _Session(version)
+            try:
+                self._request("begin_weight_update", {"selector": "all"})
+            except BaseException:
+                self._state.session = None  # the server opened nothing
+                raise
 
     def end_weight_update(self, version: int) -> dict:
         """See :meth:`miles.rollout.contract.RolloutEngine.end_weight_update`."""
-        session = self._open_session("end_weight_update")
-        if version != session.version:
-            raise RuntimeError(f"end_weight_update({version!r}): the open update is for version {session.version}")
+        session = self._state.ending(version)
         if self.sessions_on_server:
             self._request("end_weight_update", {})
-        self._session = None
+        self._state.end(version)
         self.weight_version = session.version
         self._flush_pending = True
         return {"version": session.version, "tensors": session.tensors, "bytes": session.bytes}
-
-    def _open_session(self, call: str) -> _Session:
-        if self._session is None:
-            raise RuntimeError(f"rollout engine {self.engine_id}: {call}() outside a weight update; call "
-                               "begin_weight_update(version) first")
-        return self._session
 
     def _payload_builder(self):
         if self._payloads is None:
@@ -346,7 +309,7 @@ class SglangRolloutEngine:
                                    flush_cache: bool = False) -> dict:
         """See :meth:`miles.rollout.contract.RolloutEngine.update_weights_from_tensor`. Names are checked by
         sglang's model loader (sglang's ``load_weights`` names, the HF checkpoint's)."""
-        session = self._open_session("update_weights_from_tensor")
+        session = self._state.open_session("update_weights_from_tensor")
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
         payloads, keep_alive, stats = self._build_payloads(list(serialized_named_tensors), load_format)
@@ -356,8 +319,7 @@ class SglangRolloutEngine:
         finally:
             if keep_alive is not None:
                 keep_alive.release()
-        session.tensors += stats["tensors"]
-        session.bytes += stats["bytes"]
+        session.count(stats)
         if flush_cache:
             self.flush_cache()
         return stats
@@ -380,7 +342,7 @@ class SglangRolloutEngine:
         :meth:`SglangPayloads.broadcast_flat` of the spec's tensors, not miles' aligned flat."""
         from miles.weights import BucketSpec
 
-        session = self._open_session("update_weights_from_distributed")
+        session = self._state.open_session("update_weights_from_distributed")
         if group_name not in self._groups:
             raise KeyError(f"rollout engine {self.engine_id} has not joined weight update group {group_name!r} "
                            f"(joined: {sorted(self._groups)}); call init_weights_update_group first")
@@ -395,8 +357,7 @@ class SglangRolloutEngine:
                 "load_format": FLATTENED_BUCKET})
             total["tensors"] += len(spec.tensors)
             total["bytes"] += sum(t.nbytes for t in spec.tensors)
-        session.tensors += total["tensors"]
-        session.bytes += total["bytes"]
+        session.count(total)
         return total
 
     def destroy_weights_update_group(self, group_name: str) -> None:
