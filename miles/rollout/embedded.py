@@ -38,7 +38,7 @@ from miles.config import RunConfig
 from miles.offload import StorageOffloader, make_resizable
 from miles.rollout import decode
 from miles.rollout.contract import FLATTENED_BUCKET, KV_CACHE, LOAD_FORMATS, WEIGHTS, check_memory_tags
-from miles.rollout.engine_state import EngineState
+from miles.rollout.engine_state import EngineState, check_prompts
 from miles.rollout.types import Sample, SamplingParams
 from miles_plugins.optimizers.streaming.config import DEFAULT_CHUNK_MB
 
@@ -181,31 +181,13 @@ class EmbeddedRolloutEngine:
 
     # ---------------------------------------------------------------------------------- generate
 
-    def _check_prompts(self, input_ids: Sequence[Sequence[int]]) -> list[list[int]]:
-        if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence):
-            raise TypeError(f"generate takes input_ids, a list of token-id lists, got {type(input_ids).__name__}")
-        prompts = []
-        for i, ids in enumerate(input_ids):
-            if isinstance(ids, str) or not isinstance(ids, Sequence):
-                raise TypeError(f"input_ids[{i}] is a {type(ids).__name__}, not a list of token ids: tokenize "
-                                "prompts first (miles.rl.encode_prompts)")
-            if not ids:
-                raise ValueError(f"input_ids[{i}] is empty")
-            prompt = [int(t) for t in ids]
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"input_ids[{i}] has token ids {_few(bad)} outside the vocabulary "
-                                 f"[0, {self.vocab_size})")
-            prompts.append(prompt)
-        return prompts
-
     @torch.no_grad()
     def generate(self, input_ids: Sequence[Sequence[int]], sampling_params: Union[SamplingParams, dict, None] = None,
                  return_logprob: bool = True) -> list[Sample]:
         """See :meth:`miles.rollout.contract.RolloutEngine.generate`."""
         self._state.check_generate()
         sp = SamplingParams.coerce(sampling_params).check()
-        prompts = self._check_prompts(input_ids)
+        prompts = check_prompts(input_ids, self.vocab_size)
         jobs = [(i, ids) for i, ids in enumerate(prompts) for _ in range(sp.n)]
         gen = self._generator
         if sp.seed is not None:

@@ -6,11 +6,33 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from miles.rollout.contract import MEMORY_TAGS, WEIGHTS
 
-__all__ = ["EngineState", "UpdateSession"]
+__all__ = ["EngineState", "UpdateSession", "check_prompts"]
+
+
+def check_prompts(input_ids: Any, vocab_size: Optional[int] = None) -> list[list[int]]:
+    """``generate``'s input_ids as lists of ints: a list of non-empty token-id lists (strings are refused:
+    tokenize first), each id in ``[0, vocab_size)`` when the engine knows its vocabulary."""
+    if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence):
+        raise TypeError(f"generate takes input_ids, a list of token-id lists, got {type(input_ids).__name__}")
+    prompts = []
+    for i, ids in enumerate(input_ids):
+        if isinstance(ids, str) or not isinstance(ids, Sequence):
+            raise TypeError(f"input_ids[{i}] is a {type(ids).__name__}, not a list of token ids: tokenize prompts "
+                            "first (miles.rl.encode_prompts)")
+        if not ids:
+            raise ValueError(f"input_ids[{i}] is empty")
+        prompt = [int(t) for t in ids]
+        if vocab_size is not None:
+            bad = [t for t in prompt if not 0 <= t < vocab_size]
+            if bad:
+                shown = ", ".join(map(str, bad[:5])) + (" ..." if len(bad) > 5 else "")
+                raise ValueError(f"input_ids[{i}] has token ids [{shown}] outside the vocabulary [0, {vocab_size})")
+        prompts.append(prompt)
+    return prompts
 
 
 @dataclass

@@ -32,7 +32,7 @@ import logging
 from typing import Any, Optional, Sequence, Union
 
 from miles.rollout.contract import FLATTENED_BUCKET, KV_CACHE, LOAD_FORMATS, WEIGHTS, check_memory_tags
-from miles.rollout.engine_state import EngineState
+from miles.rollout.engine_state import EngineState, check_prompts
 from miles.rollout.sglang import needs_weight_session, parse_server_args, parse_version
 from miles.rollout.sglang.transport import HttpSglang, InProcessSglang, SglangCallError
 from miles.rollout.types import Sample, SamplingParams
@@ -70,20 +70,6 @@ def sglang_sampling_params(sp: SamplingParams, sample: int) -> dict[str, Any]:
     if sp.seed is not None:
         out["sampling_seed"] = int(sp.seed) * _SAMPLE_SEED_STRIDE + sample
     return out
-
-
-def _check_prompts(input_ids: Any) -> list[list[int]]:
-    if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence):
-        raise TypeError(f"generate takes input_ids, a list of token-id lists, got {type(input_ids).__name__}")
-    prompts = []
-    for i, ids in enumerate(input_ids):
-        if isinstance(ids, str) or not isinstance(ids, Sequence):
-            raise TypeError(f"input_ids[{i}] is a {type(ids).__name__}, not a list of token ids: tokenize prompts "
-                            "first (miles.rl.encode_prompts)")
-        if not ids:
-            raise ValueError(f"input_ids[{i}] is empty")
-        prompts.append([int(t) for t in ids])
-    return prompts
 
 
 def _bad_output(index: int, problem: str) -> SglangCallError:
@@ -212,7 +198,7 @@ class SglangRolloutEngine:
         """See :meth:`miles.rollout.contract.RolloutEngine.generate`."""
         self._state.check_generate()
         sp = SamplingParams.coerce(sampling_params).check()
-        prompts = _check_prompts(input_ids)
+        prompts = check_prompts(input_ids)
         if self._flush_pending:  # prompts cached before the update were computed with the old weights
             self.flush_cache()
         requests = [ids for ids in prompts for _ in range(sp.n)]
