@@ -1,24 +1,32 @@
 """Actor lines travel with the call's reply and are logged by the driver in order (no Ray: the actor's
 handler and the driver's re-emit, in one process)."""
 
-import io
 import logging
-import sys
 
 import pytest
 
 
+class _Stderr:
+    """What the actor printed to stderr so far (the logging handler writes to the current sys.stderr)."""
+
+    def __init__(self, capsys):
+        self.capsys = capsys
+        self.text = ""
+
+    def getvalue(self) -> str:
+        self.text += self.capsys.readouterr().err
+        return self.text
+
+
 @pytest.fixture()
-def actor_logs(monkeypatch):
+def actor_logs(capsys):
     from miles.logging_setup import configure_logging
     from miles.ray.actor_logs import ActorLogs
 
-    stderr = io.StringIO()
-    monkeypatch.setattr(sys, "stderr", stderr)
     configure_logging("INFO")
     logs = ActorLogs("rank 0")
     try:
-        yield logs, stderr
+        yield logs, _Stderr(capsys)
     finally:
         logs.close()
 
