@@ -221,18 +221,12 @@ def _interrupted_run(make_config, tmp_path, monkeypatch, completed, capsys):
     return cfg.checkpoint.save
 
 
-def test_interrupted_save_leaves_no_half_checkpoint(make_config, tmp_path, monkeypatch, capsys):
-    save = str(tmp_path / "save")
-    _complete_checkpoint(save, 2, "two")
-    _interrupted_run(make_config, tmp_path, monkeypatch, 4, capsys)
-    assert _entries(save) == [checkpoint.LATEST_FILE, "rollout_000002"]
-    assert _loadable(save) == ("two", "two")
-
-
-def test_interrupted_resave_puts_the_old_checkpoint_back(make_config, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("interrupted_rollout", [4, 2], ids=["new save: no half left", "re-save: the old one back"])
+def test_an_interrupted_save_leaves_only_the_complete_checkpoint(make_config, tmp_path, monkeypatch, capsys,
+                                                                  interrupted_rollout):
     save = str(tmp_path / "save")
     _complete_checkpoint(save, 2, "old")
-    _interrupted_run(make_config, tmp_path, monkeypatch, 2, capsys)
+    _interrupted_run(make_config, tmp_path, monkeypatch, interrupted_rollout, capsys)
     assert _entries(save) == [checkpoint.LATEST_FILE, "rollout_000002"]
     assert _loadable(save) == ("old", "old")
 

@@ -32,6 +32,13 @@ def grads_for(params, seed):
     return [torch.randn(p.shape, generator=g) for p in params]
 
 
+def set_grads(ref_params, params, step, dtype=None):
+    """The same seeded grads on the resident reference and the streamed params (cast to ``dtype``)."""
+    for ps in (ref_params, params):
+        for p, g in zip(ps, grads_for(ps, step)):
+            p.grad = g if dtype is None else g.to(dtype)
+
+
 # ---- 8. torch.amp.GradScaler: unscaled grads, overflowed steps skipped ------------------------------
 @pytest.mark.parametrize("fused, unscale_first", [(True, False), (True, True), (False, False)])
 def test_grad_scaler_unscales_and_skips_overflowed_steps_like_resident(tmp_path, fused, unscale_first):
@@ -86,9 +93,7 @@ def test_sharded_sleep_wake_by_storage_trains_on_exactly(tmp_path):
     for step in range(3):
         offloader.sleep(params)
         offloader.wake()
-        for ps in (ref_params, params):
-            for p, g in zip(ps, grads_for(ps, step)):
-                p.grad = g.to(torch.bfloat16)
+        set_grads(ref_params, params, step, torch.bfloat16)
         ref.step()
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(ref_params, params))
@@ -114,9 +119,7 @@ def test_disjoint_params_over_one_storage_stay_exact(tmp_path):
     store = stream(opt, tmp_path, bucket_numel=4096)
     assert store.stats.num_buckets == 3
     for step in range(4):
-        for ps in (ref_params, params):
-            for p, g in zip(ps, grads_for(ps, step)):
-                p.grad = g
+        set_grads(ref_params, params, step)
         ref.step()
         opt.step()
     assert_state_matches(ref, ref_params, store, params)
@@ -202,9 +205,7 @@ def test_lr_scheduler_created_after_binding_matches_resident(tmp_path, recwarn):
     store = stream(opt, tmp_path)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 0.5 ** step) for o in (ref, opt)]
     for step in range(4):
-        for ps in (ref_params, params):
-            for p, g in zip(ps, grads_for(ps, step)):
-                p.grad = g
+        set_grads(ref_params, params, step)
         for o, scheduler in zip((ref, opt), schedulers):
             o.step()
             scheduler.step()
@@ -244,9 +245,7 @@ def test_storage_offloader_sleep_wake_trains_on_exactly(tmp_path):
     for step in range(4):
         offloader.sleep(params)
         offloader.wake()
-        for ps in (ref_params, params):
-            for p, g in zip(ps, grads_for(ps, step)):
-                p.grad = g
+        set_grads(ref_params, params, step)
         ref.step()
         opt.step()
     assert_state_matches(ref, ref_params, store, params)
