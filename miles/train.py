@@ -316,7 +316,7 @@ def _start_actors(config: RunConfig, run: _Actors, summary: dict[str, Any], sour
     run.pg, run.use_gpu, _ = create_placement_group(config)
     run.actor_nodes = list(dict.fromkeys(bundle_nodes(run.pg)))  # every node an actor can run on, in bundle order
     # every node's disk against what its ranks will write, before any actor starts
-    summary["nodes"] = [vars(n) for n in check_node_disks(config, run.pg, run.use_gpu)]
+    summary["nodes"] = [vars(n) for n in check_node_disks(config, run.pg)]
     run.train_group = RayTrainGroup(config, run.pg, run.use_gpu)
     run.rollout = RolloutManager(config, run.pg, run.use_gpu)
     logger.info("starting %d train actor(s) and %d rollout engine(s) (each imports torch and builds the "

@@ -2,7 +2,7 @@
 
 Pure functions over the parsed flags and a parameter count; :func:`miles.config.validation.validate_args`
 compares the result with the free space of the filesystems holding ``--offload-train-disk-dir`` and
-``--save``. Every term is an upper estimate for the ranks and engines on one machine: all of them when the
+``--save``. Every term is an upper estimate for the ranks on one machine: all of them when the
 run starts its own single-node Ray, or as many as can land on the driver's node when it joins a cluster
 (:func:`ranks_on_driver_node`; :mod:`miles.ray.node_disk` then checks every node once Ray has placed them):
 
@@ -11,8 +11,6 @@ run starts its own single-node Ray, or as many as can land on the driver's node 
   ZeRO-1 shards it over the ranks, so the total does not grow with ``--num-train-ranks``.
 - ``trainer_offload``: trainer offload to disk: every rank's weights (model dtype), plus the in-memory
   optimizer state (12 B/param, sharded) when it does not stream.
-- ``rollout_backup``: under ``--colocate`` on CPU each rollout engine writes its weights to disk while
-  the trainer runs (on CUDA the backup goes to host memory).
 - ``checkpoint``: one checkpoint (weights + optimizer state), counted where ``--save`` lives.
 """
 
@@ -38,18 +36,16 @@ class DiskBudget:
 
     state: int = 0
     trainer_offload: int = 0
-    rollout_backup: int = 0
     checkpoint: int = 0
 
     @property
     def scratch(self) -> int:
         """Everything under ``--offload-train-disk-dir``."""
-        return self.state + self.trainer_offload + self.rollout_backup
+        return self.state + self.trainer_offload
 
     def describe(self, with_checkpoint: bool) -> str:
         """``1.61 GiB streamed state + 0.54 GiB trainer offload + ...`` (the non-zero terms)."""
-        terms = [(self.state, "streamed optimizer state"), (self.trainer_offload, "trainer offload"),
-                 (self.rollout_backup, "rollout engine backup")]
+        terms = [(self.state, "streamed optimizer state"), (self.trainer_offload, "trainer offload")]
         if with_checkpoint:
             terms.append((self.checkpoint, "checkpoint copy"))
         return " + ".join(f"{n / GIB:.2f} GiB {what}" for n, what in terms if n) or "nothing"
@@ -95,17 +91,11 @@ def ranks_on_driver_node(num_train_ranks: int, node_slots: int) -> int:
     return max(0, min(num_train_ranks, node_slots))
 
 
-def colocated_engines_among(ranks: int, num_train_ranks: int, num_rollout_engines: int) -> int:
-    """At most this many colocated engines share ``ranks`` consecutive train ranks (the ranks of one node):
-    engines are spread evenly over the ranks (:func:`miles.ray.layout.colocated_rank`)."""
-    return min(num_rollout_engines, -(-ranks * num_rollout_engines // num_train_ranks))
-
-
 def disk_budget(a: argparse.Namespace, params: int, cuda: bool, ranks_here: int | None = None) -> DiskBudget:
     """The run's :class:`DiskBudget` for the resolved flags ``a`` (offload_train and model_dtype set).
 
     ``ranks_here``: the train ranks whose scratch lands on the checked filesystem (None: all of them, the
-    single-node case); their share of the sharded state and their colocated engines are counted."""
+    single-node case); their share of the sharded state is counted."""
     n = a.num_train_ranks
     ranks = n if ranks_here is None else ranks_here
     streaming = a.stream_optimizer_state_to_disk
@@ -114,10 +104,8 @@ def disk_budget(a: argparse.Namespace, params: int, cuda: bool, ranks_here: int 
     shard = -(-optimizer_state * ranks // n)  # ZeRO-1: these ranks' part of the state, rounded up
     weights = params * DTYPE_BYTES[a.model_dtype]
     disk_offload = a.offload_train and a.offload_train_target == "disk"
-    engines = colocated_engines_among(ranks, n, a.num_rollout_engines)
     return DiskBudget(
         state=shard if streaming else 0,
         trainer_offload=(weights * ranks + (0 if streaming else shard)) if disk_offload else 0,
-        rollout_backup=weights * engines if a.colocate and not cuda else 0,
         checkpoint=weights + optimizer_state if a.save else 0,
     )

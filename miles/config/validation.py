@@ -20,7 +20,7 @@ Besides flag combinations it rejects, before any actor starts:
   and removes (``trainer/``, ``optimizer_state/``, ``rollout/`` under the root, and the root itself when
   it does not exist yet): it would be deleted with them;
 - a filesystem with less free space than the run will write there, computed from the model size
-  (:mod:`miles.config.disk_budget`: streamed state, trainer offload, rollout engine backup, and the
+  (:mod:`miles.config.disk_budget`: streamed state, trainer offload, and the
   checkpoint copy when ``--save`` is on the same filesystem). When the run joins an existing cluster
   (``RAY_ADDRESS``), the root's filesystem is the driver's node's disk only: it must hold what the ranks
   that can land on that node write; every node's disk is checked once Ray has placed the ranks

@@ -3,7 +3,8 @@
 ``sleep(tensors)`` copies the bytes of every distinct storage behind ``tensors`` to host memory
 (target ``cpu``) or to one file in a directory (target ``disk``), then frees the storage with
 ``untyped_storage().resize_(0)``. ``wake()`` re-allocates each storage at its old size and copies the
-bytes back. Every tensor and view keeps pointing at the same storage object, so parameters, optimizer
+bytes back. Target ``none`` keeps no backup: wake re-allocates the storages with undefined contents,
+for a caller that rewrites them all next (a rollout engine whose weights the loop pushes after wake). Every tensor and view keeps pointing at the same storage object, so parameters, optimizer
 state and views into them (e.g. a sharded optimizer's ``model_view``) are valid again after wake, with
 bit-identical contents.
 
@@ -39,7 +40,7 @@ from miles_plugins.optimizers.streaming.units import GB
 
 logger = logging.getLogger(__name__)
 
-TARGETS = ("cpu", "disk")
+TARGETS = ("cpu", "disk", "none")
 OFFLOAD_FILENAME = "offload.bin"
 
 
@@ -164,7 +165,7 @@ class StorageOffloader:
         saved = [_Saved(s, s.nbytes()) for s in storages]
         if self.target == "disk":
             self._write_all(saved)
-        else:
+        elif self.target == "cpu":
             for item in saved:
                 item.host = self._host_copy(item.storage)
         for item in saved:
@@ -221,7 +222,7 @@ class StorageOffloader:
             item.storage.resize_(item.nbytes)
         if self.target == "disk":
             self._read_all(saved)
-        else:
+        elif self.target == "cpu":
             for item in saved:
                 _byte_view(item.storage).copy_(item.host)
                 item.host = None

@@ -33,18 +33,40 @@ def tms_active() -> bool:
     return os.environ.get("TMS_INIT_ENABLE") == "1" and "torch_memory_saver" in os.environ.get("LD_PRELOAD", "")
 
 
+def preloaded_memory_saver():
+    """torch_memory_saver's singleton, driving the preload hook this process runs under.
+
+    Importing megatron-core's GPT model sets the singleton's hook mode to "torch" (megatron/core/inference/
+    contexts/dynamic_context.py). The singleton would then talk to torch_memory_saver's other library,
+    which does not see the hooked cudaMalloc: pause still reaches the hook, but ``disable()`` does not,
+    so allocations meant to be plain (the weight handoff's buckets) stay pausable and CUDA IPC refuses
+    them. So the mode is set back to "preload" before the singleton initializes. Call this after
+    megatron is imported (once the singleton is initialized, megatron's import-time setting raises), and
+    use torch_memory_saver only through it."""
+    from torch_memory_saver import torch_memory_saver
+
+    try:
+        torch_memory_saver.hook_mode = "preload"
+    except (AssertionError, AttributeError):
+        pass  # initialized already, by an earlier call: miles uses torch_memory_saver only through this function
+    return torch_memory_saver
+
+
 class TmsOffloader:
     """Sleep/wake through torch_memory_saver (GPU only)."""
 
     def __init__(self, target: str, directory: Optional[str] = None):
         import torch
-        from torch_memory_saver import torch_memory_saver
 
         self._torch = torch
-        self._tms = torch_memory_saver
+        self._tms = preloaded_memory_saver()
         self.target = target
         self.directory = directory
         self._asleep = False
+        if target == "cpu":
+            # Keep the page-locked host copy between sleeps: allocating and registering it anew at every
+            # pause costs seconds for a few GB. Host memory holds it all run long instead of while asleep.
+            self._tms.retain_cpu_backup = True
         if target == "disk" and directory:
             os.makedirs(directory, exist_ok=True)
 

@@ -2,14 +2,14 @@
 
 `miles train`'s validation can only look at the driver's filesystem. On a cluster each node writes its
 own ranks' directories under the same root path on its own disk, so once the placement group says which
-ranks (and rollout engines) landed on which node, a tiny probe task on each node reports the free space
+ranks landed on which node, a tiny probe task on each node reports the free space
 under the run root there, and a node short of space stops the run with one line naming it and the numbers.
 
 The need per node is ``ranks on the node x`` what one rank writes according to
 :func:`miles.sizing.estimate.disk_bytes_per_rank` (streamed optimizer state, trainer offload), for this
-run's model and layout (TP = PP = 1, DP = the train ranks, EP = --expert-model-parallel-size), plus the
-weights each CPU-colocated rollout engine there backs up while the trainer runs. Checkpoints go to
-``--save``, which validation checks; they are not counted here.
+run's model and layout (TP = PP = 1, DP = the train ranks, EP = --expert-model-parallel-size).
+Rollout engines write nothing there (their released weights are not backed up: the loop pushes new ones).
+Checkpoints go to ``--save``, which validation checks; they are not counted here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from miles.config import RunConfig
-from miles.config.disk_budget import DTYPE_BYTES, model_tensors_of_run
+from miles.config.disk_budget import model_tensors_of_run
 from miles.sizing.model_params import ModelTensors
 from miles.sizing.estimate import GB, Hardware, SizingError, Training, disk_bytes_per_rank, estimate
 from miles.sizing.sharding import LayoutError, Parallelism
@@ -49,7 +49,6 @@ class NodeDisk:
     node_id: str
     address: str
     ranks: tuple[int, ...]
-    engines: tuple[int, ...]
     need_bytes: int
     free_bytes: int
     checked_path: str  # the run root, or its nearest existing parent on that node
@@ -59,9 +58,8 @@ class NodeDisk:
         return self.need_bytes <= self.free_bytes
 
     def describe(self) -> str:
-        engines = f" and {len(self.engines)} rollout engine(s)" if self.engines else ""
         return (f"node {self.node_id[:12]} ({self.address}): {len(self.ranks)} train rank(s) {list(self.ranks)}"
-                f"{engines} need {readable_bytes(self.need_bytes)} under {self.checked_path}, "
+                f" need {readable_bytes(self.need_bytes)} under {self.checked_path}, "
                 f"{readable_bytes(self.free_bytes)} free")
 
 
@@ -81,25 +79,9 @@ def per_rank_disk_bytes(cfg: RunConfig, model: ModelTensors) -> int:
     return sum(disk_bytes_per_rank(plan.binding, training).values())
 
 
-def engine_backup_bytes(cfg: RunConfig, use_gpu: bool, total_params: int) -> int:
-    """Disk one rollout engine writes: its weights, when colocated on CPU (on GPU the backup is in RAM)."""
-    if not cfg.cluster.colocate or use_gpu:
-        return 0
-    return total_params * DTYPE_BYTES[cfg.model.model_dtype]
-
-
-def engines_by_node(cfg: RunConfig, bundle_nodes: Sequence[str], ranks_to_bundles: Sequence[int]) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for engine in range(cfg.cluster.num_rollout_engines):
-        out.setdefault(bundle_nodes[layout.rollout_engine_placement(cfg, engine, ranks_to_bundles)], []).append(engine)
-    return out
-
-
-def node_needs(ranks: dict[str, list[int]], engines: dict[str, list[int]], per_rank: int,
-               per_engine: int) -> dict[str, int]:
+def node_needs(ranks: dict[str, list[int]], per_rank: int) -> dict[str, int]:
     """Bytes each node's disk must hold, nodes in rank order (pure)."""
-    return {node: len(ranks.get(node, [])) * per_rank + len(engines.get(node, [])) * per_engine
-            for node in dict.fromkeys([*ranks, *engines])}
+    return {node: len(node_ranks) * per_rank for node, node_ranks in ranks.items()}
 
 
 def shortfall_line(nodes: Sequence[NodeDisk]) -> Optional[str]:
@@ -155,14 +137,13 @@ def _hf_config(cfg: RunConfig) -> Optional[dict]:
         return None
 
 
-def check_node_disks(cfg: RunConfig, pg, use_gpu: bool) -> list[NodeDisk]:
+def check_node_disks(cfg: RunConfig, pg) -> list[NodeDisk]:
     """Probe every node of the placement group and compare with what the run writes there. Returns the
     nodes (logged); raises :class:`NodeDiskError` with one line when any is short. Nothing to check (an
     empty list) when no disk mechanism is on or the model cannot be sized."""
     from .placement_group import bundle_nodes
 
-    writes_root = cfg.uses_rank_dirs or (cfg.cluster.colocate and not use_gpu)
-    if not writes_root:
+    if not cfg.uses_rank_dirs:
         return []
     model = model_tensors_of_run(cfg.model_source, _hf_config(cfg))
     if model is None:  # as in validation: skipped, not guessed
@@ -176,11 +157,10 @@ def check_node_disks(cfg: RunConfig, pg, use_gpu: bool) -> list[NodeDisk]:
     nodes_of = bundle_nodes(pg)
     ranks_to_bundles = layout.rank_bundles(nodes_of, cfg.cluster.num_train_ranks)
     ranks = layout.ranks_by_node(nodes_of, ranks_to_bundles)
-    engines = engines_by_node(cfg, nodes_of, ranks_to_bundles)
-    needs = node_needs(ranks, engines, per_rank, engine_backup_bytes(cfg, use_gpu, model.total()))
+    needs = node_needs(ranks, per_rank)
     probed = probe_nodes(sorted(needs), cfg.paths.root)
-    nodes = [NodeDisk(node, probed[node][0], tuple(ranks.get(node, [])), tuple(engines.get(node, [])), need,
-                      probed[node][1], probed[node][2]) for node, need in needs.items()]
+    nodes = [NodeDisk(node, probed[node][0], tuple(ranks.get(node, [])), need, probed[node][1], probed[node][2])
+             for node, need in needs.items()]
     for n in nodes:
         logger.info("disk per node: %s", n.describe())
     line = shortfall_line(nodes)

@@ -30,7 +30,8 @@ def build_engine(config: RunConfig, engine_id: int):
     if backend == "embedded":
         from miles.rollout.embedded import EmbeddedRolloutEngine
 
-        return EmbeddedRolloutEngine(config, engine_id=engine_id)
+        # No backup of released weights: the loop pushes every weight after resuming them (contract.py)
+        return EmbeddedRolloutEngine(config, engine_id=engine_id, backup="none")
     if backend == "sglang":
         from miles.rollout.sglang.engine import SglangRolloutEngine
 

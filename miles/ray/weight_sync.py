@@ -73,16 +73,25 @@ def plan_routes(mode: str, *, num_ranks: int, engine_ranks: Sequence[Optional[in
     return WeightRoutes(ipc={r: tuple(e) for r, e in ipc.items()}, broadcast=tuple(orphans))
 
 
+@contextlib.contextmanager
 def bucket_allocation():
     """Buckets must come from a plain cudaMalloc to be shared through CUDA IPC: under torch_memory_saver
-    (the trainer's sleep/wake) every allocation is a virtual-memory mapping, so allocate them outside it."""
-    from miles.offload.tms import tms_active
+    (the trainer's sleep/wake) every allocation is a virtual-memory mapping CUDA IPC cannot export, so
+    the handoff allocates outside it (``torch_memory_saver.disable()``: a private pool of plain
+    allocations, dropped at its end). Emptying torch's cache after it returns that pool's memory to CUDA:
+    torch_memory_saver does not pause it, so it would otherwise stay on the GPU while the trainer sleeps."""
+    from miles.offload.tms import preloaded_memory_saver, tms_active
 
     if not tms_active():
-        return contextlib.nullcontext()
-    from torch_memory_saver import torch_memory_saver
+        yield
+        return
+    import torch
 
-    return torch_memory_saver.disable()
+    try:
+        with preloaded_memory_saver().disable():
+            yield
+    finally:
+        torch.cuda.empty_cache()
 
 
 class _Sharer:

@@ -23,9 +23,10 @@ Colocated order of one rollout (the trainer and the engine share the GPU)::
     engine.resume_memory_occupation(["kv_cache"])
     engine.generate(...)
 
-Resuming ``"weights"`` restores what was released: the embedded engine keeps a backup and restores it
-bit-exactly; sglang keeps none (its released weights come back undefined). The loop therefore always
-pushes weights after resuming ``"weights"``, and engines are free not to back up.
+The loop always pushes every weight after resuming ``"weights"``, so engines are free not to back them
+up: sglang keeps none (its released weights come back undefined), and the loop builds the embedded engine
+with ``backup="none"`` (it then refuses to generate until the weights are rewritten). An embedded engine
+built with a backup restores them bit-exactly.
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ class RolloutEngine(Protocol):
     def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> dict:
         """Make the memory of ``tags`` (None: all) resident again. Idempotent per tag.
 
-        ``"weights"`` come back as the engine's backup holds them (the embedded engine: bit-exact; sglang:
-        undefined until the next update). Returns ``{tag: bytes restored by this call}``."""
+        ``"weights"`` come back as the engine's backup holds them (an embedded engine with a backup:
+        bit-exact; without one, and sglang: undefined until the next update). Returns ``{tag: bytes restored by this call}``."""
         ...
 
     def begin_weight_update(self, version: int) -> None:

@@ -16,7 +16,9 @@ states and the colocated order). A plain class; as a Ray actor use ``ray.remote(
 on CPU the weights' storages are written to ``<backup_dir>/offload.bin`` and resized to 0 bytes (the RAM
 is returned); on CUDA they are copied to host memory (``backup="cpu"``, default) or to the same file
 (``backup="disk"``) and freed. Resume restores them bit-exactly into the same storages (parameter
-objects are unchanged). A loaded checkpoint's storages (mmap'ed safetensors, tied embeddings) are made
+objects are unchanged). ``backup="none"`` (what the RL loop uses: it pushes every weight after resuming
+them) frees the parameters' storages without a copy; after resume their contents are undefined, and
+generate is refused until a weight update has rewritten every parameter. A loaded checkpoint's storages (mmap'ed safetensors, tied embeddings) are made
 resizable once, at construction (:func:`miles.offload.make_resizable`).
 
 ``"kv_cache"`` is the static decoders' memory (:mod:`miles.rollout.decode`: static KV caches, decode
@@ -68,7 +70,8 @@ class EmbeddedRolloutEngine:
             ``tokenizer`` are given.
         model, tokenizer: use these instead of loading (tests).
         device: default ``cuda`` when available, else ``cpu``.
-        backup: ``"disk"`` or ``"cpu"`` (default: disk on CPU, cpu on CUDA).
+        backup: ``"disk"``, ``"cpu"`` (default: disk on CPU, cpu on CUDA) or ``"none"`` (released weights are
+            dropped; a complete weight update must follow their resume).
         backup_dir: where the disk backup goes (default ``config.paths.engine_dir(engine_id)``, else a
             fresh temporary directory). Removed by :meth:`close` when this engine created it.
         max_batch_size: sequences generated together.
@@ -123,9 +126,14 @@ class EmbeddedRolloutEngine:
         chunk_mb = config.offload.offload_train_disk_chunk_mb if config is not None else DEFAULT_CHUNK_MB
         self._offloader = StorageOffloader(self.backup, backup_dir, chunk_mb,
                                            run_id=config.run_id if config is not None else None)
-        # every weight and buffer, tied ones under each name (the offloader backs each storage up once)
+        # every weight and buffer, tied ones under each name (the offloader backs each storage up once);
+        # without a backup only the parameters, which a weight update rewrites (buffers such as rotary
+        # frequencies are not sent, and are small)
         self._tensors = [t for _, t in self.model.named_parameters(remove_duplicate=False)]
-        self._tensors += [t for _, t in self.model.named_buffers(remove_duplicate=False)]
+        self._param_storages = {t.untyped_storage()._cdata for t in self._tensors}
+        if self.backup != "none":
+            self._tensors += [t for _, t in self.model.named_buffers(remove_duplicate=False)]
+        self._updated_storages: set[int] = set()  # the parameters weight updates rewrote since the last release
         self._name_to_tensor = dict(self.model.named_parameters(remove_duplicate=False))
         self._name_to_tensor.update(dict(self.model.named_buffers(remove_duplicate=False)))
         self.weight_version = 0
@@ -238,6 +246,8 @@ class EmbeddedRolloutEngine:
     def end_weight_update(self, version: int) -> dict:
         """See :meth:`miles.rollout.contract.RolloutEngine.end_weight_update`."""
         session = self._state.end(version)
+        if self._param_storages <= self._updated_storages:
+            self._state.weights_undefined = False
         self.weight_version = session.version
         return {"version": session.version, "tensors": session.tensors, "bytes": session.bytes}
 
@@ -339,6 +349,7 @@ class EmbeddedRolloutEngine:
                            f"{_few(list(self._name_to_tensor), 3)}")
         for dst, src in pairs:
             dst.copy_(src)
+            self._updated_storages.add(dst.untyped_storage()._cdata)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return {"tensors": len(pairs), "bytes": sum(src.numel() * src.element_size() for _, src in pairs)}
@@ -363,10 +374,13 @@ class EmbeddedRolloutEngine:
             self._static.drop_graphs()  # they point at the weights' storages, which come back elsewhere
             stats = self._offloader.sleep(self._tensors)
             self._state.released.add(WEIGHTS)
+            if self.backup == "none":
+                self._state.weights_undefined, self._updated_storages = True, set()
             freed[WEIGHTS] = stats.bytes
             if not stats.skipped:
-                logger.info("rollout engine %d: released %.1f MiB of weights to %s in %.2f s", self.engine_id,
-                            stats.bytes / 2**20, stats.path or "host memory", stats.seconds)
+                logger.info("rollout engine %d: released %.1f MiB of weights %s in %.2f s", self.engine_id,
+                            stats.bytes / 2**20, "(no backup: the next weight update rewrites them)"
+                            if self.backup == "none" else f"to {stats.path or 'host memory'}", stats.seconds)
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

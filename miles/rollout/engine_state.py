@@ -54,6 +54,8 @@ class EngineState:
         self.released: set[str] = set()
         self.session: Optional[UpdateSession] = None
         self.generating = False
+        # released without a backup and not yet rewritten by a complete weight update (the engine decides)
+        self.weights_undefined = False
 
     def released_tags(self) -> list[str]:
         return [t for t in MEMORY_TAGS if t in self.released]
@@ -66,6 +68,10 @@ class EngineState:
         if self.session is not None:
             raise RuntimeError(f"rollout engine {self.engine_id}: weight update to version {self.session.version} "
                                "in progress; call end_weight_update() before generate()")
+        if self.weights_undefined:
+            raise RuntimeError(f"rollout engine {self.engine_id}: its weights were released without a backup and no "
+                               "weight update has rewritten all of them since; push every weight (begin_weight_update, "
+                               "update_weights_*, end_weight_update) before generate()")
 
     @contextlib.contextmanager
     def generating_call(self):

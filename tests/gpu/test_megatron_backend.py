@@ -104,6 +104,7 @@ def test_converted_weights_give_the_hf_logits(megatron_world, family):
 
 # ---- MegatronTrainer, driven in-process (world size 1, no Ray) ------------------------------------
 def _config(tmp_path, *, stream: bool):
+    tmp_path.mkdir(parents=True, exist_ok=True)  # a run creates its disk root, not the root's parents
     argv = ["--tiny-model", "--model-dtype", "bf16", "--micro-batch-size", "2", "--lr", "1e-3",
             "--offload-train-disk-dir", str(tmp_path / "disk")]
     if stream:

@@ -140,6 +140,36 @@ def test_weight_update_session_state_machine(engine, prompts, tok):
     assert torch.equal(engine.get_weights()[name], new[name])
 
 
+def test_weights_released_without_a_backup_need_a_complete_update_before_generate(tok, prompts):
+    """backup="none" (the RL loop's engines): release copies nothing, and generate is refused until a
+    weight update has rewritten every parameter; then it generates with exactly the pushed weights."""
+    sp = SamplingParams(max_new_tokens=4, seed=2)
+    engine, reference = make_engine(tok, backup="none"), make_engine(tok, seed=1)
+    new = shifted(tok)
+    try:
+        engine.release_memory_occupation()
+        engine.resume_memory_occupation()
+        with pytest.raises(RuntimeError, match="released without a backup"):
+            engine.generate(prompts, sp)
+        names = [n for n, _ in engine.model.named_parameters()]
+        engine.begin_weight_update(1)
+        engine.update_weights_from_tensor([(n, new[n]) for n in names[:-1]], load_format=None)
+        engine.end_weight_update(1)
+        with pytest.raises(RuntimeError, match="released without a backup"):  # one parameter still undefined
+            engine.generate(prompts, sp)
+        engine.begin_weight_update(2)
+        engine.update_weights_from_tensor([(names[-1], new[names[-1]])], load_format=None)
+        engine.end_weight_update(2)
+        assert all(torch.equal(v, new[k]) for k, v in engine.get_weights().items())
+        assert [s.response_ids for s in engine.generate(prompts, sp)] == \
+               [s.response_ids for s in reference.generate(prompts, sp)]
+        # buffers are not released without a backup (an update does not send them)
+        assert all(b.untyped_storage().nbytes() for b in engine.model.buffers())
+    finally:
+        engine.close()
+        reference.close()
+
+
 def test_update_from_named_tensors_checks_everything_before_copying(engine, tok):
     before = engine.get_weights()
     new = shifted(tok)

@@ -34,19 +34,19 @@ def test_colocated_engines_spread_over_the_ranks_and_follow_their_bundles():
     assert [layout.rollout_engine_placement(cfg, e) for e in range(2)] == [0, 2]
 
 
-def test_each_node_needs_its_ranks_share_of_the_plan_and_its_engines_backups():
+def test_each_node_needs_its_ranks_share_of_the_plan():
     cfg = _cfg()
     per_rank = node_disk.per_rank_disk_bytes(cfg, model_tensors_of_run("tiny", None))
     assert per_rank > 0
     assert node_disk.per_rank_disk_bytes(_cfg("--stream-optimizer-state-moment-dtype", "bf16"),
                                          model_tensors_of_run("tiny", None)) < per_rank
-    needs = node_disk.node_needs({"a": [0, 1, 2], "b": [3]}, {"a": [0], "b": [1]}, per_rank=100, per_engine=7)
-    assert needs == {"a": 307, "b": 107} and list(needs) == ["a", "b"]
+    needs = node_disk.node_needs({"a": [0, 1, 2], "b": [3]}, per_rank=100)
+    assert needs == {"a": 300, "b": 100} and list(needs) == ["a", "b"]
 
 
 def test_a_short_node_gives_one_line_naming_it_and_the_numbers():
-    ok = node_disk.NodeDisk("aaaa", "10.0.0.1", (0, 1), (0,), 2 * 10**12, 3 * 10**12, "/nvme/run")
-    short = node_disk.NodeDisk("bbbb", "10.0.0.2", (2, 3), (), 2 * 10**12, 5 * 10**11, "/nvme")
+    ok = node_disk.NodeDisk("aaaa", "10.0.0.1", (0, 1), 2 * 10**12, 3 * 10**12, "/nvme/run")
+    short = node_disk.NodeDisk("bbbb", "10.0.0.2", (2, 3), 2 * 10**12, 5 * 10**11, "/nvme")
     assert node_disk.shortfall_line([ok]) is None
     line = node_disk.shortfall_line([ok, short])
     assert "\n" not in line and "aaaa" not in line

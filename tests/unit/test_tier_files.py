@@ -74,6 +74,23 @@ def test_the_whole_state_in_the_tier_has_no_bucket_files(tmp_path, monkeypatch, 
     assert live_files(store) == (0, 0)
 
 
+def test_a_tier_of_exactly_the_state_serves_every_write_from_ram(tmp_path, monkeypatch):
+    """host_cache_mb='auto' sizes the tier to the state exactly, leaving nothing for write-back images:
+    the RAM buckets' writes must still land in their memory, not go through staging and a file write."""
+    from miles_plugins.optimizers.streaming import store as store_mod
+
+    state_bytes = tiered("plain", tmp_path / "probe", 1.0)[2].stats.state_bytes
+    monkeypatch.setattr(store_mod, "available_host_memory", lambda: 64 * state_bytes)
+    params, opt, store = build("plain", tmp_path / "run", shapes=SHAPES, bucket_numel=BUCKET_NUMEL, host_cache_mb="auto",
+                               host_cache_reserve_mb=0)
+    assert store.stats.ram_state_bytes == store.stats.state_bytes == store.host_cache_bytes
+    spy = DiskSpy(monkeypatch)
+    written = store.stager.counters.disk_bytes_written
+    train(params, opt, range(2))
+    assert spy.reads == spy.writes == 0, "a step with the whole state in RAM wrote through a file descriptor"
+    assert store.stager.counters.disk_bytes_written == written
+
+
 def test_the_disk_check_asks_only_for_the_files(tmp_path, monkeypatch):
     """A disk with room for the files of the buckets the tier cannot hold, not for the whole state."""
     probe = tiered("plain", tmp_path / "probe", 0.5)[2]

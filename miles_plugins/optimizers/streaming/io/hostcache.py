@@ -91,9 +91,11 @@ class HostCache:
         self._lock = threading.Lock()
 
     def slot_for_write(self, state: "FileState", nbytes: int) -> _Slot | None:
+        slot = state.slot
+        if slot is not None and slot.home:  # a RAM bucket's own memory takes nothing from the pool's budget
+            return slot
         if self.budget <= 0:
             return None
-        slot = state.slot
         if slot is None:
             with self._lock:
                 free = [s for s in self.slots if s.owner is None and s.capacity >= nbytes and s.pins == 0]
