@@ -25,11 +25,7 @@ checkpoints) is removed at the end, also on error; --dir itself too when the run
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-import math
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -39,40 +35,26 @@ import torch
 
 from miles_plugins.optimizers.streaming.units import GB, MiB
 
-from .common import FwdBwd, Progress, median, parse_count, run_standalone
+from .common import (FwdBwd, Progress, log_store_lines, machine, median, number_arg, one_device, parse_count,
+                     run_standalone, sync_device, write_json)
+
 STATE_BYTES_PER_PARAM = 12  # fp32 master + 2 fp32 moments
 PROG = "miles bench checkpoint"
 
 
 # ---- arguments ----------------------------------------------------------------------------------------
-def _number(kind, what: str, low: float = 0.0, inclusive: bool = False):
-    """An argparse type: a finite number > low (>= low when inclusive); the error says what to give."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number; give {what}") from None
-        ok = math.isfinite(value) and (value >= low if inclusive else value > low)
-        if not ok:
-            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low:g}, got {text}; give {what}")
-        return value
-
-    return parse
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gb", type=_number(float, "the streamed state in GB, e.g. 2"), default=1.0,
+    p.add_argument("--gb", type=number_arg(float, "the streamed state in GB, e.g. 2"), default=1.0,
                    help="streamed state in GB (12 B/param: fp32 masters + 2 moments)")
     p.add_argument("--device", default="cpu", help="where the params live: cpu (default) or cuda")
     p.add_argument("--dir", default="miles-bench-checkpoint", help="directory on the disk under test (created); "
                    "the run works in a fresh scratch directory inside it and removes it at the end")
     p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--bucket-numel", type=_number(parse_count, "an element count per bucket, e.g. 25M"),
+    p.add_argument("--bucket-numel", type=number_arg(parse_count, "an element count per bucket, e.g. 25M"),
                    default=25_000_000, help="element budget per bucket (e.g. 25M; default 25M)")
-    p.add_argument("--repeat", type=_number(int, "a round count, e.g. 3"), default=1,
+    p.add_argument("--repeat", type=number_arg(int, "a round count, e.g. 3"), default=1,
                    help="rounds of (step alone, plain copy, waited save, background saves); medians are reported")
-    p.add_argument("--fwd-bwd-seconds", type=_number(float, "seconds, e.g. 2.5", inclusive=True), default=None,
+    p.add_argument("--fwd-bwd-seconds", type=number_arg(float, "seconds, e.g. 2.5", inclusive=True), default=None,
                    help="simulated forward/backward between a background save and the next step (default: "
                    "1.2 x the first round's waited save)")
     p.add_argument("--fwd-bwd", choices=["auto", "matmul", "sleep"], default="auto", help="what the simulated "
@@ -122,158 +104,198 @@ def _plain_copy(files, dst_dir: str) -> float:
     return time.perf_counter() - t0
 
 
+class _Live:
+    """The run's params, their optimizer and its store over the live files."""
+
+    def __init__(self, params: list, opt, store, device: torch.device):
+        self.params, self.opt, self.store, self.device = params, opt, store, device
+        self.files = [b.file for b in store.buckets]
+        self.state_bytes = sum(f.nbytes for f in self.files)
+
+    def step(self) -> float:
+        """One optimizer step, its write-behind included, in seconds."""
+        for p in self.params:
+            p.grad = torch.ones_like(p)
+        sync_device(self.device)
+        t = time.perf_counter()
+        self.opt.step()
+        self.store.stager.drain()  # count the step's write-behind too
+        sync_device(self.device)
+        return time.perf_counter() - t
+
+    def cold(self) -> None:
+        """Write-behind drained, the live files flushed and dropped from the page cache."""
+        self.store.stager.drain()
+        self.store.stager.drop_page_cache(self.files)
+
+
+BACKGROUND_MODES = (("right_away", "next step right away (worst case)"),
+                    ("after_fwd_bwd", "next step after forward/backward"))
+
+
 # ---- the run ------------------------------------------------------------------------------------------
 def run(args) -> int:
-    from miles.backends.torch_backend.sharded_optimizer import ShardedMixedPrecisionAdam
-    from miles_plugins.optimizers.nvme_stream import stream_optimizer_state
-
-    if not args.quiet:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_store_lines(args.quiet)
     say = Progress()
-    device = _device(args.device)
-    cuda = device.type == "cuda"
-    if cuda and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    n = int(args.gb * GB / STATE_BYTES_PER_PARAM)
-    if n < 4:
-        raise SystemExit(f"{PROG}: --gb {args.gb:g} is {n} params, too few to split over 4 tensors; give at least "
-                         f"--gb {4 * STATE_BYTES_PER_PARAM / GB:.1e}")
-    root = os.path.abspath(args.dir)
-    if os.path.exists(root) and not os.path.isdir(root):
-        raise SystemExit(f"{PROG}: --dir {root} exists and is not a directory; give a directory (it is created "
-                         "when missing)")
-    created_root = not os.path.exists(root)
-    os.makedirs(root, exist_ok=True)
+    device = one_device(_device(args.device))
+    n = _param_count(args.gb)
+    root, created_root = _make_root(args.dir)
     scratch = tempfile.mkdtemp(prefix="miles-bench-checkpoint-", dir=root)
-    results: dict = {"args": vars(args) | {"func": None}, "params": n, "bucket_numel": args.bucket_numel,
-                     "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
-                     "torch": torch.__version__, "cpus": os.cpu_count(), "dir": scratch}
-    store = None
+    results: dict = ({"args": vars(args) | {"func": None}, "params": n, "bucket_numel": args.bucket_numel}
+                     | machine(device) | {"dir": scratch})
+    live = None
     try:
         _check_room(root, STATE_BYTES_PER_PARAM * n)
         say(f"{n / 1e6:.1f}M fp32 params on {device} ({results['device']}), {STATE_BYTES_PER_PARAM * n / GB:.2f} GB "
             f"of streamed state in {scratch}; buckets of <= {args.bucket_numel / 1e6:.1f}M elements; "
             f"{args.repeat} round(s)")
-        gen = torch.Generator(device=device).manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(n // 4, generator=gen, device=device)) for _ in range(4)]
-        opt = ShardedMixedPrecisionAdam([{"params": params, "lr": 1e-3}])
+        live = _build(n, device, os.path.join(scratch, "live"), args.bucket_numel, say)
+        results |= {"state_bytes": live.state_bytes, "num_buckets": len(live.files),
+                    "io_engine": live.store.stats.io_engine}
         t0 = time.perf_counter()
-        store = stream_optimizer_state(opt, dir=os.path.join(scratch, "live"), bucket_numel=args.bucket_numel)
-        files = [b.file for b in store.buckets]
-        state_bytes = sum(f.nbytes for f in files)
-        results |= {"state_bytes": state_bytes, "num_buckets": len(files), "io_engine": store.stats.io_engine}
-        say(f"store built in {time.perf_counter() - t0:.1f} s (masters written): {len(files)} buckets, "
-            f"{state_bytes / GB:.2f} GB in files, {store.stats.io_engine} I/O")
-
-        def step() -> float:
-            for p in params:
-                p.grad = torch.ones_like(p)
-            if cuda:
-                torch.cuda.synchronize(device)
-            t = time.perf_counter()
-            opt.step()
-            store.stager.drain()  # count the step's write-behind too
-            if cuda:
-                torch.cuda.synchronize(device)
-            return time.perf_counter() - t
-
-        def cold() -> None:
-            store.stager.drain()
-            store.stager.drop_page_cache(files)
-
-        t0 = time.perf_counter()
-        step()
-        step()
+        live.step()
+        live.step()
         say(f"2 warm-up steps (the first creates the moments): {time.perf_counter() - t0:.1f} s")
-
-        fwd_bwd = FwdBwd(device, args.fwd_bwd)
-        gap = args.fwd_bwd_seconds
-        modes = (("right_away", "next step right away (worst case)"),
-                 ("after_fwd_bwd", "next step after forward/backward"))
-        rounds = []
-        for r in range(args.repeat):
-            say(f"round {r + 1} of {args.repeat}")
-            row: dict = {}
-            cold()
-            row["step_alone"] = step()
-            say(f"  one step alone (cold files): {row['step_alone']:.2f} s")
-
-            def copy_once():
-                cold()
-                row["plain_copy"] = _plain_copy(files, os.path.join(scratch, "plain"))
-                shutil.rmtree(os.path.join(scratch, "plain"))
-                say(f"  plain copy of the same files (shutil.copyfile + fsync each): {row['plain_copy']:.2f} s, "
-                    f"{state_bytes / GB / row['plain_copy']:.2f} GB/s")
-
-            def save_once():
-                cold()
-                ck = os.path.join(scratch, "ck")
-                t = time.perf_counter()
-                stats = store.save_to(ck)
-                row["save_wait"] = time.perf_counter() - t
-                row["save_wait_stats"] = stats
-                shutil.rmtree(ck)
-                say(f"  save_to(wait=True): {row['save_wait']:.2f} s, {state_bytes / GB / row['save_wait']:.2f} GB/s"
-                    + (f" ({stats['reflinked_buckets']} buckets reflinked)" if stats["reflinked_buckets"] else ""))
-
-            # the disk drifts: alternate which goes first, so a slow trend weighs on both alike
-            for measure in ((copy_once, save_once) if r % 2 == 0 else (save_once, copy_once)):
-                measure()
-            row["save_vs_copy"] = row["save_wait"] / row["plain_copy"]
-            say(f"  save_to(wait=True) / plain copy in this round: {row['save_vs_copy']:.3f}")
-            if gap is None:
-                gap = 1.2 * row["save_wait"]
-            row["background"] = {}
-            for key, what in modes:
-                fwd_bwd_s = 0.0 if key == "right_away" else gap
-                cold()
-                ck = os.path.join(scratch, "ck")
-                t = time.perf_counter()
-                store.save_to(ck, wait=False)
-                blocked = time.perf_counter() - t
-                slept = fwd_bwd(fwd_bwd_s) if fwd_bwd_s > 0 else 0.0  # the disk is left to the save meanwhile
-                during = step()
-                stats = store.wait_for_save()
-                shutil.rmtree(ck)
-                b = {"blocked": blocked, "fwd_bwd": slept, "published": stats["seconds"], "next_step": during,
-                     "stalled": stats["stalled_seconds"], "copied_by_writer": stats["copied_by_writer"],
-                     "next_step_vs_alone": during / row["step_alone"]}
-                row["background"][key] = b
-                say(f"  save_to(wait=False): blocked {blocked:.3f} s; published {b['published']:.2f} s after the call; "
-                    f"{what}, {slept:.2f} s later: {during:.2f} s (alone {row['step_alone']:.2f} s), "
-                    f"{b['stalled']:.2f} s of it waiting for copy-before-overwrite ({b['copied_by_writer']}/"
-                    f"{len(files)} buckets copied by the step)")
-            rounds.append(row)
-
-        results["rounds"] = rounds
-        results["fwd_bwd_seconds"] = gap
-        results["fwd_bwd_kind"] = fwd_bwd.kind
-        for key in ("step_alone", "plain_copy", "save_wait", "save_vs_copy"):
-            results[key] = {"seconds" if key != "save_vs_copy" else "ratio": median([x[key] for x in rounds]),
-                            "all": [x[key] for x in rounds]}
-        results["save_vs_copy"]["of_medians"] = results["save_wait"]["seconds"] / results["plain_copy"]["seconds"]
-        results["background"] = {
-            key: {"what": what, "gap_seconds": 0.0 if key == "right_away" else gap}
-            | {f: median([x["background"][key][f] for x in rounds])
-               for f in ("blocked", "fwd_bwd", "published", "next_step", "stalled")}
-            | {f: [x["background"][key][f] for x in rounds] for f in ("next_step_vs_alone", "copied_by_writer")}
-            for key, what in modes}
+        results |= _measure_rounds(args, live, scratch, say)
     finally:
-        if store is not None:
-            store.close()
-        shutil.rmtree(scratch, ignore_errors=True)
-        if created_root:
-            try:
-                os.rmdir(root)
-            except OSError:
-                pass
+        _remove(live, scratch, root if created_root else None)
     say(f"removed {scratch}" + (f" and {root}" if created_root and not os.path.exists(root) else ""))
     report(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1, default=str)
-        say(f"wrote {args.json}")
+    write_json(args.json, results, say)
     return 0
+
+
+def _param_count(gb: float) -> int:
+    n = int(gb * GB / STATE_BYTES_PER_PARAM)
+    if n < 4:
+        raise SystemExit(f"{PROG}: --gb {gb:g} is {n} params, too few to split over 4 tensors; give at least "
+                         f"--gb {4 * STATE_BYTES_PER_PARAM / GB:.1e}")
+    return n
+
+
+def _make_root(directory: str) -> tuple[str, bool]:
+    """--dir as an absolute path, created when missing; and whether this run created it."""
+    root = os.path.abspath(directory)
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise SystemExit(f"{PROG}: --dir {root} exists and is not a directory; give a directory (it is created "
+                         "when missing)")
+    created_root = not os.path.exists(root)
+    os.makedirs(root, exist_ok=True)
+    return root, created_root
+
+
+def _build(n: int, device: torch.device, live_dir: str, bucket_numel: int, say) -> _Live:
+    """n fp32 params in 4 tensors, their sharded Adam, its state streamed to files in live_dir."""
+    from miles.backends.torch_backend.sharded_optimizer import ShardedMixedPrecisionAdam
+    from miles_plugins.optimizers.nvme_stream import stream_optimizer_state
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n // 4, generator=gen, device=device)) for _ in range(4)]
+    opt = ShardedMixedPrecisionAdam([{"params": params, "lr": 1e-3}])
+    t0 = time.perf_counter()
+    live = _Live(params, opt, stream_optimizer_state(opt, dir=live_dir, bucket_numel=bucket_numel), device)
+    say(f"store built in {time.perf_counter() - t0:.1f} s (masters written): {len(live.files)} buckets, "
+        f"{live.state_bytes / GB:.2f} GB in files, {live.store.stats.io_engine} I/O")
+    return live
+
+
+def _measure_rounds(args, live: _Live, scratch: str, say) -> dict:
+    fwd_bwd = FwdBwd(live.device, args.fwd_bwd)
+    gap = args.fwd_bwd_seconds
+    rounds = []
+    for r in range(args.repeat):
+        say(f"round {r + 1} of {args.repeat}")
+        row = _saves_waited(live, r, scratch, say)
+        if gap is None:
+            gap = 1.2 * row["save_wait"]
+        row["background"] = {key: _save_in_background(live, what, 0.0 if key == "right_away" else gap, fwd_bwd,
+                                                      os.path.join(scratch, "ck"), row["step_alone"], say)
+                             for key, what in BACKGROUND_MODES}
+        rounds.append(row)
+    return _summary(rounds, gap, fwd_bwd.kind)
+
+
+def _saves_waited(live: _Live, r: int, scratch: str, say) -> dict:
+    """Round r's step alone, plain copy and waited save, each from cold files."""
+    live.cold()
+    row: dict = {"step_alone": live.step()}
+    say(f"  one step alone (cold files): {row['step_alone']:.2f} s")
+    # the disk drifts: alternate which goes first, so a slow trend weighs on both alike
+    for measure in ((_copy_once, _save_once) if r % 2 == 0 else (_save_once, _copy_once)):
+        live.cold()
+        row |= measure(live, scratch, say)
+    row["save_vs_copy"] = row["save_wait"] / row["plain_copy"]
+    say(f"  save_to(wait=True) / plain copy in this round: {row['save_vs_copy']:.3f}")
+    return row
+
+
+def _copy_once(live: _Live, scratch: str, say) -> dict:
+    plain = os.path.join(scratch, "plain")
+    seconds = _plain_copy(live.files, plain)
+    shutil.rmtree(plain)
+    say(f"  plain copy of the same files (shutil.copyfile + fsync each): {seconds:.2f} s, "
+        f"{live.state_bytes / GB / seconds:.2f} GB/s")
+    return {"plain_copy": seconds}
+
+
+def _save_once(live: _Live, scratch: str, say) -> dict:
+    ck = os.path.join(scratch, "ck")
+    t = time.perf_counter()
+    stats = live.store.save_to(ck)
+    seconds = time.perf_counter() - t
+    shutil.rmtree(ck)
+    say(f"  save_to(wait=True): {seconds:.2f} s, {live.state_bytes / GB / seconds:.2f} GB/s"
+        + (f" ({stats['reflinked_buckets']} buckets reflinked)" if stats["reflinked_buckets"] else ""))
+    return {"save_wait": seconds, "save_wait_stats": stats}
+
+
+def _save_in_background(live: _Live, what: str, fwd_bwd_s: float, fwd_bwd: FwdBwd, ck: str, alone: float,
+                        say) -> dict:
+    """save_to(ck, wait=False) from cold files, fwd_bwd_s of forward/backward, the next step."""
+    live.cold()
+    t = time.perf_counter()
+    live.store.save_to(ck, wait=False)
+    blocked = time.perf_counter() - t
+    slept = fwd_bwd(fwd_bwd_s) if fwd_bwd_s > 0 else 0.0  # the disk is left to the save meanwhile
+    during = live.step()
+    stats = live.store.wait_for_save()
+    shutil.rmtree(ck)
+    b = {"blocked": blocked, "fwd_bwd": slept, "published": stats["seconds"], "next_step": during,
+         "stalled": stats["stalled_seconds"], "copied_by_writer": stats["copied_by_writer"],
+         "next_step_vs_alone": during / alone}
+    say(f"  save_to(wait=False): blocked {blocked:.3f} s; published {b['published']:.2f} s after the call; "
+        f"{what}, {slept:.2f} s later: {during:.2f} s (alone {alone:.2f} s), "
+        f"{b['stalled']:.2f} s of it waiting for copy-before-overwrite ({b['copied_by_writer']}/"
+        f"{len(live.files)} buckets copied by the step)")
+    return b
+
+
+def _summary(rounds: list[dict], gap: float, fwd_bwd_kind: str) -> dict:
+    """The rounds, their medians and the ratios within each round."""
+    out: dict = {"rounds": rounds, "fwd_bwd_seconds": gap, "fwd_bwd_kind": fwd_bwd_kind}
+    for key in ("step_alone", "plain_copy", "save_wait", "save_vs_copy"):
+        out[key] = {"seconds" if key != "save_vs_copy" else "ratio": median([x[key] for x in rounds]),
+                    "all": [x[key] for x in rounds]}
+    out["save_vs_copy"]["of_medians"] = out["save_wait"]["seconds"] / out["plain_copy"]["seconds"]
+    out["background"] = {
+        key: {"what": what, "gap_seconds": 0.0 if key == "right_away" else gap}
+        | {f: median([x["background"][key][f] for x in rounds])
+           for f in ("blocked", "fwd_bwd", "published", "next_step", "stalled")}
+        | {f: [x["background"][key][f] for x in rounds] for f in ("next_step_vs_alone", "copied_by_writer")}
+        for key, what in BACKGROUND_MODES}
+    return out
+
+
+def _remove(live: _Live | None, scratch: str, root: str | None) -> None:
+    """Close the store, remove the scratch directory, and root when given and left empty."""
+    if live is not None:
+        live.store.close()
+    shutil.rmtree(scratch, ignore_errors=True)
+    if root is not None:
+        try:
+            os.rmdir(root)
+        except OSError:
+            pass
 
 
 def report(r: dict) -> None:

@@ -1,9 +1,15 @@
-"""Helpers every benchmark shares: counts, medians, progress lines, a synthetic forward/backward, and
-the standalone entry point. The benchmark modules import this one and nothing of each other's."""
+"""Helpers every benchmark shares: counts, medians, progress lines, the device and machine a run reports,
+a synthetic forward/backward, the JSON results file, and the standalone entry point. The benchmark modules
+import this one and nothing of each other's."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import math
+import os
+import platform
 import sys
 import time
 
@@ -18,6 +24,22 @@ def parse_count(text: str) -> int:
     return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
+def number_arg(kind, what: str, low: float = 0.0, inclusive: bool = False):
+    """An argparse type: a finite number > low (>= low when inclusive); the error says what to give."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; give {what}") from None
+        ok = math.isfinite(value) and (value >= low if inclusive else value > low)
+        if not ok:
+            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low:g}, got {text}; give {what}")
+        return value
+
+    return parse
+
+
 def median(xs):
     xs = sorted(xs)
     return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
@@ -29,6 +51,32 @@ class Progress:
 
     def __call__(self, msg: str) -> None:
         print(f"[bench {time.perf_counter() - self.t0:7.1f}s] {msg}", flush=True)
+
+
+def log_store_lines(quiet: bool) -> None:
+    """The store's own INFO lines (per step, per save) beside the bench's, unless --quiet."""
+    if not quiet:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def one_device(device: torch.device) -> torch.device:
+    """`cuda` as the current CUDA device by index, so that memory stats and the name are of that one."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def machine(device: torch.device) -> dict:
+    """What the results were measured on."""
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "cpus": os.cpu_count()}
+
+
+def write_json(path: str | None, results: dict, say) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        say(f"wrote {path}")
 
 
 def sync_device(device: torch.device) -> None:

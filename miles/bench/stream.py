@@ -27,11 +27,9 @@ memory peak of the pipelined step is printed beside the store's documented resid
 from __future__ import annotations
 
 import argparse
-import json
-import logging
+import contextlib
 import math
 import os
-import platform
 import sys
 import time
 
@@ -41,7 +39,8 @@ from miles.sizing.model_params import STAND_IN_TENSORS, stand_in_numels
 from miles_plugins.optimizers.streaming.config import DEFAULT_CHUNK_MB, DEFAULT_DEPTH, DEFAULT_IO_THREADS, MOMENT_DTYPES
 from miles_plugins.optimizers.streaming.units import GB, MiB
 
-from .common import FwdBwd, Progress, median, parse_count, run_standalone, sync_device
+from .common import (FwdBwd, Progress, log_store_lines, machine, median, number_arg, one_device, parse_count,
+                     run_standalone, sync_device, write_json)
 from .floor import raw_floor
 
 
@@ -55,21 +54,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default="miles-bench-stream", help="directory on the disk under test (created; "
                    "the bench's files are removed at the end)")
     p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--buckets", type=int, default=None, help="sets bucket_numel to params / N (the store then cuts at "
+    p.add_argument("--buckets", type=number_arg(int, "a bucket count, e.g. 8"), default=None, help="sets bucket_numel to params / N (the store then cuts at "
                    "least N buckets: more where a tensor straddles a bucket's end; default: the store fits "
                    "bucket_numel to the device budget)")
-    p.add_argument("--bucket-numel", type=int, default=None, help="element budget per bucket (overrides --buckets)")
-    p.add_argument("--device-budget-mb", type=int, default=None, help="the store's device budget, MiB (default: "
+    p.add_argument("--bucket-numel", type=number_arg(int, "an element count, e.g. 25000000"), default=None, help="element budget per bucket (overrides --buckets)")
+    p.add_argument("--device-budget-mb", type=number_arg(int, "MiB, e.g. 2048"), default=None, help="the store's device budget, MiB (default: "
                    "one bucket of the default element budget); bucket size and depth are fitted to it unless given")
-    p.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_MB, help="the store's host staging chunk, MiB")
-    p.add_argument("--depth", type=int, default=None, help=f"read-ahead depth (default: the deepest up to "
+    p.add_argument("--chunk-mb", type=number_arg(int, "MiB, e.g. 64"), default=DEFAULT_CHUNK_MB, help="the store's host staging chunk, MiB")
+    p.add_argument("--depth", type=number_arg(int, "a read-ahead depth, e.g. 2", inclusive=True), default=None, help=f"read-ahead depth (default: the deepest up to "
                    f"{DEFAULT_DEPTH} that the device budget allows)")
-    p.add_argument("--io-threads", type=int, default=DEFAULT_IO_THREADS, help="the store's reader and writer threads, each")
+    p.add_argument("--io-threads", type=number_arg(int, "a thread count, e.g. 2"), default=DEFAULT_IO_THREADS, help="the store's reader and writer threads, each")
     p.add_argument("--direct", choices=["auto", "on", "off"], default="auto", help="O_DIRECT for the floor and "
                    "the pipelined engine")
-    p.add_argument("--repeat", type=int, default=1, help="rounds of (floors, sync step, pipelined step) and "
+    p.add_argument("--repeat", type=number_arg(int, "a round count, e.g. 3"), default=1, help="rounds of (floors, sync step, pipelined step) and "
                    "measured iterations per exposed-I/O mode; medians are reported")
-    p.add_argument("--fwd-bwd-seconds", type=float, default=None, help="synthetic forward/backward before each "
+    p.add_argument("--fwd-bwd-seconds", type=number_arg(float, "seconds, e.g. 2.5", inclusive=True), default=None, help="synthetic forward/backward before each "
                    "step of the exposed-I/O runs (default: the floor's time to read a step's bytes)")
     p.add_argument("--fwd-bwd", choices=["auto", "matmul", "sleep"], default="auto", help="what the synthetic "
                    "forward/backward does (auto: bf16 matmuls on CUDA, sleep on CPU, where it stands for device "
@@ -107,7 +106,7 @@ def make_state(total: int, device: torch.device, tensors: int = STAND_IN_TENSORS
     return model, masters
 
 
-def adamw(params, device):
+def adamw(params):
     kwargs = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)
     try:
         return torch.optim.AdamW(params, fused=True, **kwargs)
@@ -115,32 +114,49 @@ def adamw(params, device):
         return torch.optim.AdamW(params, **kwargs)
 
 
+DIRECT_IO = {"auto": None, "on": True, "off": False}  # --direct as the store's direct_io
+FLOOR_ORDERS = (("concurrent", True), ("sequential", False))
+
+
 # ---- the run ------------------------------------------------------------------------------------------
 def run(args) -> int:
-    from miles_plugins.optimizers.nvme_stream import NVMeOptimizerStateStore, StreamConfig, StreamEntry
-    from miles_plugins.optimizers.streaming.io.stager import Stager
-
-    if not args.quiet:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_store_lines(args.quiet)
     say = Progress()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cuda = device.type == "cuda"
-    if cuda and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = one_device(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     total = parse_count(args.params)
-    bucket_numel = args.bucket_numel or (math.ceil(total / args.buckets) if args.buckets else None)
-    direct = {"auto": None, "on": True, "off": False}[args.direct]
     root = os.path.abspath(args.dir)
     os.makedirs(root, exist_ok=True)
-    results: dict = {"args": vars(args) | {"func": None}, "params": total,
-                     "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
-                     "torch": torch.__version__, "cpus": os.cpu_count(), "dir": root}
+    results: dict = {"args": vars(args) | {"func": None}, "params": total} | machine(device) | {"dir": root}
     say(f"{total / 1e9:.3f}B params on {device} ({results['device']}), moments {args.moment_dtype}, in {root}; "
         f"chunk {args.chunk_mb} MiB")
-
-    # 1. resident step ------------------------------------------------------------------------------
     model, masters = make_state(total, device)
-    opt = adamw(masters, device)
+    results["resident_step_seconds"] = resident = resident_step(masters, device)
+    say(f"resident optimizer step: {resident:.3f} s")
+    store = build_store(args, total, root, model, masters, say)
+    results |= {"state_bytes": store.stats.state_bytes, "bucket_numel": store.bucket_numel, "depth": store.depth,
+                "device_budget_bytes": store.stats.device_budget_bytes}
+    try:
+        create_moments(store, say)
+        results["direct_io"] = store.direct_io
+        results |= measure_rounds(args, store, os.path.join(root, "floor.scratch"), device, say)
+        if not args.skip_exposed:
+            results["exposed"] = measure_exposed(args, store, device, resident, results["floor"], say)
+        store.flush()
+    finally:
+        store.close()
+        try:
+            os.rmdir(root)
+        except OSError:
+            pass
+    report(results, say)
+    write_json(args.json, results, say)
+    return 0
+
+
+# ---- setup: the resident step and the store -----------------------------------------------------------
+def resident_step(masters, device: torch.device) -> float:
+    """Seconds of an in-memory AdamW step over the masters: the median of 3, after one that creates the moments."""
+    opt = adamw(masters)
     opt.step()  # creates the moments
     sync_device(device)
     times = []
@@ -149,183 +165,220 @@ def run(args) -> int:
         opt.step()
         sync_device(device)
         times.append(time.perf_counter() - t0)
-    resident = median(times)
-    del opt
-    results["resident_step_seconds"] = resident
-    say(f"resident optimizer step: {resident:.3f} s")
+    return median(times)
 
-    # 2. the store (pipelined), step 1 (reads mains only) --------------------------------------------
+
+def build_store(args, total: int, root: str, model, masters, say):
+    """The pipelined store over the masters (mains written; moments not yet created)."""
+    from miles_plugins.optimizers.nvme_stream import NVMeOptimizerStateStore, StreamConfig, StreamEntry
+
+    bucket_numel = args.bucket_numel or (math.ceil(total / args.buckets) if args.buckets else None)
     entries = [StreamEntry(main=m, group=0, model_view=p.view(-1)) for m, p in zip(masters, model)]
     t0 = time.perf_counter()
     config = StreamConfig(dir=root, chunk_mb=args.chunk_mb, bucket_numel=bucket_numel, rank=0, io_engine="pipelined",
-                          depth=args.depth, io_threads=args.io_threads, direct_io=direct,
+                          depth=args.depth, io_threads=args.io_threads, direct_io=DIRECT_IO[args.direct],
                           moment_dtype=args.moment_dtype, device_budget_mb=args.device_budget_mb)
-    store = NVMeOptimizerStateStore(entries, adamw(masters, device), config)
-    results |= {"state_bytes": store.stats.state_bytes, "bucket_numel": store.bucket_numel, "depth": store.depth,
-                "device_budget_bytes": store.stats.device_budget_bytes}
+    store = NVMeOptimizerStateStore(entries, adamw(masters), config)
     say(f"store built in {time.perf_counter() - t0:.1f} s (mains written): {store.stats.num_buckets} buckets of "
         f"<= {store.bucket_numel / 1e6:.1f}M elements, depth {store.depth}, {store.stats.state_bytes / GB:.2f} GB; "
         f"device budget {store.stats.device_budget_bytes / GB:.3f} GB")
-    files = [b.file for b in store.buckets]
-    scratch_path = os.path.join(root, "floor.scratch")
-    try:
-        t0 = time.perf_counter()
-        store.step()
-        store.flush()
-        say(f"step 1 (mains only, moments created): {time.perf_counter() - t0:.1f} s")
-        direct_used = store.direct_io
-        results["direct_io"] = direct_used
+    return store
 
-        # 3. the raw disk floor -----------------------------------------------------------------------
-        ranges = [(b.file.path, b.layout.segments[n].offset, b.layout.segments[n].nbytes)
-                  for b in store.buckets for n in b.segment_names]
-        step_read = sum(n for _, _, n in ranges)
-        scratch = Stager.create_file(scratch_path, -(-step_read // 4096) * 4096)
-        Stager.close_descriptors(scratch)
-        floor_runs: dict[str, list[dict]] = {}
-        step_runs: dict[str, list[dict]] = {}
-        engines = []
-        if not args.only_exposed:
-            if not args.skip_sync:
-                engines.append(("sync", "the seed's path: synchronous, buffered, one staging buffer",
-                                dict(io_engine="sync", verify=False)))
-            engines.append(("pipelined", f"depth {store.depth}, {args.io_threads}+{args.io_threads} I/O threads, "
-                            f"{'O_DIRECT' if direct_used else 'buffered'}",
-                            dict(io_engine="pipelined", depth=args.depth, write_behind=True, io_threads=args.io_threads,
-                                 direct_io=direct, host_cache_mb=0, verify=False)))
-            if args.verify:
-                engines.append(("pipelined+verify", "the same with verify on: crc32 per chunk written and read",
-                                engines[-1][2] | dict(verify=True)))
 
-        def floor_once(concurrent):
-            label = "concurrent" if concurrent else "sequential"
-            say(f"raw disk floor ({label}): reading {step_read / GB:.2f} GB and writing as many ...")
-            f = raw_floor(ranges, scratch_path, step_read, args.chunk_mb * MiB, threads=args.io_threads,
-                          direct=direct is not False, concurrent=concurrent)
-            floor_runs.setdefault(label, []).append(f)
-            extra = (f" (reads {f['read_seconds']:.2f} s, writes {f['write_seconds']:.2f} s)"
-                     if f["read_seconds"] is not None else "")
-            say(f"  {f['seconds']:.2f} s, {2 * step_read / GB / f['seconds']:.2f} GB/s{extra}, "
-                f"{'O_DIRECT' if f['direct'] else 'buffered'}")
+def create_moments(store, say) -> None:
+    t0 = time.perf_counter()
+    store.step()
+    store.flush()
+    say(f"step 1 (mains only, moments created): {time.perf_counter() - t0:.1f} s")
 
-        def step_once(label, what, io):
-            say(f"{label} engine ({what}) ...")
-            turned_on = io["verify"] and not store.config.verify
-            store.set_io(**io)
-            if turned_on:  # verify checks what later writes record: this step's, so the measured reads are checked
-                store.step()
-            store.flush()
-            store.stager.drop_page_cache(files)
-            store.reset_stats()
-            if cuda:
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-                base = torch.cuda.memory_allocated(device)
-            t0 = time.perf_counter()
-            s = store.step()
-            returned = time.perf_counter() - t0
-            run = {"returned": returned, "bytes": s.bytes_read + s.bytes_written,
-                   "peak_resident_bytes": store.stats.peak_resident_bytes,
-                   "residency_bound_bytes": store.stats.residency_bound_bytes}
-            if cuda:
-                run["device_peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
-            store.flush()
-            store.stager.drop_page_cache(files)  # fdatasync: buffered writes must reach the disk too
-            run["wall"] = time.perf_counter() - t0
-            step_runs.setdefault(label, []).append(run)
-            say(f"  {label} step {store.stats.steps}: {run['wall']:.2f} s end to end (returned after "
-                f"{returned:.2f} s; read {s.bytes_read / GB:.2f} GB, wrote {s.bytes_written / GB:.2f} GB)")
 
-        # The disk's speed drifts over minutes on shared hosts: every round measures the floors and each
-        # engine back to back, and ratios are also taken within each round.
-        rounds = 0 if args.only_exposed else args.repeat
+# ---- the rounds: the raw disk floors and the engines --------------------------------------------------
+def measure_rounds(args, store, scratch_path: str, device: torch.device, say) -> dict:
+    """{"floor": ..., engine label: ...}. The disk's speed drifts over minutes on shared hosts: every round
+    measures the floors and each engine back to back, and ratios are also taken within each round."""
+    ranges = floor_ranges(store)
+    step_read = sum(n for _, _, n in ranges)
+    arms = [] if args.only_exposed else engine_arms(args, store)
+    rounds = 0 if args.only_exposed else args.repeat
+    floor_runs: dict[str, list[dict]] = {}
+    step_runs: dict[str, list[dict]] = {}
+    with scratch_file(scratch_path, step_read):
         for r in range(rounds):
             if rounds > 1:
                 say(f"round {r + 1} of {rounds}")
-            for concurrent in (True, False):
-                floor_once(concurrent)
-            for label, what, io in engines:
-                step_once(label, what, io)
-        os.remove(scratch_path)
-        floors = {label: runs[-1] | {"seconds": median([f["seconds"] for f in runs]),
-                                     "all_seconds": [f["seconds"] for f in runs]}
-                  for label, runs in floor_runs.items()}
-        floor = min((f["seconds"] for f in floors.values()), default=float("nan"))
-        results["floor"] = floors | {"best_seconds": floor, "bytes": 2 * step_read}
-        round_floors = [min(runs[r]["seconds"] for runs in floor_runs.values()) for r in range(rounds)]
-        for label, runs in step_runs.items():
-            results[label] = {"seconds": median([x["wall"] for x in runs]),
-                              "returned_seconds": median([x["returned"] for x in runs]),
-                              "all_seconds": [x["wall"] for x in runs], "bytes": runs[-1]["bytes"],
-                              "x_floor_by_round": [x["wall"] / f for x, f in zip(runs, round_floors)],
-                              "peak_resident_bytes": max(x["peak_resident_bytes"] for x in runs),
-                              "residency_bound_bytes": runs[-1]["residency_bound_bytes"]}
-            if cuda:
-                results[label]["device_peak_bytes"] = max(x["device_peak_bytes"] for x in runs)
-        if "sync" in step_runs and "pipelined" in step_runs:
-            results["pipelined"]["speedup_vs_sync_by_round"] = [
-                s["wall"] / p["wall"] for s, p in zip(step_runs["sync"], step_runs["pipelined"])]
-        if "pipelined+verify" in step_runs:
-            results["pipelined+verify"]["x_pipelined_by_round"] = [
-                v["wall"] / p["wall"] for v, p in zip(step_runs["pipelined+verify"], step_runs["pipelined"])]
+            for label, concurrent in FLOOR_ORDERS:
+                floor_runs.setdefault(label, []).append(floor_once(args, ranges, scratch_path, label, concurrent, say))
+            for label, what, io in arms:
+                step_runs.setdefault(label, []).append(step_once(store, label, what, io, device, say))
+    return {"floor": floor_summary(floor_runs, step_read)} | engine_summary(step_runs, floor_runs,
+                                                                           device.type == "cuda")
 
-        # 6. exposed I/O with a synthetic forward/backward --------------------------------------------
-        if not args.skip_exposed:
-            fwd_bwd = FwdBwd(device, args.fwd_bwd)
-            seconds = args.fwd_bwd_seconds
-            if seconds is None:
-                if "sequential" not in floors:
-                    raise SystemExit("--only-exposed needs --fwd-bwd-seconds")
-                seconds = floors["sequential"]["read_seconds"]
-            modes = [("plain", "no read-ahead, write-back waited in the step", dict(write_behind=False, host_cache_mb=0), False),
-                     ("ahead+behind", "read-ahead (prefetch) + write-behind", dict(write_behind=True, host_cache_mb=0), True)]
-            for fraction in (float(x) for x in args.host_cache_fractions.split(",") if x.strip()):
-                # of the files' bytes (segments are 4 KiB aligned), so that 1 caches every bucket
-                cache_mb = math.ceil(fraction * sum(f.nbytes for f in files) / MiB)
-                modes.append((f"ahead+behind+cache{fraction:g}", f"+ host cache {cache_mb / 1024:.2f} GiB = {fraction:g} "
-                              "of the state", dict(write_behind=True, host_cache_mb=cache_mb), True))
-            results["exposed"] = {"fwd_bwd_seconds": seconds, "fwd_bwd_kind": fwd_bwd.kind, "modes": {}}
-            for name, what, io, prefetch in modes:
-                say(f"exposed I/O, {name} ({what}); forward/backward {seconds:.2f} s ({fwd_bwd.kind}) ...")
-                store.set_io(io_engine="pipelined", depth=args.depth, io_threads=args.io_threads, direct_io=direct,
-                             verify=False, **io)
-                store.stager.drop_page_cache(files)
-                rows = []
-                for it in range(1 + args.repeat):  # the first iteration fills the pipeline
-                    t_it = time.perf_counter()
-                    started = store.prefetch() if prefetch else 0
-                    fb = fwd_bwd(seconds)
-                    t0 = time.perf_counter()
-                    s = store.step()
-                    wall = time.perf_counter() - t0
-                    rows.append({"fwd_bwd": fb, "step": wall, "exposed": wall - resident, "prefetch_started": started,
-                                 "iteration": time.perf_counter() - t_it, "disk_read": s.disk_bytes_read,
-                                 "cache_read": s.cache_bytes_read, "reused": s.reused_bytes,
-                                 "pending_writes": s.pending_writes})
-                    say(f"  iteration {it + 1}: forward/backward {fb:.2f} s, step {wall:.2f} s (exposed "
-                        f"{wall - resident:.2f} s); disk read {s.disk_bytes_read / GB:.2f} GB, host cache "
-                        f"{s.cache_bytes_read / GB:.2f} GB, still resident {s.reused_bytes / GB:.2f} GB, "
-                        f"{s.pending_writes} writes behind")
-                measured = rows[1:]
-                results["exposed"]["modes"][name] = {
-                    "what": what, "rows": rows, "step_seconds": median([r["step"] for r in measured]),
-                    "exposed_seconds": median([r["exposed"] for r in measured]),
-                    "iteration_seconds": median([r["iteration"] for r in measured])}
-            store.flush()
+
+def floor_ranges(store) -> list[tuple[str, int, int]]:
+    """(path, offset, nbytes) of every bucket segment: the bytes a step reads."""
+    return [(b.file.path, b.layout.segments[n].offset, b.layout.segments[n].nbytes)
+            for b in store.buckets for n in b.segment_names]
+
+
+@contextlib.contextmanager
+def scratch_file(path: str, nbytes: int):
+    """The floor writes as many bytes as a step reads into this file beside the store's: preallocated
+    (rounded up to 4 KiB), and removed afterwards, also on error."""
+    from miles_plugins.optimizers.streaming.io.stager import Stager
+
+    try:
+        Stager.close_descriptors(Stager.create_file(path, -(-nbytes // 4096) * 4096))
+        yield
     finally:
-        store.close()
-        if os.path.exists(scratch_path):
-            os.remove(scratch_path)
-        try:
-            os.rmdir(root)
-        except OSError:
-            pass
-    report(results, say)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1, default=str)
-        say(f"wrote {args.json}")
-    return 0
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def engine_arms(args, store) -> list[tuple[str, str, dict]]:
+    """(label, what, store.set_io arguments) of each engine measured in the rounds."""
+    arms = []
+    if not args.skip_sync:
+        arms.append(("sync", "the seed's path: synchronous, buffered, one staging buffer",
+                     dict(io_engine="sync", verify=False)))
+    arms.append(("pipelined", f"depth {store.depth}, {args.io_threads}+{args.io_threads} I/O threads, "
+                 f"{'O_DIRECT' if store.direct_io else 'buffered'}",
+                 dict(io_engine="pipelined", depth=args.depth, write_behind=True, io_threads=args.io_threads,
+                      direct_io=DIRECT_IO[args.direct], host_cache_mb=0, verify=False)))
+    if args.verify:
+        arms.append(("pipelined+verify", "the same with verify on: crc32 per chunk written and read",
+                     arms[-1][2] | dict(verify=True)))
+    return arms
+
+
+def floor_once(args, ranges, scratch_path: str, label: str, concurrent: bool, say) -> dict:
+    step_read = sum(n for _, _, n in ranges)
+    say(f"raw disk floor ({label}): reading {step_read / GB:.2f} GB and writing as many ...")
+    f = raw_floor(ranges, scratch_path, step_read, args.chunk_mb * MiB, threads=args.io_threads,
+                  direct=DIRECT_IO[args.direct] is not False, concurrent=concurrent)
+    extra = (f" (reads {f['read_seconds']:.2f} s, writes {f['write_seconds']:.2f} s)"
+             if f["read_seconds"] is not None else "")
+    say(f"  {f['seconds']:.2f} s, {2 * step_read / GB / f['seconds']:.2f} GB/s{extra}, "
+        f"{'O_DIRECT' if f['direct'] else 'buffered'}")
+    return f
+
+
+def step_once(store, label: str, what: str, io: dict, device: torch.device, say) -> dict:
+    """One engine step from cold files, timed until every write is in the files."""
+    say(f"{label} engine ({what}) ...")
+    files = [b.file for b in store.buckets]
+    cuda = device.type == "cuda"
+    turned_on = io["verify"] and not store.config.verify
+    store.set_io(**io)
+    if turned_on:  # verify checks what later writes record: this step's, so the measured reads are checked
+        store.step()
+    store.flush()
+    store.stager.drop_page_cache(files)
+    store.reset_stats()
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    t0 = time.perf_counter()
+    s = store.step()
+    returned = time.perf_counter() - t0
+    result = {"returned": returned, "bytes": s.bytes_read + s.bytes_written,
+              "peak_resident_bytes": store.stats.peak_resident_bytes,
+              "residency_bound_bytes": store.stats.residency_bound_bytes}
+    if cuda:
+        result["device_peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
+    store.flush()
+    store.stager.drop_page_cache(files)  # fdatasync: buffered writes must reach the disk too
+    result["wall"] = time.perf_counter() - t0
+    say(f"  {label} step {store.stats.steps}: {result['wall']:.2f} s end to end (returned after "
+        f"{returned:.2f} s; read {s.bytes_read / GB:.2f} GB, wrote {s.bytes_written / GB:.2f} GB)")
+    return result
+
+
+def floor_summary(floor_runs: dict[str, list[dict]], step_read: int) -> dict:
+    floors = {label: runs[-1] | {"seconds": median([f["seconds"] for f in runs]),
+                                 "all_seconds": [f["seconds"] for f in runs]}
+              for label, runs in floor_runs.items()}
+    best = min((f["seconds"] for f in floors.values()), default=float("nan"))
+    return floors | {"best_seconds": best, "bytes": 2 * step_read}
+
+
+def engine_summary(step_runs: dict[str, list[dict]], floor_runs: dict[str, list[dict]], cuda: bool) -> dict:
+    """Per engine: medians, and the ratios within each round (to that round's best floor, sync, verify off)."""
+    round_floors = [min(f["seconds"] for f in fs) for fs in zip(*floor_runs.values())]
+    out = {}
+    for label, runs in step_runs.items():
+        out[label] = {"seconds": median([x["wall"] for x in runs]),
+                      "returned_seconds": median([x["returned"] for x in runs]),
+                      "all_seconds": [x["wall"] for x in runs], "bytes": runs[-1]["bytes"],
+                      "x_floor_by_round": [x["wall"] / f for x, f in zip(runs, round_floors)],
+                      "peak_resident_bytes": max(x["peak_resident_bytes"] for x in runs),
+                      "residency_bound_bytes": runs[-1]["residency_bound_bytes"]}
+        if cuda:
+            out[label]["device_peak_bytes"] = max(x["device_peak_bytes"] for x in runs)
+    if "sync" in step_runs and "pipelined" in step_runs:
+        out["pipelined"]["speedup_vs_sync_by_round"] = [
+            s["wall"] / p["wall"] for s, p in zip(step_runs["sync"], step_runs["pipelined"])]
+    if "pipelined+verify" in step_runs:
+        out["pipelined+verify"]["x_pipelined_by_round"] = [
+            v["wall"] / p["wall"] for v, p in zip(step_runs["pipelined+verify"], step_runs["pipelined"])]
+    return out
+
+
+# ---- exposed I/O with a synthetic forward/backward ----------------------------------------------------
+def measure_exposed(args, store, device: torch.device, resident: float, floors: dict, say) -> dict:
+    fwd_bwd = FwdBwd(device, args.fwd_bwd)
+    seconds = args.fwd_bwd_seconds
+    if seconds is None:
+        if "sequential" not in floors:
+            raise SystemExit("--only-exposed needs --fwd-bwd-seconds")
+        seconds = floors["sequential"]["read_seconds"]
+    files = [b.file for b in store.buckets]
+    exposed = {"fwd_bwd_seconds": seconds, "fwd_bwd_kind": fwd_bwd.kind, "modes": {}}
+    for name, what, io, prefetch in exposed_modes(args.host_cache_fractions, files):
+        say(f"exposed I/O, {name} ({what}); forward/backward {seconds:.2f} s ({fwd_bwd.kind}) ...")
+        store.set_io(io_engine="pipelined", depth=args.depth, io_threads=args.io_threads,
+                     direct_io=DIRECT_IO[args.direct], verify=False, **io)
+        store.stager.drop_page_cache(files)
+        rows = [exposed_iteration(store, fwd_bwd, seconds, prefetch, resident, it, say)
+                for it in range(1 + args.repeat)]
+        measured = rows[1:]  # the first iteration fills the pipeline
+        exposed["modes"][name] = {
+            "what": what, "rows": rows, "step_seconds": median([r["step"] for r in measured]),
+            "exposed_seconds": median([r["exposed"] for r in measured]),
+            "iteration_seconds": median([r["iteration"] for r in measured])}
+    return exposed
+
+
+def exposed_modes(host_cache_fractions: str, files) -> list[tuple[str, str, dict, bool]]:
+    """(name, what, store.set_io arguments, whether to prefetch) of runs (a), (b) and each (c)."""
+    modes = [("plain", "no read-ahead, write-back waited in the step", dict(write_behind=False, host_cache_mb=0),
+              False),
+             ("ahead+behind", "read-ahead (prefetch) + write-behind", dict(write_behind=True, host_cache_mb=0), True)]
+    for fraction in (float(x) for x in host_cache_fractions.split(",") if x.strip()):
+        # of the files' bytes (segments are 4 KiB aligned), so that 1 caches every bucket
+        cache_mb = math.ceil(fraction * sum(f.nbytes for f in files) / MiB)
+        modes.append((f"ahead+behind+cache{fraction:g}", f"+ host cache {cache_mb / 1024:.2f} GiB = {fraction:g} "
+                      "of the state", dict(write_behind=True, host_cache_mb=cache_mb), True))
+    return modes
+
+
+def exposed_iteration(store, fwd_bwd: FwdBwd, seconds: float, prefetch: bool, resident: float, it: int,
+                      say) -> dict:
+    """Prefetch (if asked), the synthetic forward/backward, the step: iteration `it` of one mode."""
+    t_it = time.perf_counter()
+    started = store.prefetch() if prefetch else 0
+    fb = fwd_bwd(seconds)
+    t0 = time.perf_counter()
+    s = store.step()
+    wall = time.perf_counter() - t0
+    row = {"fwd_bwd": fb, "step": wall, "exposed": wall - resident, "prefetch_started": started,
+           "iteration": time.perf_counter() - t_it, "disk_read": s.disk_bytes_read,
+           "cache_read": s.cache_bytes_read, "reused": s.reused_bytes, "pending_writes": s.pending_writes}
+    say(f"  iteration {it + 1}: forward/backward {fb:.2f} s, step {wall:.2f} s (exposed "
+        f"{wall - resident:.2f} s); disk read {s.disk_bytes_read / GB:.2f} GB, host cache "
+        f"{s.cache_bytes_read / GB:.2f} GB, still resident {s.reused_bytes / GB:.2f} GB, "
+        f"{s.pending_writes} writes behind")
+    return row
 
 
 def report(r: dict, say) -> None:

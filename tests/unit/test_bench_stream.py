@@ -4,6 +4,8 @@ measured (rounds, ratios, bytes), and it leaves nothing behind in its directory.
 import json
 import os
 
+import pytest
+
 from miles.bench.common import median
 from miles.bench.stream import main
 
@@ -66,3 +68,17 @@ def test_bench_with_fp8_moments_streams_half_the_bytes(tmp_path, capsys):
     moved = r["pipelined"]["bytes"] / 2
     assert 6 * r["params"] <= moved < 6.1 * r["params"] and r["state_bytes"] >= moved
     assert "fp8e4m3 moments" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--repeat", "0"], "argument --repeat: must be > 0, got 0; give a round count"),
+    (["--buckets", "0"], "argument --buckets: must be > 0, got 0"),
+    (["--depth", "-1"], "argument --depth: must be >= 0, got -1"),
+    (["--fwd-bwd-seconds", "nan"], "argument --fwd-bwd-seconds: must be >= 0, got nan"),
+    (["--io-threads", "two"], "argument --io-threads: 'two' is not a number"),
+])
+def test_bad_arguments_say_which_value_and_what_to_give(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
