@@ -45,7 +45,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .common import Progress, run_standalone
+from .common import Progress, run_standalone, write_json
 from .megatron_report import compare_saved, ratios, report
 
 NAME, HELP = "megatron", "Megatron's resident optimizer vs its CPU offload vs the store, one model, one GPU"
@@ -261,10 +261,7 @@ def run(args) -> int:
     results["ratios"] = ratios(results)
     results["report"] = report(results)
     print(results["report"], flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1, default=str)
-        say(f"wrote {args.json}")
+    write_json(args.json, results, say)
     failed = [n for n, r in results["arms"].items() if not r.get("ok") and n != "cpu-offload"]
     return 1 if failed else 0
 

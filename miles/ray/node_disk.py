@@ -69,13 +69,14 @@ def per_rank_disk_bytes(cfg: RunConfig, model: ModelTensors) -> int:
         return 0
     n = cfg.cluster.num_train_ranks
     offload = cfg.offload
-    bucket_numel = cfg.optimizer.stream_optimizer_state_bucket_numel  # None: the store fits it (at most the default)
+    # The stores as the run builds them: None leaves the bucket size (and the budget) to the store.
     training = Training(moment_dtype=cfg.optimizer.stream_optimizer_state_moment_dtype,
-                        **({} if bucket_numel is None else {"bucket_numel": bucket_numel}),
+                        bucket_numel=cfg.optimizer.stream_optimizer_state_bucket_numel,
                         offload_train_to_disk=offload.offload_train and offload.offload_train_target == "disk",
                         stream_optimizer_state=cfg.optimizer.stream_optimizer_state_to_disk, checkpoint_copies=0)
     par = Parallelism(dp=n, ep=cfg.training.expert_model_parallel_size)
-    plan = estimate(model, par, Hardware(nodes=1, gpus_per_node=n), training)
+    budget_mb = cfg.optimizer.stream_optimizer_state_device_budget_mb
+    plan = estimate(model, par, Hardware(nodes=1, gpus_per_node=n, device_budget_mb=budget_mb), training)
     return sum(disk_bytes_per_rank(plan.binding, training).values())
 
 

@@ -19,7 +19,7 @@ MAX_EXPERTS = 10_000  # routed experts per layer
 # planning them takes ~10 us each, so a plan at the bound takes seconds.
 MAX_TENSORS = 250_000
 # Buckets planned over the ranks of one plan (one rank per pipeline stage, two stores each; GLM-5 on
-# PP4: 511), ~20 us each.
+# PP4 with the default device budget: 2560), ~20 us each.
 MAX_BUCKETS = 100_000
 MAX_PARALLEL = 10**6  # TP, DP, EP or ETP size
 MAX_JSON_BYTES = 4 << 20  # a --config or --from-bench file

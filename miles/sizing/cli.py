@@ -19,7 +19,7 @@ import sys
 from typing import Callable, Optional
 
 from miles.cli import DefaultsHelpFormatter
-from miles_plugins.optimizers.streaming.config import MOMENT_DTYPES
+from miles_plugins.optimizers.streaming.config import DEFAULT_BUCKET_NUMEL, MOMENT_DTYPES
 
 from .bounds import (BUCKET_NUMEL, CHECKPOINT_COPIES, HARDWARE, MAX_JSON_BYTES, PARALLEL_SIZE, PARAMS, PIPELINE_SIZE,
                      TIMING, Bound, PlanInputError, check_bound, shown, shown_path)
@@ -114,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("disk-gb", "node-local disk capacity, GB (default: not checked)"),
             ("pcie-gbps", "host <-> GPU speed per direction, GB/s"),
             ("host-tier-gb", "host RAM per rank for hot buckets, GB"),
-            ("device-budget-mb", "GPU bytes the stores may hold, MB (default: what their depth holds)"),
+            ("device-budget-mb", "GPU memory a store may hold while it steps, MiB, as "
+                                 "--stream-optimizer-state-device-budget-mb (default: the store's, what one bucket "
+                                 f"of {short_decimal(DEFAULT_BUCKET_NUMEL / 1e6)}M elements needs)"),
             ("reserve-gb", "HBM kept for activations etc., GB (default: 10%% of HBM)")):
         field = flag.replace("-", "_")
         bound = HARDWARE[field]
@@ -127,8 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--moment-dtype", choices=MOMENT_DTYPES, default=Training.moment_dtype,
                    help="storage of the Adam moments in the streamed files")
     t.add_argument("--bucket-numel", type=count_flag(BUCKET_NUMEL), default=Training.bucket_numel,
-                   help=f"elements per bucket, e.g. 62.5M (default: the store's, "
-                   f"{short_decimal(Training.bucket_numel / 1e6)}M)")
+                   help="elements per bucket, e.g. 62.5M, used as given: it must fit the device budget (default: "
+                   f"let the store fit it to the device budget, at most {short_decimal(DEFAULT_BUCKET_NUMEL / 1e6)}M, "
+                   "as the store does when --stream-optimizer-state-bucket-numel is not given)")
     t.add_argument("--grad-dtype", choices=sorted(GRAD_BYTES), default=Training.grad_dtype,
                    help="Megatron DDP grad buffer dtype")
     t.add_argument("--no-offload-train-to-disk", action="store_true",

@@ -17,12 +17,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from miles_plugins.optimizers.streaming.config import DEFAULT_BUCKET_NUMEL, DEFAULT_DEPTH, MOMENT_DTYPES
+from miles_plugins.optimizers.nvme_stream import StoreConfigError
+from miles_plugins.optimizers.streaming.config import DEFAULT_BUCKET_NUMEL, MOMENT_DTYPES
+from miles_plugins.optimizers.streaming.footprint import StoreFootprint, smallest_bucket_numel
+from miles_plugins.optimizers.streaming.units import MiB
 
 from .bounds import BUCKET_NUMEL, CHECKPOINT_COPIES, HARDWARE, MAX_BUCKETS, PlanInputError, check_bounds
 from .model_params import ModelTensors
 from .sharding import Parallelism, RankShard, check_parallelism, rank_shards
-from .store_plan import FP32_BYTES, StorePlan, TierSplit, plan_store, split_by_host_tier
+from .store_plan import TierSplit, plan_store, split_by_host_tier
 
 GB = 1e9
 GIB = 2**30
@@ -62,7 +65,9 @@ class Hardware:
     disk_gb: Optional[float] = None  # node-local disk capacity, when it should be checked
     pcie_gbps: float = 50.0  # pinned host <-> GPU, each direction (measured 51-55 GB/s)
     host_tier_gb: float = 0.0  # host RAM per rank holding hot buckets (--stream-optimizer-state-host-cache-mb)
-    device_budget_mb: Optional[float] = None  # store residency on the GPU; None: what its default depth holds
+    # the stores' device budget, MiB (--stream-optimizer-state-device-budget-mb); None: the store's default,
+    # one DEFAULT_BUCKET_NUMEL bucket in flight
+    device_budget_mb: Optional[float] = None
     reserve_gb: Optional[float] = None  # HBM kept for activations etc.; None: DEFAULT_RESERVE_FRACTION of HBM
 
     def __post_init__(self) -> None:
@@ -76,11 +81,17 @@ class Hardware:
     def reserve_bytes(self) -> float:
         return (self.reserve_gb if self.reserve_gb is not None else DEFAULT_RESERVE_FRACTION * self.hbm_gb) * GB
 
+    @property
+    def device_budget_bytes(self) -> Optional[int]:
+        return None if self.device_budget_mb is None else int(self.device_budget_mb * MiB)
+
 
 @dataclass(frozen=True)
 class Training:
     moment_dtype: str = "fp32"
-    bucket_numel: int = DEFAULT_BUCKET_NUMEL
+    # elements per bucket, used as given (--stream-optimizer-state-bucket-numel); None: the store fits it to its
+    # device budget, at most DEFAULT_BUCKET_NUMEL
+    bucket_numel: Optional[int] = None
     grad_dtype: str = "fp32"
     # The trainer's weights go to the disk while the rollout runs (its grads are dropped, not backed up)
     offload_train_to_disk: bool = True
@@ -108,11 +119,11 @@ class StageEstimate:
     weight_bytes: int
     grad_bytes: int
     resident_state_bytes: int  # Megatron's own fp32 state for the owned params
-    dense_store: StorePlan
-    expert_store: StorePlan
+    dense_store: StoreFootprint
+    expert_store: StoreFootprint
 
     @property
-    def stores(self) -> tuple[StorePlan, StorePlan]:
+    def stores(self) -> tuple[StoreFootprint, StoreFootprint]:
         return self.dense_store, self.expert_store
 
     @property
@@ -174,9 +185,18 @@ class Estimate:
     floors: Floors
 
 
-def _stage_estimate(shard: RankShard, training: Training) -> StageEstimate:
-    dense = plan_store(shard.dense_entries, training.moment_dtype, training.bucket_numel)
-    expert = plan_store(shard.expert_entries, training.moment_dtype, training.bucket_numel)
+def _store(entry_numels, training: Training, hw: Hardware) -> StoreFootprint:
+    """The store a run builds over these entries; SizingError where it would refuse to be built."""
+    try:
+        return plan_store(entry_numels, training.moment_dtype, training.bucket_numel, hw.device_budget_bytes)
+    except StoreConfigError as exc:
+        raise SizingError(f"the store would refuse this run: {exc} (miles plan takes the device budget as "
+                          "--device-budget-mb and the bucket size as --bucket-numel)") from None
+
+
+def _stage_estimate(shard: RankShard, training: Training, hw: Hardware) -> StageEstimate:
+    dense = _store(shard.dense_entries, training, hw)
+    expert = _store(shard.expert_entries, training, hw)
     return StageEstimate(
         stage=shard.stage, params_local=shard.local_params, dense_local=sum(shard.dense_local),
         expert_local=sum(shard.expert_local), params_owned=shard.owned_params,
@@ -185,20 +205,18 @@ def _stage_estimate(shard: RankShard, training: Training) -> StageEstimate:
         resident_state_bytes=RESIDENT_STATE_BYTES * shard.owned_params, dense_store=dense, expert_store=expert)
 
 
-def _store_device_bytes(stage: StageEstimate, hw: Hardware) -> int:
-    """GPU bytes the stores hold while stepping: the budget, or what the default depth keeps in flight.
-    The dense and expert stores step one after the other, so the larger of the two counts."""
-    if hw.device_budget_mb is not None:
-        return int(hw.device_budget_mb * 2**20)
-    per_bucket = 3 * FP32_BYTES  # main + two moments, decoded to fp32 on the device
-    return max(min(2 * DEFAULT_DEPTH + 1, s.num_buckets) * per_bucket * s.max_bucket_numel for s in stage.stores)
+def store_device_bytes(stage: StageEstimate) -> int:
+    """GPU bytes the stores hold while stepping: each store's residency bound (its buckets in flight at its
+    depth, within its device budget). The dense and expert stores step one after the other, so the larger
+    of the two counts."""
+    return max(s.residency_bound_bytes for s in stage.stores)
 
 
 def _fit(stage: StageEstimate, hw: Hardware) -> Fit:
     hbm, reserve = hw.hbm_gb * GB, hw.reserve_bytes
     base = stage.weight_bytes + stage.grad_bytes + reserve
     device = {"resident": base + stage.resident_state_bytes, "cpu-offload": base,
-              "streaming": base + _store_device_bytes(stage, hw), "weights+grads+reserve": base}
+              "streaming": base + store_device_bytes(stage), "weights+grads+reserve": base}
     host = {"cpu-offload": hw.gpus_per_node * CPU_OFFLOAD_RSS_FACTOR * stage.resident_state_bytes,
             "streaming": hw.gpus_per_node * hw.host_tier_gb * GB}
     ram = hw.host_ram_gb * GB
@@ -286,16 +304,25 @@ def check_inputs(par: Parallelism, hw: Hardware) -> None:
                           "to derive it) or the node count")
 
 
-def check_bucket_count(shards: list[RankShard], training: Training) -> None:
+def check_bucket_count(shards: list[RankShard], training: Training, hw: Hardware) -> None:
     """Refuse a bucket size that cuts the planned ranks' state into more buckets than the planner lays out
-    (counted from the element totals, before any bucket is planned)."""
-    at_least = sum(-(-sum(entries) // training.bucket_numel)
-                   for s in shards for entries in (s.dense_entries, s.expert_entries))
-    if at_least > MAX_BUCKETS:
-        raise SizingError(f"--bucket-numel {training.bucket_numel} cuts the optimizer state of the {len(shards)} "
-                          f"planned rank(s) (one per pipeline stage) into at least {at_least} buckets, over the "
-                          f"{MAX_BUCKETS} the planner lays out: raise --bucket-numel (the store's default is "
-                          f"{DEFAULT_BUCKET_NUMEL})")
+    (counted from the element totals, before any bucket is planned). Left to the store, the bucket size is
+    counted at its floor under the device budget (footprint.smallest_bucket_numel)."""
+    numel = (training.bucket_numel if training.bucket_numel is not None else
+             smallest_bucket_numel(training.moment_dtype, device_budget_bytes=hw.device_budget_bytes))
+    count = sum(-(-sum(entries) // numel) for s in shards for entries in (s.dense_entries, s.expert_entries))
+    if count <= MAX_BUCKETS:
+        return
+    state = f"the optimizer state of the {len(shards)} planned rank(s) (one per pipeline stage)"
+    if training.bucket_numel is not None:
+        raise SizingError(f"--bucket-numel {numel} cuts {state} into at least {count} buckets, over the {MAX_BUCKETS} "
+                          "the planner lays out: raise --bucket-numel, or leave it out (the store then fits it to "
+                          f"the device budget, at most {DEFAULT_BUCKET_NUMEL})")
+    budget = (f"--device-budget-mb {short_decimal(hw.device_budget_mb)}" if hw.device_budget_mb is not None
+              else "the store's default device budget")
+    raise SizingError(f"under {budget} the store's buckets can be as small as {numel} elements, which would cut "
+                      f"{state} into up to {count} buckets, over the {MAX_BUCKETS} the planner lays out: raise "
+                      "--device-budget-mb")
 
 
 def estimate(model: ModelTensors, par: Parallelism, hw: Hardware, training: Training = Training()) -> Estimate:
@@ -303,8 +330,8 @@ def estimate(model: ModelTensors, par: Parallelism, hw: Hardware, training: Trai
     experts = len({t.expert for t in model.all() if t.expert is not None})
     check_parallelism(par, model, experts)
     shards = rank_shards(model, par)
-    check_bucket_count(shards, training)
-    stages = tuple(_stage_estimate(s, training) for s in shards)
+    check_bucket_count(shards, training, hw)
+    stages = tuple(_stage_estimate(s, training, hw) for s in shards)
     binding = max(stages, key=lambda s: (s.streamed_state_bytes, s.weight_bytes))
     return Estimate(
         model=model.name, total_params=model.total(), dense_params=model.total(expert=False),

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from .estimate import GB, GIB, RESIDENT_STATE_BYTES, Estimate, StageEstimate, short_decimal
+from miles_plugins.optimizers.streaming.config import DEFAULT_BUCKET_NUMEL
+
+from .estimate import GB, GIB, RESIDENT_STATE_BYTES, Estimate, StageEstimate, short_decimal, store_device_bytes
 from .store_plan import moment_bytes_per_param
 
 
@@ -39,8 +41,26 @@ def to_json(est: Estimate) -> dict:
     }
 
 
+def _elements(n: float) -> str:
+    return f"{short_decimal(n / 1e6)}M"
+
+
+def _buckets(est: Estimate) -> str:
+    """How the bucket size was chosen: given, or fitted by the stores to their device budget."""
+    if est.training.bucket_numel is not None:
+        return f"buckets of {_elements(est.training.bucket_numel)} elements"
+    budget = f"buckets fitted to a device budget of {_size(est.binding.dense_store.device_budget_bytes)}"
+    if est.hardware.device_budget_mb is not None:
+        return f"{budget} (--device-budget-mb)"
+    return f"{budget}: the store's default, what one bucket of {_elements(DEFAULT_BUCKET_NUMEL)} elements needs"
+
+
+def _bucket_shape(store) -> str:
+    return f"{_elements(store.bucket_numel)}, depth {store.depth}" if store.num_buckets else ""
+
+
 def _row(label: str, dense, expert, total, width: int = 26) -> str:
-    return f"  {label:34s} {dense:>{width}s} {expert:>{width}s} {total:>{width}s}"
+    return f"  {label:34s} {dense:>{width}s} {expert:>{width}s} {total:>{width}s}".rstrip()
 
 
 def to_text(est: Estimate) -> str:
@@ -53,7 +73,7 @@ def to_text(est: Estimate) -> str:
         f"layout: {hw.nodes} node(s) x {hw.gpus_per_node} GPUs, TP{p.tp} PP{p.pp} DP{p.dp} EP{p.ep} ETP{p.etp} "
         f"(expert-DP {p.edp}); {short_decimal(hw.hbm_gb)} GB HBM, {short_decimal(hw.host_ram_gb)} GB RAM per node",
         f"training: bf16 weights, {tr.grad_dtype} grads, Adam moments stored as {tr.moment_dtype} "
-        f"({4 + mom:.2f} B/param streamed), buckets of {short_decimal(tr.bucket_numel / 1e6)}M elements",
+        f"({4 + mom:.2f} B/param streamed), {_buckets(est)}",
         "",
         f"per rank, pipeline stage {s.stage + 1} of {p.pp} (the largest; mean over stages "
         f"{_params(est.mean_params_owned)} params owned):",
@@ -68,6 +88,9 @@ def to_text(est: Estimate) -> str:
         _row(f"streamed state ({tr.moment_dtype} moments)", _size(d.state_bytes), _size(e.state_bytes),
              _size(s.streamed_state_bytes)),
         _row("buckets (one store each)", str(d.num_buckets), str(e.num_buckets), str(d.num_buckets + e.num_buckets)),
+        _row("elements per bucket, depth", _bucket_shape(d), _bucket_shape(e), ""),
+        _row("on the GPU in a step (the larger)", _size(d.residency_bound_bytes), _size(e.residency_bound_bytes),
+             _size(store_device_bytes(s))),
         "",
         f"fits: resident {'yes' if fit.resident else 'no'}, Megatron CPU offload "
         f"{'yes' if fit.cpu_offload else 'no'}, streaming {'yes' if fit.streaming else 'no'}  ->  {fit.verdict}",

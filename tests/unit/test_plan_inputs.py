@@ -117,6 +117,12 @@ BAD_INPUTS = [
     ("pipeline-layers-negative", lambda t: ["--params", "1B", "--nodes", "1", "--gpus-per-node", "2", "--pp", "2",
                                             "--pipeline-layers", "65,-1"], ["--pipeline-layers", "-1"]),
     ("bucket-numel-1-on-1T", lambda t: ["--params", "1T", *ONE_GPU, "--bucket-numel", "1"], ["--bucket-numel", "1"]),
+    # the store fits buckets of 16K elements to 1 MiB: 61M of them for 1T params
+    ("device-budget-1-on-1T", lambda t: ["--params", "1T", *ONE_GPU, "--device-budget-mb", "1"],
+     ["--device-budget-mb 1", "16384 elements"]),
+    # the store refuses a bucket its device budget cannot hold (the default: one 200M-element bucket)
+    ("bucket-numel-over-the-budget", lambda t: ["--params", "1B", *ONE_GPU, "--bucket-numel", "300M"],
+     ["bucket_numel=300000000", "--device-budget-mb", "--bucket-numel"]),
     # files
     ("bench-directory", lambda t: ["--params", "1B", *ONE_GPU, "--from-bench", directory(t)],
      ["--from-bench", "subdir"]),

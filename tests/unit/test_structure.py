@@ -58,10 +58,12 @@ FRAMEWORK_MAY_IMPORT = {
     # validation's host-memory probe; the raw-file primitives `miles bench` measures the disk floor with
     f"{STREAMING_PKG}.io.stager": {"available_host_memory", "HostMemory", "NO_DIRECT", "Stager", "align_up",
                                    "drop_page_cache", "host_buffer", "open_direct", "pread_into", "pwrite_all"},
-    # `miles plan` and the disk checks size the store with its own codecs, layout and bucket plan
+    # `miles plan` and the disk checks size the store with its own cost model (footprint.py), codecs and
+    # host-tier placement
     f"{STREAMING_PKG}.codec": {"make_moment_codecs"},
-    f"{STREAMING_PKG}.layout": {"EXP_AVG", "EXP_AVG_SQ", "MAIN", "bucket_layout"},
-    f"{STREAMING_PKG}.plan": {"place_in_host_ram", "plan_buckets"},
+    f"{STREAMING_PKG}.footprint": {"StoreFootprint", "smallest_bucket_numel", "store_footprint"},
+    f"{STREAMING_PKG}.layout": {"EXP_AVG", "EXP_AVG_SQ"},
+    f"{STREAMING_PKG}.plan": {"place_in_host_ram"},
 }
 IO_MAY_IMPORT = {"errors", "config", "units", "layout"}
 # The one upward edge left: the store's save_to/load_from call checkpoint/ (architecture.md).

@@ -134,7 +134,7 @@ def fit_to_device_budget(entry_numels: list[int], budget_bytes: int, device_byte
         for d in depths:
             if planned_device_bytes(entry_numels, preferred_bucket_numel, d, device_bytes) <= budget_bytes:
                 return _fit(entry_numels, preferred_bucket_numel, d, device_bytes, min_bucket_numel)
-            numel = _largest_fitting_bucket(budget_bytes, device_bytes, 2 * d + 1, floor, preferred_bucket_numel)
+            numel = largest_fitting_bucket(budget_bytes, device_bytes, 2 * d + 1, floor, preferred_bucket_numel)
             if numel is not None:
                 return _fit(entry_numels, numel, d, device_bytes, min_bucket_numel)
     smallest = min(SPLIT_ALIGN_NUMEL, sum(entry_numels))
@@ -168,7 +168,7 @@ def _check_explicit(entry_numels: list[int], budget_bytes: int, device_bytes: De
         "leave bucket_numel" + (" and depth" if depth is not None else "") + " unset so the store fits them")
 
 
-def _largest_fitting_bucket(budget_bytes: int, device_bytes: DeviceBytes, in_flight: int, floor: int,
+def largest_fitting_bucket(budget_bytes: int, device_bytes: DeviceBytes, in_flight: int, floor: int,
                             ceiling: int) -> Optional[int]:
     """The largest multiple of SPLIT_ALIGN_NUMEL in [floor, ceiling] with `in_flight` buckets of it within
     the budget (device_bytes grows with the bucket: bisect), or None."""

@@ -24,15 +24,16 @@ streams). A bucket's storage is released once its write-back no longer needs it.
                or set_io drops them, and fill_host_tier() (called by both) reads the buckets back into
                the tier in the background, so the next step finds them in host RAM.
 Device budget (StreamConfig.device_budget_mb; default one DEFAULT_BUCKET_NUMEL bucket's worth, config.py):
-the store picks bucket_numel and depth with plan.fit_to_device_budget so that the residency bound stays
-within it. Residency bound (StoreStats.residency_bound_bytes <= device_budget_bytes): at most
-min(2 * depth + 1, buckets) are materialized at any time (depth reading ahead, one updating, depth held by
-their write-backs), each at most `bucket_inflight_bytes` (fp32 buffers of the streamed segments + encoded
-temporaries of narrow moment codecs), plus one narrow codec's chunk scratch (`codec_scratch_bytes`). The
-engine stages on the host only: no device staging. peak_resident_bytes measures the same ledger. Between
-steps at most 2 * depth buckets (prefetched + write-behind). Host memory on top: the engine's staging
-(`staging_bytes`) and the optional host cache (`host_cache_bytes`). The Adam kernel's own temporaries are
-not state and not counted. io_engine="sync" is depth 0: one bucket, no write-behind.
+the store picks bucket_numel and depth with plan.fit_to_device_budget (footprint.py: the one cost model of a
+store, which `miles plan` sizes runs with) so that the residency bound stays within it. Residency bound
+(StoreStats.residency_bound_bytes <= device_budget_bytes): at most min(2 * depth + 1, buckets) are
+materialized at any time (depth reading ahead, one updating, depth held by their write-backs), each at most
+`bucket_inflight_bytes` (fp32 buffers of the streamed segments + encoded temporaries of narrow moment
+codecs), plus one narrow codec's chunk scratch (`codec_scratch_bytes`). The engine stages on the host only:
+no device staging. peak_resident_bytes measures the same ledger. Between steps at most 2 * depth buckets
+(prefetched + write-behind). Host memory on top: the engine's staging (`staging_bytes`) and the optional
+host cache (`host_cache_bytes`). The Adam kernel's own temporaries are not state and not counted.
+io_engine="sync" is depth 0: one bucket, no write-behind.
 
 Failure semantics (both engines; docs/dev/contracts.md): a step either lands every bucket or poisons
 the store. Any error while a step runs, and any I/O error of its write-behind found later (the next
@@ -63,15 +64,15 @@ import torch
 from tqdm import tqdm
 
 from .checkpoint import save_load as checkpoint
-from .bucket import Bucket, StreamEntry, codec_scratch_bytes, inflight_bytes, step_device_bytes, storage_identity
-from .codec import Fp32Codec, make_moment_codecs
-from .config import DEFAULT_DEPTH, HOST_CACHE_AUTO, StreamConfig, check_config
+from .bucket import Bucket, StreamEntry, storage_identity
+from .config import HOST_CACHE_AUTO, StreamConfig, check_config
 from .errors import CheckpointError, StateCorruptionError, StoreConfigError, StorePoisonedError
+from .footprint import bucket_layouts, fit_store, residency_bound_bytes, segment_names, store_codecs, store_footprint
 from .io.stager import Stager, available_host_memory, free_disk_bytes, on_a_worker_thread
-from .layout import (EXP_AVG, EXP_AVG_SQ, MAIN, STREAMED_DIR, bucket_filename, bucket_layout, store_identity,
+from .layout import (EXP_AVG, EXP_AVG_SQ, MAIN, STREAMED_DIR, bucket_filename, store_identity,
                      store_relative_dir)
-from .plan import (DEFAULT_BUCKET_NUMEL, MIN_BUCKET_NUMEL, buckets_in_flight, check_state_fits, fit_host_cache,
-                   fit_to_device_budget, place_in_host_ram, plan_buckets)
+from .plan import (DEFAULT_BUCKET_NUMEL, MIN_BUCKET_NUMEL, check_state_fits, fit_host_cache, place_in_host_ram,
+                   plan_buckets)
 from .units import GB, MiB
 
 logger = logging.getLogger(__name__)
@@ -168,22 +169,21 @@ class NVMeOptimizerStateStore:
         self.path: str | None = None
         self.directory_lock = None  # held from before the wipe until close: one live store per directory
         self.buckets: list[Bucket] = []
-        # One codec per segment: exp_avg_sq may be stored differently from exp_avg (codec.py says why).
-        self.codecs = {MAIN: Fp32Codec(), **make_moment_codecs(config.moment_dtype)}
-        self.segment_names = (MAIN, EXP_AVG, EXP_AVG_SQ) if self.streams_main else (EXP_AVG, EXP_AVG_SQ)
-        self.device_budget_bytes = (config.device_budget_mb * MiB if config.device_budget_mb is not None
-                                    else self._device_bytes(DEFAULT_BUCKET_NUMEL, 1))
-        fit = self._fit_to_budget(config, config.bucket_numel)
-        self.bucket_numel, self.depth, self.write_behind = fit.bucket_numel, fit.depth, _write_behind(config)
+        self.codecs = store_codecs(config.moment_dtype)
+        self.segment_names = segment_names(self.streams_main)
+        footprint = store_footprint(self._entry_numels(), config.moment_dtype, streams_main=self.streams_main,
+                                    bucket_numel=config.bucket_numel, depth=config.depth,
+                                    device_budget_bytes=_device_budget_bytes(config), sync=config.io_engine == "sync")
+        self.device_budget_bytes = footprint.device_budget_bytes
+        self.bucket_numel, self.depth = footprint.bucket_numel, footprint.depth
+        self.write_behind = _write_behind(config)
         plans = plan_buckets(self._entry_numels(), self.bucket_numel)
-        names = self.segment_names
-        layouts = [bucket_layout([(n, self.codecs[n].encoded_nbytes(p.numel)) for n in names]) for p in plans]
-        file_bytes = [layout.file_bytes for layout in layouts]
-        largest = max((p.numel for p in plans), default=0)
-        self.stats = StoreStats(num_buckets=len(plans), state_bytes=sum(file_bytes),
-                                max_bucket_bytes=len(names) * 4 * largest, bucket_numel=self.bucket_numel,
-                                bucket_inflight_bytes=inflight_bytes(self.codecs, names, largest),
-                                codec_scratch_bytes=codec_scratch_bytes(self.codecs, names, largest),
+        layouts = bucket_layouts(self.codecs, self.segment_names, plans)
+        file_bytes = list(footprint.bucket_file_bytes)
+        self.stats = StoreStats(num_buckets=footprint.num_buckets, state_bytes=footprint.state_bytes,
+                                max_bucket_bytes=len(self.segment_names) * 4 * footprint.max_bucket_numel,
+                                bucket_numel=self.bucket_numel, bucket_inflight_bytes=footprint.bucket_inflight_bytes,
+                                codec_scratch_bytes=footprint.codec_scratch_bytes,
                                 device_budget_bytes=self.device_budget_bytes)
         live_path = os.path.join(os.path.abspath(config.dir), self.relative_dir)
         _refuse_directory_in_a_checkpoint(live_path)
@@ -233,7 +233,7 @@ class NVMeOptimizerStateStore:
                     self.device_budget_bytes / GB, "given" if config.device_budget_mb else "default: one bucket of "
                     f"{DEFAULT_BUCKET_NUMEL} elements", self.stats.staging_bytes / GB, self.stats.host_cache_bytes / GB,
                     self.stats.ram_state_bytes / GB, (self.stats.state_bytes - self.stats.ram_state_bytes) / GB)
-        if fit.below_minimum:
+        if footprint.below_minimum:
             logger.warning("the device budget of %.3f GB holds only buckets of %d elements (depth %d), below the "
                            "%d the store prefers: many small buckets cost per-bucket overhead every step. Raise "
                            "device_budget_mb (--stream-optimizer-state-device-budget-mb) if the device has room",
@@ -242,22 +242,17 @@ class NVMeOptimizerStateStore:
     def _entry_numels(self) -> list[int]:
         return [e.main.numel() for e in self.entries]
 
-    def _device_bytes(self, largest_numel: int, in_flight: int) -> int:
-        return step_device_bytes(self.codecs, self.segment_names, largest_numel, in_flight)
-
     def _fit_to_budget(self, config: StreamConfig, bucket_numel: int | None):
         """Bucket size and depth within the device budget; the sync engine is depth 0 whatever is asked."""
-        sync = config.io_engine == "sync"
-        return fit_to_device_budget(self._entry_numels(), self.device_budget_bytes, self._device_bytes,
-                                    max_depth=0 if sync else DEFAULT_DEPTH, bucket_numel=bucket_numel,
-                                    depth=0 if sync else config.depth)
+        return fit_store(self._entry_numels(), self.codecs, self.segment_names, self.device_budget_bytes,
+                         bucket_numel=bucket_numel, depth=config.depth, sync=config.io_engine == "sync")
 
     def _update_io_stats(self) -> None:
         """The stats that follow the I/O configuration (construction and set_io)."""
         s = self.stats
         s.io_engine, s.depth = self.stager.io_engine, self.depth
-        s.residency_bound_bytes = (buckets_in_flight(s.num_buckets, self.depth) * s.bucket_inflight_bytes
-                                   + s.codec_scratch_bytes)
+        s.residency_bound_bytes = residency_bound_bytes(s.num_buckets, self.depth, s.bucket_inflight_bytes,
+                                                        s.codec_scratch_bytes)
         s.staging_bytes, s.host_cache_bytes = self.stager.staging_bytes, self.host_cache_bytes
         self._marks = self._read_marks()
 
@@ -821,6 +816,11 @@ _LIVE_STORES: "weakref.WeakSet[NVMeOptimizerStateStore]" = weakref.WeakSet()
 def _close_live_stores() -> None:
     for store in list(_LIVE_STORES):
         store.close()
+
+
+def _device_budget_bytes(config: StreamConfig) -> int | None:
+    """device_budget_mb in bytes; None: the store's default (footprint.default_device_budget_bytes)."""
+    return None if config.device_budget_mb is None else config.device_budget_mb * MiB
 
 
 def _write_behind(config: StreamConfig) -> bool:
