@@ -47,6 +47,7 @@ ARMS = {
     "resident-disk": ["--offload-train-target=disk"],
 }
 FLOOR_BYTES = 1 << 30  # what each bandwidth floor moves
+ARM_MARKER = ".miles-bench-rl-arm"  # in each arm folder the bench made: a later run may replace it
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,8 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--hf-checkpoint", metavar="DIR", help="a HuggingFace model folder")
     model.add_argument("--preset", help="a random-init model of scripts/make_random_model.py (e.g. llama-1b, "
                                         "qwen3-moe-8e), written once under --dir")
-    p.add_argument("--dir", required=True, help="scratch folder for the arms' disks, logs and metrics (made if "
-                                                "missing; the arms' folders under it are removed at the end)")
+    p.add_argument("--dir", required=True, help="scratch folder (made if missing): each arm runs in arm-<name>/ "
+                                                "there (its log and metrics stay; its disk folder is removed when "
+                                                "the arm ends; a later run replaces the folder)")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms, of {', '.join(ARMS)} "
                                                           "(default: %(default)s)")
     p.add_argument("--rollouts", type=int, default=4, help="rollouts per arm; the first is not counted "
@@ -161,10 +163,21 @@ def phase_report(records: list[dict], target: str, rates: dict[str, float]) -> d
     return out
 
 
+def arm_dir_of(directory: str, arm: str) -> str:
+    """The arm's folder under --dir. SystemExit when something is there that this bench did not make (a
+    folder without its marker, a file, a link): the bench removes only its own folders."""
+    arm_dir = os.path.join(directory, f"arm-{arm}")
+    if os.path.lexists(arm_dir) and (os.path.islink(arm_dir) or not os.path.isfile(os.path.join(arm_dir, ARM_MARKER))):
+        raise SystemExit(f"miles bench rl: {arm_dir} exists and was not made by miles bench rl; move it away or "
+                         "choose another --dir")
+    return arm_dir
+
+
 def run_arm(arm: str, model: str, backend: str, args, rates: dict[str, float], say) -> dict:
-    arm_dir = os.path.join(args.dir, f"arm-{arm}")
-    shutil.rmtree(arm_dir, ignore_errors=True)
+    arm_dir = arm_dir_of(args.dir, arm)
+    shutil.rmtree(arm_dir, ignore_errors=True)  # an earlier run's, by its marker
     os.makedirs(arm_dir)
+    open(os.path.join(arm_dir, ARM_MARKER), "w").close()
     log = os.path.join(arm_dir, "train.log")
     say(f"{arm}: miles train ... ({args.rollouts} rollouts; output in {log})")
     with open(log, "w") as out:
@@ -220,6 +233,8 @@ def run(args) -> int:
     if unknown or not arms:
         raise SystemExit(f"miles bench rl: unknown arm(s) {unknown or arms}; choose from {', '.join(ARMS)}")
     os.makedirs(args.dir, exist_ok=True)
+    for arm in arms:  # before anything runs
+        arm_dir_of(args.dir, arm)
     cuda = torch.cuda.is_available()
     backend = args.train_backend or ("megatron" if cuda else "torch")
     model = args.hf_checkpoint
