@@ -12,19 +12,16 @@ import pytest
 from miles.sizing.cli import main
 from miles.sizing.presets import GLM5_744B, QWEN3_30B_A3B
 
+sys.path.insert(0, os.path.dirname(__file__))
+from test_sizing import TINY_MOE  # noqa: E402
+
 SMALL_DENSE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "vocab_size": 128, "tie_word_embeddings": False}
 ONE_GPU = ["--nodes", "1", "--gpus-per-node", "1"]
 # Small stand-ins of the presets (every field the planner reads, fewer layers and experts): they plan in ms.
 SMALL_MLA = {**GLM5_744B, "num_hidden_layers": 4, "first_k_dense_replace": 1, "n_routed_experts": 8}
 SMALL_GQA_MOE = {**QWEN3_30B_A3B, "num_hidden_layers": 4, "num_experts": 8}
-SMALL_HYBRID = {
-    "model_type": "qwen3_5_moe_text", "hidden_size": 64, "num_hidden_layers": 4, "full_attention_interval": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "attn_output_gate": True,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-    "vocab_size": 200, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32, "mtp_num_hidden_layers": 1,
-}
+SMALL_HYBRID = TINY_MOE  # the Qwen3.5 hybrid shape test_sizing plans
 FLOORS = {"floor": {"concurrent": {"seconds": 17.17, "bytes_read": 18e9, "bytes_written": 18e9},
                     "sequential": {"seconds": 16.46, "read_seconds": 9.53, "write_seconds": 6.93,
                                    "bytes_read": 18e9, "bytes_written": 18e9}}}
