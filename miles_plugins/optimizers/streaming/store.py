@@ -206,6 +206,14 @@ class NVMeOptimizerStateStore:
         self._update_io_stats()
         self._closed = False
         _LIVE_STORES.add(self)
+        self._create_buckets(plans, layouts, in_ram)
+        self._log_construction(footprint.below_minimum)
+
+    def _create_buckets(self, plans, layouts, in_ram: tuple[bool, ...]) -> None:
+        """Lock and empty the store's directory, make each planned bucket (a file, or host RAM only where
+        in_ram says so) and evict the mains into them. Any failure closes the store, then raises."""
+        config = self.config
+        file_bytes = [layout.file_bytes for layout in layouts]
         try:
             self.directory_lock = self.stager.prepare_directory(config.dir, self.relative_dir,
                                                                 sum(file_bytes) - self.stats.ram_state_bytes)
@@ -217,12 +225,15 @@ class NVMeOptimizerStateStore:
                 file = create(os.path.join(self.path, bucket_filename(i)), layout.file_bytes, layout=layout, bucket=i,
                               verify=config.verify)
                 self._resources.files.append(file)
-                self.buckets.append(Bucket(i, plan, entries, master, self.codecs, file, self.device,
+                self.buckets.append(Bucket(i, plan, self.entries, self.master, self.codecs, file, self.device,
                                            self.streams_main))
             self._evict_mains()
         except BaseException:
             self.close()
             raise
+
+    def _log_construction(self, below_minimum: bool) -> None:
+        config = self.config
         logger.info("streaming optimizer state: %d buckets of <= %d elements, %.3f GB in %s (moments %s, mains "
                     "%s); %s I/O, depth %d, device residency bound %.3f GB of a %.3f GB device budget (%s) + "
                     "host staging %.3f GB + host cache %.3f GB (%.3f GB of the state in host RAM only, %.3f GB "
@@ -233,7 +244,7 @@ class NVMeOptimizerStateStore:
                     self.device_budget_bytes / GB, "given" if config.device_budget_mb else "default: one bucket of "
                     f"{DEFAULT_BUCKET_NUMEL} elements", self.stats.staging_bytes / GB, self.stats.host_cache_bytes / GB,
                     self.stats.ram_state_bytes / GB, (self.stats.state_bytes - self.stats.ram_state_bytes) / GB)
-        if footprint.below_minimum:
+        if below_minimum:
             logger.warning("the device budget of %.3f GB holds only buckets of %d elements (depth %d), below the "
                            "%d the store prefers: many small buckets cost per-bucket overhead every step. Raise "
                            "device_budget_mb (--stream-optimizer-state-device-budget-mb) if the device has room",
