@@ -230,10 +230,13 @@ class StaticCacheDecoder:
     """Steps a fixed (batch, cache length) shape with a static cache; see the module docstring.
 
     Serves any batch up to ``batch`` rows (the spare rows repeat the last prompt; their outputs are
-    dropped) whose prompt length + new tokens - 1 fits ``cache_len``. ``graph_pool``: CUDA graph memory
+    dropped) whose prompt length + new tokens - 1 fits ``cache_len``. ``warmup_stream``: the side stream of
+    the eager steps before a capture (shared by the engine's decoders, see :class:`StaticDecoderPool`).
+    ``graph_pool``: CUDA graph memory
     pool shared by the decoders of one engine (None: no CUDA graph)."""
 
-    def __init__(self, model: torch.nn.Module, batch: int, cache_len: int, graph_pool=None):
+    def __init__(self, model: torch.nn.Module, batch: int, cache_len: int, graph_pool=None,
+                 warmup_stream: Optional[torch.cuda.Stream] = None):
         from transformers import StaticCache
 
         self.model = model
@@ -248,6 +251,7 @@ class StaticCacheDecoder:
         self.mask = torch.full((batch, 1, 1, cache_len), self._masked, dtype=model.dtype, device=self.device)
         self._next_slot = 0
         self._graph_pool = graph_pool
+        self._warmup_stream = warmup_stream
         self.use_graph = graph_pool is not None
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self._graph_logits: Optional[torch.Tensor] = None
@@ -274,7 +278,7 @@ class StaticCacheDecoder:
         self.positions.zero_()
         self.mask.fill_(self._masked)
         self.mask[..., 0] = 0
-        side = torch.cuda.Stream(self.device)
+        side = self._warmup_stream or torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         sync_mode = torch.cuda.get_sync_debug_mode()
         try:
@@ -350,6 +354,10 @@ class StaticDecoderPool:
         self.max_decoders = max_decoders
         self._decoders: OrderedDict[tuple[int, int], StaticCacheDecoder] = OrderedDict()
         self._graph_pool = None
+        # One side stream for every capture of the engine's life, kept through clear(): torch gives each
+        # stream that runs a matmul its own cuBLAS workspace (32 MiB on an H200) and keeps it as long as
+        # the process, so a new stream per capture leaked one workspace per rollout.
+        self._warmup_stream: Optional[torch.cuda.Stream] = None
 
     def get(self, batch: int, length: int) -> StaticCacheDecoder:
         """A decoder for ``batch`` rows and ``length`` = prompt + new tokens - 1 cache slots."""
@@ -360,7 +368,10 @@ class StaticDecoderPool:
                 self._decoders.popitem(last=False)
             if self.use_cuda_graphs and self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
-            decoder = StaticCacheDecoder(self.model, *key, graph_pool=self._graph_pool)
+            if self.use_cuda_graphs and self._warmup_stream is None:
+                self._warmup_stream = torch.cuda.Stream(next(self.model.parameters()).device)
+            decoder = StaticCacheDecoder(self.model, *key, graph_pool=self._graph_pool,
+                                         warmup_stream=self._warmup_stream)
         self._decoders[key] = decoder
         return decoder
 

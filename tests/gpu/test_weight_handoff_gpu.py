@@ -5,10 +5,14 @@ the NCCL weight-update group across two GPUs.
 """
 
 import multiprocessing as mp
-import traceback
+import os
+import sys
 
 import pytest
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from spawned import collect, start  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -40,13 +44,6 @@ def advance(weights):
 def memory():
     torch.cuda.synchronize()
     return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-
-
-def _run(target, results, *args):
-    try:
-        results.put(target(*args))
-    except BaseException:
-        results.put({"error": traceback.format_exc()})
 
 
 def produce(payloads, acks):
@@ -91,32 +88,11 @@ def consume(payloads, acks):
     return {"role": "consumer", "mismatches": mismatches, "usage": usage}
 
 
-def start(ctx, results, *targets_and_args):
-    procs = [ctx.Process(target=_run, args=(target, results, *args)) for target, args in targets_and_args]
-    for p in procs:
-        p.start()
-    return procs
-
-
-def collect(procs, results, n):
-    try:
-        got = [results.get(timeout=TIMEOUT * 2) for _ in range(n)]
-        for p in procs:
-            p.join(TIMEOUT)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    errors = [r["error"] for r in got if "error" in r]
-    assert not errors, "\n".join(errors)
-    return got
-
-
 def test_cuda_ipc_handoffs_are_bit_exact_bounded_and_do_not_grow_memory():
     ctx = mp.get_context("spawn")
     payloads, acks, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
     procs = start(ctx, results, (produce, (payloads, acks)), (consume, (payloads, acks)))
-    got = {r["role"]: r for r in collect(procs, results, 2)}
+    got = {r["role"]: r for r in collect(procs, results, TIMEOUT)}
     producer, consumer = got["producer"], got["consumer"]
     assert not consumer["mismatches"], consumer["mismatches"][:10]
     oversized = [s for s in producer["sizes"] if s[0] > MAX_BYTES and not (len(s[1]) == 1 and s[1][0] > MAX_BYTES)]
@@ -168,6 +144,6 @@ def test_nccl_group_broadcasts_buckets_bit_exact():
     results = ctx.Queue()
     port = free_port()
     procs = start(ctx, results, (nccl_rank, (0, port, specs)), (nccl_rank, (1, port, specs)))
-    got = {r["role"]: r for r in collect(procs, results, 2)}
+    got = {r["role"]: r for r in collect(procs, results, TIMEOUT)}
     assert got["sender"]["sent"] == sum(spec.nbytes for spec, _ in buckets)
     assert not got["receiver"]["mismatches"]

@@ -28,7 +28,8 @@ from miles.models import load_policy
 from miles.rl.loss import token_logprobs
 
 from .checkpoint_views import HFModelView, ResidentOptimizerState
-from .convert import experts_to_global, hf_moe_layout, hf_to_megatron, iter_megatron_to_hf
+from .convert import hf_moe_layout, hf_to_megatron, iter_megatron_to_hf
+from .expert_gather import gather_layer_experts
 from .grad_buffers import GradBuffers
 from .model import build_gpt_model
 
@@ -168,20 +169,16 @@ class MegatronTrainer(TrainBackend):
         local = {k: v.detach() for k, v in self.gpt.state_dict().items() if not k.endswith(_EXTRA_STATE)}
         return iter_megatron_to_hf(local, self.hf_config, fused_norms=self.uses_te_spec,
                                    hf_moe_layout=self.hf_moe_layout,
-                                   layer_experts=self._layer_experts if self.ep_size > 1 else None)
+                                   layer_experts=self._layer_experts() if self.ep_size > 1 else None)
 
-    def _layer_experts(self, layer: int, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """One layer's experts of every expert-parallel rank, globally numbered, on the device."""
+    def _layer_experts(self):
+        """The expert gather of :func:`hf_weights` over this rank's expert-parallel group."""
         from megatron.core import parallel_state
 
         group = parallel_state.get_expert_model_parallel_group()
-        full: dict[str, torch.Tensor] = {}
-        for key in sorted(local):  # same keys and shapes on every rank
-            parts = [torch.empty_like(local[key]) for _ in range(self.ep_size)]
-            dist.all_gather(parts, local[key].contiguous(), group=group)
-            for ep_rank, part in enumerate(parts):
-                full.update(experts_to_global({key: part}, self.hf_config, ep_rank, self.ep_size))
-        return full
+        return lambda layer, local: gather_layer_experts(local, hf_config=self.hf_config, ep_size=self.ep_size,
+                                                         group=group)
+
 
     # ---- training -----------------------------------------------------------------------------
     def logprobs(self, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:

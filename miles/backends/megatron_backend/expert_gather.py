@@ -1,0 +1,29 @@
+"""The expert-parallel all-gather of the weight handoff: one MoE layer's experts of every rank, on the device.
+
+With expert parallelism each rank holds ``E / ep_size`` experts of every MoE layer. The handoff iterates
+the HF-layout weights layer by layer (``convert.iter_megatron_to_hf``); at each MoE layer every rank calls
+:func:`gather_layer_experts`, so the scratch is one layer's experts and nothing passes through host memory.
+It runs over any process group (NCCL in the trainer; gloo in the CPU tests, and for two ranks on one GPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .convert import experts_to_global
+
+
+def gather_layer_experts(local: dict[str, torch.Tensor], *, hf_config: Any, ep_size: int,
+                         group=None) -> dict[str, torch.Tensor]:
+    """``local``: this rank's expert tensors of one layer (``...local_experts.{i}...``, the same keys and
+    shapes on every rank). Returns every rank's, renumbered to global expert ids. A collective of ``group``."""
+    full: dict[str, torch.Tensor] = {}
+    for key in sorted(local):  # the same order on every rank
+        parts = [torch.empty_like(local[key]) for _ in range(ep_size)]
+        dist.all_gather(parts, local[key].contiguous(), group=group)
+        for rank, part in enumerate(parts):
+            full.update(experts_to_global({key: part}, hf_config, rank, ep_size))
+    return full
