@@ -32,7 +32,6 @@ import abc
 import contextlib
 import importlib
 import logging
-import math
 import os
 import random
 import time
@@ -79,18 +78,7 @@ def loss_arguments(config: RunConfig) -> dict[str, float]:
     return {"eps_clip": config.training.eps_clip, "temperature": config.rollout.rollout_temperature}
 
 
-def engine_host_copies_mb(config: RunConfig, ranks_on_node: int, weight_bytes: int, cuda: bool) -> int:
-    """Host RAM (MiB) the colocated rollout engines of this rank's node hold while released: each keeps a
-    host copy of its weights (on CUDA; on CPU they back up to disk), about ``weight_bytes`` each. Engines
-    spread evenly over the train ranks, so a node of ``ranks_on_node`` ranks hosts its share of them."""
-    cluster = config.cluster
-    if not (cuda and cluster.colocate):
-        return 0
-    engines = math.ceil(cluster.num_rollout_engines * ranks_on_node / cluster.num_train_ranks)
-    return math.ceil(engines * weight_bytes / 2**20)
-
-
-def store_config(config: RunConfig, rank: int, ranks_on_node: int, run_reserve_mb: int = 0) -> StreamConfig:
+def store_config(config: RunConfig, rank: int, ranks_on_node: int) -> StreamConfig:
     """The store's :class:`StreamConfig` from the run's config (the store's own defaults for the rest).
     Flags not given (None) leave the choice to the store: the bucket size and depth it fits to the device
     budget, the budget one default bucket's worth.
@@ -98,15 +86,15 @@ def store_config(config: RunConfig, rank: int, ranks_on_node: int, run_reserve_m
     A host tier of "auto" is shared by the ranks of a node: ``ranks_on_node``, the train ranks the actor
     factory placed on this rank's node (rank_nodes of the placement group). No rank reserve: streaming requires
     --offload-train-target=disk (validation), so a sleeping trainer keeps no cpu backup in host RAM (its
-    disk offload stages through chunk buffers, which the node reserve covers). ``run_reserve_mb``: node
-    memory the rest of the run holds later (:func:`engine_host_copies_mb`), left free by "auto"."""
+    disk offload stages through chunk buffers, which the node reserve covers). No run reserve either: the
+    colocated rollout engines keep no host copy of their weights while released (the loop pushes new ones)."""
     opt = config.optimizer
     return StreamConfig(dir=config.paths.optimizer_state, chunk_mb=opt.stream_optimizer_state_chunk_mb,
                         moment_dtype=opt.stream_optimizer_state_moment_dtype,
                         bucket_numel=opt.stream_optimizer_state_bucket_numel,  # None: the store chooses
                         device_budget_mb=opt.stream_optimizer_state_device_budget_mb,
                         host_cache_mb=opt.stream_optimizer_state_host_cache_mb,
-                        host_cache_ranks_per_node=ranks_on_node, host_cache_run_reserve_mb=run_reserve_mb,
+                        host_cache_ranks_per_node=ranks_on_node,
                         verify=opt.stream_optimizer_state_verify, rank=rank)
 
 
@@ -194,10 +182,8 @@ class TrainBackend(abc.ABC):
         self.seed(config.training.seed)
         description = self.build_model()
         if config.optimizer.stream_optimizer_state_to_disk:
-            weight_bytes = sum(t.numel() * t.element_size() for _, t in self.hf_weights())
-            reserve = engine_host_copies_mb(config, self.ranks_on_node, weight_bytes, self.device.type == "cuda")
             self.store = stream_optimizer_state(self.optimizer,
-                                                config=store_config(config, self.rank, self.ranks_on_node, reserve))
+                                                config=store_config(config, self.rank, self.ranks_on_node))
         self.offloader = self.make_offloader()
         self.init_info = {"rank": self.rank, "pid": os.getpid(), "device": str(self.device),
                           "backend": process_group_backend,

@@ -1,16 +1,18 @@
-"""What one run writes to disk, computed from the model size before anything starts.
+"""What one run writes to disk, computed from the model before anything starts.
 
-Pure functions over the parsed flags and a parameter count; :func:`miles.config.validation.validate_args`
-compares the result with the free space of the filesystems holding ``--offload-train-disk-dir`` and
-``--save``. Every term is an upper estimate for the ranks on one machine: all of them when the
-run starts its own single-node Ray, or as many as can land on the driver's node when it joins a cluster
-(:func:`ranks_on_driver_node`; :mod:`miles.ray.node_disk` then checks every node once Ray has placed them):
+One model, `miles plan`'s (:mod:`miles.sizing.estimate`): :func:`rank_disk_need` is what one train rank
+writes to its node's disk for this run's layout (TP = PP = 1, DP = the train ranks, EP as given), from the
+stores the run will build (:mod:`miles_plugins.optimizers.streaming.footprint`). Two callers:
+:func:`miles.config.validation.validate_args`, before Ray starts, for the ranks that land on the driver's
+filesystem (:func:`disk_budget`, with the checkpoint where ``--save`` lives), and :mod:`miles.ray.node_disk`,
+once Ray has placed the ranks, for every node.
 
-- ``state``: the streamed optimizer state (``--stream-optimizer-state-to-disk``): fp32 masters plus the
-  two moments as the store's own codecs encode them (12 B/param with fp32 moments, about 6 with fp8).
-  ZeRO-1 shards it over the ranks, so the total does not grow with ``--num-train-ranks``.
-- ``trainer_offload``: trainer offload to disk: every rank's weights (model dtype), plus the in-memory
-  optimizer state (12 B/param, sharded) when it does not stream.
+- ``state``: the streamed optimizer state's bucket files (``--stream-optimizer-state-to-disk``). A bucket
+  the rank's host tier holds lives in RAM only and has no file, so the tier's share is not asked of the disk
+  (``--stream-optimizer-state-host-cache-mb``; ``auto`` is resolved from the memory available now, as the
+  store will resolve it when it is built).
+- ``trainer_offload``: trainer offload to disk: the rank's weights, plus its in-memory optimizer state
+  when that does not stream.
 - ``checkpoint``: one checkpoint (weights + optimizer state), counted where ``--save`` lives.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Optional, Union
 
 GIB = 2**30
 FP32_BYTES = 4
@@ -31,12 +34,27 @@ SMOLLM2_PARAMS = 134_515_008
 
 
 @dataclass(frozen=True)
+class RankDisk:
+    """Bytes one train rank writes to its node's disk, and the part of its streamed state that its host tier
+    keeps in RAM instead (no file)."""
+
+    state_files: int = 0
+    trainer_offload: int = 0
+    state_in_ram: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.state_files + self.trainer_offload
+
+
+@dataclass(frozen=True)
 class DiskBudget:
-    """Bytes a run writes, by mechanism (0 when the mechanism is off)."""
+    """Bytes a run writes on one filesystem, by mechanism (0 when the mechanism is off)."""
 
     state: int = 0
     trainer_offload: int = 0
     checkpoint: int = 0
+    state_in_ram: int = 0  # the streamed state the ranks' host tiers hold: not on this disk
 
     @property
     def scratch(self) -> int:
@@ -45,23 +63,20 @@ class DiskBudget:
 
     def describe(self, with_checkpoint: bool) -> str:
         """``1.61 GiB streamed state + 0.54 GiB trainer offload + ...`` (the non-zero terms)."""
-        terms = [(self.state, "streamed optimizer state"), (self.trainer_offload, "trainer offload")]
+        state = "streamed optimizer state"
+        if self.state_in_ram:
+            state += f" files (the host tier holds {self.state_in_ram / GIB:.2f} GiB more in RAM)"
+        terms = [(self.state, state), (self.trainer_offload, "trainer offload")]
         if with_checkpoint:
             terms.append((self.checkpoint, "checkpoint copy"))
         return " + ".join(f"{n / GIB:.2f} GiB {what}" for n, what in terms if n) or "nothing"
 
 
-def model_params(model_source: str, hf_config: dict | None) -> int | None:
-    """Parameters of the policy: from ``--hf-checkpoint``'s config.json, the embedded default's count, or
-    the tiny model's config. None when the config describes an architecture the counter does not know
-    (the free-space check is then skipped rather than guessed)."""
-    tensors = model_tensors_of_run(model_source, hf_config)
-    return tensors.total() if tensors is not None else None
-
-
 def model_tensors_of_run(model_source: str, hf_config: dict | None):
-    """The policy's tensors as :mod:`miles.sizing` counts them (a ``ModelTensors``: dense and expert apart,
-    for ``miles train``'s per-node disk check), or None as in :func:`model_params`."""
+    """The policy's tensors as :mod:`miles.sizing` counts them (a ``ModelTensors``, dense and expert apart):
+    from ``--hf-checkpoint``'s config.json, the embedded default's count, or the tiny model's config. None
+    when the config describes an architecture the counter does not know (the free-space checks are then
+    skipped rather than guessed)."""
     from miles.sizing.model_params import ModelConfigError, flat_model, model_tensors
 
     if model_source == "smollm2":
@@ -91,21 +106,66 @@ def ranks_on_driver_node(num_train_ranks: int, node_slots: int) -> int:
     return max(0, min(num_train_ranks, node_slots))
 
 
-def disk_budget(a: argparse.Namespace, params: int, cuda: bool, ranks_here: int | None = None) -> DiskBudget:
-    """The run's :class:`DiskBudget` for the resolved flags ``a`` (offload_train and model_dtype set).
+def host_tier_bytes(host_cache_mb: Union[int, str, None], state_bytes: int, ranks_on_node: int,
+                    memory_available: Optional[int]) -> int:
+    """The host tier one rank's store takes: ``host_cache_mb`` MiB, or for ``auto`` this rank's share of
+    ``memory_available`` as the store computes it (None: unknown, counted as no tier)."""
+    from miles_plugins.optimizers.streaming.config import DEFAULT_HOST_CACHE_RESERVE_MB, HOST_CACHE_AUTO
+    from miles_plugins.optimizers.streaming.plan import fit_host_cache
+    from miles_plugins.optimizers.streaming.units import MiB
+
+    if not host_cache_mb:
+        return 0
+    if host_cache_mb == HOST_CACHE_AUTO:
+        if memory_available is None:
+            return 0
+        return fit_host_cache(memory_available, state_bytes, max(1, ranks_on_node),
+                              DEFAULT_HOST_CACHE_RESERVE_MB * MiB, 0)
+    return int(host_cache_mb) * MiB
+
+
+def rank_disk_need(model, *, num_train_ranks: int, expert_parallel: int, model_dtype: str, stream: bool,
+                   moment_dtype: str, bucket_numel: Optional[int], device_budget_mb: Optional[float],
+                   offload_to_disk: bool, host_cache_mb: Union[int, str, None], ranks_on_node: int,
+                   memory_available: Optional[int]) -> RankDisk:
+    """What one train rank writes to its node's disk (:class:`RankDisk`), from `miles plan`'s estimate of this
+    run's stores. Raises the planner's SizingError / LayoutError where it cannot size the run."""
+    from miles.sizing.estimate import Hardware, Training, disk_bytes_per_rank, estimate
+    from miles.sizing.sharding import Parallelism
+
+    training = Training(moment_dtype=moment_dtype, bucket_numel=bucket_numel, weight_dtype=model_dtype,
+                        offload_train_to_disk=offload_to_disk, stream_optimizer_state=stream, checkpoint_copies=0)
+    plan = estimate(model, Parallelism(dp=num_train_ranks, ep=expert_parallel),
+                    Hardware(nodes=1, gpus_per_node=num_train_ranks, device_budget_mb=device_budget_mb), training)
+    stage = plan.binding
+    state = stage.streamed_state_bytes if stream else 0
+    tier = host_tier_bytes(host_cache_mb, state, ranks_on_node, memory_available) if stream else 0
+    need = disk_bytes_per_rank(stage, training, tier)
+    return RankDisk(state_files=need["streamed_state"], trainer_offload=need["trainer_offload"],
+                    state_in_ram=state - need["streamed_state"])
+
+
+def disk_budget(a: argparse.Namespace, model, ranks_here: int | None = None,
+                memory_available: Optional[int] = None) -> DiskBudget:
+    """The run's :class:`DiskBudget` on the driver's filesystems for the resolved flags ``a`` (offload_train
+    and model_dtype set) and the policy's tensors ``model``.
 
     ``ranks_here``: the train ranks whose scratch lands on the checked filesystem (None: all of them, the
-    single-node case); their share of the sharded state is counted."""
+    single-node case); they share this host's ``memory_available`` for an ``auto`` host tier."""
     n = a.num_train_ranks
     ranks = n if ranks_here is None else ranks_here
     streaming = a.stream_optimizer_state_to_disk
+    rank = rank_disk_need(model, num_train_ranks=n, expert_parallel=a.expert_model_parallel_size,
+                          model_dtype=a.model_dtype, stream=streaming,
+                          moment_dtype=a.stream_optimizer_state_moment_dtype,
+                          bucket_numel=a.stream_optimizer_state_bucket_numel,
+                          device_budget_mb=a.stream_optimizer_state_device_budget_mb,
+                          offload_to_disk=a.offload_train and a.offload_train_target == "disk",
+                          host_cache_mb=a.stream_optimizer_state_host_cache_mb, ranks_on_node=ranks,
+                          memory_available=memory_available)
+    params = model.total()
     optimizer_state = (streamed_state_bytes(params, a.stream_optimizer_state_moment_dtype) if streaming
                        else RESIDENT_ADAM_BYTES * params)
-    shard = -(-optimizer_state * ranks // n)  # ZeRO-1: these ranks' part of the state, rounded up
-    weights = params * DTYPE_BYTES[a.model_dtype]
-    disk_offload = a.offload_train and a.offload_train_target == "disk"
-    return DiskBudget(
-        state=shard if streaming else 0,
-        trainer_offload=(weights * ranks + (0 if streaming else shard)) if disk_offload else 0,
-        checkpoint=weights + optimizer_state if a.save else 0,
-    )
+    return DiskBudget(state=rank.state_files * ranks, trainer_offload=rank.trainer_offload * ranks,
+                      checkpoint=params * DTYPE_BYTES[a.model_dtype] + optimizer_state if a.save else 0,
+                      state_in_ram=rank.state_in_ram * ranks)

@@ -49,6 +49,7 @@ Derived: ``model_source`` (``"hf_checkpoint"`` | ``"smollm2"`` | ``"tiny"``), ``
 from __future__ import annotations
 
 import argparse
+import logging
 import dataclasses
 import importlib.util
 import json
@@ -60,13 +61,15 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from miles.config.arguments import CONFIG_GROUPS
-from miles.config.disk_budget import GIB, disk_budget, model_params, ranks_on_driver_node
+from miles.config.disk_budget import GIB, disk_budget, model_tensors_of_run, ranks_on_driver_node
 from miles.config.effective_flags import first_ineffective_flag
 from miles.config.paths import RunPaths, default_root, new_run_id
 from miles.config.run_config import RunConfig
 from miles_plugins.optimizers.streaming.config import HOST_CACHE_AUTO
 from miles_plugins.optimizers.streaming.io.ownership import path_within, system_directory_reason
 from miles_plugins.optimizers.streaming.units import MiB
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ArgumentError", "Environment", "validate_args", "DEFAULT_LR_PRETRAINED", "DEFAULT_LR_TINY"]
 
@@ -535,14 +538,15 @@ def _ranks_checked_here(a: argparse.Namespace, env: Environment) -> tuple[Option
                    f"cluster at {env.ray_address}, each other node's disk is checked when Ray places the ranks")
 
 
-def _model_param_count(a: argparse.Namespace, env: Environment, model_source: str) -> Optional[int]:
+def _model_tensors(a: argparse.Namespace, env: Environment, model_source: str):
+    """The policy's tensors as `miles plan` counts them; None when they cannot be known here."""
     hf_config = None
     if model_source == "hf_checkpoint":
         try:
             hf_config = env.read_json(os.path.join(a.hf_checkpoint, "config.json"))
         except (OSError, ValueError):
             return None  # the model loader reports an unreadable config.json with its own words
-    return model_params(model_source, hf_config)
+    return model_tensors_of_run(model_source, hf_config)
 
 
 def _check_disk(a: argparse.Namespace, env: Environment, model_source: str, root_is_default: bool) -> None:
@@ -557,11 +561,20 @@ def _check_disk(a: argparse.Namespace, env: Environment, model_source: str, root
     if a.tensorboard_dir:
         _check_directory("--tensorboard-dir", os.path.abspath(a.tensorboard_dir), env)
 
-    params = _model_param_count(a, env, model_source)
-    if params is None:
+    model = _model_tensors(a, env, model_source)
+    if model is None:
         return
+    from miles.sizing.estimate import SizingError
+    from miles.sizing.sharding import LayoutError
+
     ranks_here, scope = _ranks_checked_here(a, env) if root else (None, "")
-    budget = disk_budget(a, params, cuda=bool(a.colocate) and env.cuda_available(), ranks_here=ranks_here)
+    memory = env.host_memory_available() if a.stream_optimizer_state_host_cache_mb == HOST_CACHE_AUTO else None
+    try:
+        budget = disk_budget(a, model, ranks_here=ranks_here, memory_available=memory)
+    except (SizingError, LayoutError) as exc:  # the layout's own checks (here and in the backend) name it
+        logger.warning("free-space check skipped: `miles plan` cannot size this run (%s)", exc)
+        return
+    params = model.total()
     save_with_root = bool(root and save) and env.filesystem_id(save) == env.filesystem_id(root)
     if root:
         need = budget.scratch + (budget.checkpoint if save_with_root else 0)

@@ -5,9 +5,11 @@ own ranks' directories under the same root path on its own disk, so once the pla
 ranks landed on which node, a tiny probe task on each node reports the free space
 under the run root there, and a node short of space stops the run with one line naming it and the numbers.
 
-The need per node is ``ranks on the node x`` what one rank writes according to
-:func:`miles.sizing.estimate.disk_bytes_per_rank` (streamed optimizer state, trainer offload), for this
-run's model and layout (TP = PP = 1, DP = the train ranks, EP = --expert-model-parallel-size).
+The need per node is ``ranks on the node x`` what one rank writes there
+(:func:`miles.config.disk_budget.rank_disk_need`: `miles plan`'s estimate of the streamed optimizer state's
+files and the trainer offload, for this run's model and layout). A host tier keeps its buckets in RAM with
+no file; for ``--stream-optimizer-state-host-cache-mb auto`` the probe reports the node's available memory,
+so each node is asked only for what its ranks' tiers will not hold.
 Rollout engines write nothing there (their released weights are not backed up: the loop pushes new ones).
 Checkpoints go to ``--save``, which validation checks; they are not counted here.
 """
@@ -19,13 +21,13 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from miles.config import RunConfig
-from miles.config.disk_budget import model_tensors_of_run
+from miles.config.disk_budget import model_tensors_of_run, rank_disk_need
 from miles.sizing.model_params import ModelTensors
-from miles.sizing.estimate import GB, Hardware, SizingError, Training, disk_bytes_per_rank, estimate
-from miles.sizing.sharding import LayoutError, Parallelism
+from miles.sizing.estimate import GB, SizingError
+from miles.sizing.sharding import LayoutError
 
 from . import layout
 
@@ -63,26 +65,27 @@ class NodeDisk:
                 f"{readable_bytes(self.free_bytes)} free")
 
 
-def per_rank_disk_bytes(cfg: RunConfig, model: ModelTensors) -> int:
-    """What one train rank writes to its node's disk, from `miles plan`'s estimate for this run's layout."""
+def per_rank_disk_bytes(cfg: RunConfig, model: ModelTensors, ranks_on_node: int = 1,
+                        memory_available: Optional[int] = None) -> int:
+    """What one train rank writes to its node's disk, of ``ranks_on_node`` ranks sharing the node's
+    ``memory_available`` (for an ``auto`` host tier; None: unknown, no tier counted)."""
     if not cfg.uses_rank_dirs:
         return 0
-    n = cfg.cluster.num_train_ranks
-    offload = cfg.offload
-    # The stores as the run builds them: None leaves the bucket size (and the budget) to the store.
-    training = Training(moment_dtype=cfg.optimizer.stream_optimizer_state_moment_dtype,
-                        bucket_numel=cfg.optimizer.stream_optimizer_state_bucket_numel,
-                        offload_train_to_disk=offload.offload_train and offload.offload_train_target == "disk",
-                        stream_optimizer_state=cfg.optimizer.stream_optimizer_state_to_disk, checkpoint_copies=0)
-    par = Parallelism(dp=n, ep=cfg.training.expert_model_parallel_size)
-    budget_mb = cfg.optimizer.stream_optimizer_state_device_budget_mb
-    plan = estimate(model, par, Hardware(nodes=1, gpus_per_node=n, device_budget_mb=budget_mb), training)
-    return sum(disk_bytes_per_rank(plan.binding, training).values())
+    opt, offload = cfg.optimizer, cfg.offload
+    return rank_disk_need(model, num_train_ranks=cfg.cluster.num_train_ranks,
+                          expert_parallel=cfg.training.expert_model_parallel_size, model_dtype=cfg.model.model_dtype,
+                          stream=opt.stream_optimizer_state_to_disk, moment_dtype=opt.stream_optimizer_state_moment_dtype,
+                          bucket_numel=opt.stream_optimizer_state_bucket_numel,
+                          device_budget_mb=opt.stream_optimizer_state_device_budget_mb,
+                          offload_to_disk=offload.offload_train and offload.offload_train_target == "disk",
+                          host_cache_mb=opt.stream_optimizer_state_host_cache_mb, ranks_on_node=ranks_on_node,
+                          memory_available=memory_available).total
 
 
-def node_needs(ranks: dict[str, list[int]], per_rank: int) -> dict[str, int]:
-    """Bytes each node's disk must hold, nodes in rank order (pure)."""
-    return {node: len(node_ranks) * per_rank for node, node_ranks in ranks.items()}
+def node_needs(ranks: dict[str, list[int]], per_rank: Callable[[str, int], int]) -> dict[str, int]:
+    """Bytes each node's disk must hold, nodes in rank order (pure): ``per_rank(node, ranks_on_node)`` is
+    what one of its ranks writes."""
+    return {node: len(node_ranks) * per_rank(node, len(node_ranks)) for node, node_ranks in ranks.items()}
 
 
 def shortfall_line(nodes: Sequence[NodeDisk]) -> Optional[str]:
@@ -102,12 +105,15 @@ def nearest_existing(path: str) -> str:
     return path
 
 
-def free_bytes_on_node(path: str) -> tuple[str, int, str]:
-    """Runs on the probed node: its address, the free bytes under ``path`` (or its nearest existing parent)."""
+def free_bytes_on_node(path: str) -> tuple[str, int, str, Optional[int]]:
+    """Runs on the probed node: its address, the free bytes under ``path`` (or its nearest existing parent),
+    and its available memory (None where it cannot be read)."""
     import ray
 
+    from miles_plugins.optimizers.streaming.io.stager import available_host_memory  # the store's own reading
+
     existing = nearest_existing(path)
-    return ray.util.get_node_ip_address(), shutil.disk_usage(existing).free, existing
+    return ray.util.get_node_ip_address(), shutil.disk_usage(existing).free, existing, available_host_memory()
 
 
 def pinned_task(fn, node: str):
@@ -120,8 +126,8 @@ def pinned_task(fn, node: str):
                                   scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False))
 
 
-def probe_nodes(node_ids: Sequence[str], path: str) -> dict[str, tuple[str, int, str]]:
-    """``{node: (address, free bytes, checked path)}`` from one task pinned to each node."""
+def probe_nodes(node_ids: Sequence[str], path: str) -> dict[str, tuple[str, int, str, Optional[int]]]:
+    """``{node: (address, free bytes, checked path, available memory)}`` from one task pinned to each node."""
     import ray
 
     refs = {node: pinned_task(free_bytes_on_node, node).remote(path) for node in node_ids}
@@ -150,16 +156,15 @@ def check_node_disks(cfg: RunConfig, pg) -> list[NodeDisk]:
     if model is None:  # as in validation: skipped, not guessed
         logger.warning("per-node disk check skipped: the model's architecture is unknown to `miles plan`")
         return []
-    try:
-        per_rank = per_rank_disk_bytes(cfg, model)
-    except (SizingError, LayoutError) as exc:
-        logger.warning("per-node disk check skipped: `miles plan` cannot size this run (%s)", exc)
-        return []
     nodes_of = bundle_nodes(pg)
     ranks_to_bundles = layout.rank_bundles(nodes_of, cfg.cluster.num_train_ranks)
     ranks = layout.ranks_by_node(nodes_of, ranks_to_bundles)
-    needs = node_needs(ranks, per_rank)
-    probed = probe_nodes(sorted(needs), cfg.paths.root)
+    probed = probe_nodes(sorted(ranks), cfg.paths.root)
+    try:
+        needs = node_needs(ranks, lambda node, count: per_rank_disk_bytes(cfg, model, count, probed[node][3]))
+    except (SizingError, LayoutError) as exc:
+        logger.warning("per-node disk check skipped: `miles plan` cannot size this run (%s)", exc)
+        return []
     nodes = [NodeDisk(node, probed[node][0], tuple(ranks.get(node, [])), need, probed[node][1], probed[node][2])
              for node, need in needs.items()]
     for n in nodes:

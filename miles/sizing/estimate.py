@@ -29,7 +29,7 @@ from .store_plan import TierSplit, plan_store, split_by_host_tier
 
 GB = 1e9
 GIB = 2**30
-WEIGHT_BYTES = 2  # bf16 model weights
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2}  # the model's weights: bf16 (Megatron); fp32 for the torch backend on CPU
 GRAD_BYTES = {"fp32": 4, "bf16": 2}  # Megatron DDP accumulates grads in fp32 unless told to use bf16
 RESIDENT_STATE_BYTES = 12  # Megatron's resident Adam: fp32 main + two fp32 moments per owned param
 # Megatron's optimizer CPU offload held 1.8x its state in host RSS (one H200, megatron-core 0.19.2:
@@ -93,6 +93,7 @@ class Training:
     # device budget, at most DEFAULT_BUCKET_NUMEL
     bucket_numel: Optional[int] = None
     grad_dtype: str = "fp32"
+    weight_dtype: str = "bf16"
     # The trainer's weights go to the disk while the rollout runs (its grads are dropped, not backed up)
     offload_train_to_disk: bool = True
     # False: the Adam state stays in memory (and goes to the disk with the trainer when it offloads there)
@@ -104,6 +105,8 @@ class Training:
             raise SizingError(f"--moment-dtype {self.moment_dtype!r}: choose one of {', '.join(MOMENT_DTYPES)}")
         if self.grad_dtype not in GRAD_BYTES:
             raise SizingError(f"--grad-dtype {self.grad_dtype!r}: choose one of {', '.join(GRAD_BYTES)}")
+        if self.weight_dtype not in WEIGHT_BYTES:
+            raise SizingError(f"weight dtype {self.weight_dtype!r}: choose one of {', '.join(WEIGHT_BYTES)}")
         check_bounds(SizingError, vars(self), {"bucket_numel": BUCKET_NUMEL, "checkpoint_copies": CHECKPOINT_COPIES})
 
 
@@ -201,7 +204,7 @@ def _stage_estimate(shard: RankShard, training: Training, hw: Hardware) -> Stage
         stage=shard.stage, params_local=shard.local_params, dense_local=sum(shard.dense_local),
         expert_local=sum(shard.expert_local), params_owned=shard.owned_params,
         dense_owned=sum(shard.dense_entries), expert_owned=sum(shard.expert_entries),
-        weight_bytes=WEIGHT_BYTES * shard.local_params, grad_bytes=GRAD_BYTES[training.grad_dtype] * shard.local_params,
+        weight_bytes=WEIGHT_BYTES[training.weight_dtype] * shard.local_params, grad_bytes=GRAD_BYTES[training.grad_dtype] * shard.local_params,
         resident_state_bytes=RESIDENT_STATE_BYTES * shard.owned_params, dense_store=dense, expert_store=expert)
 
 

@@ -148,8 +148,8 @@ def _short_disk_run(out, victim):
 
     def probe(node_ids, path):
         probed = real_probe(node_ids, path)
-        address, _, checked = probed[victim]
-        return {**probed, victim: (address, SHRUNK_FREE_BYTES, checked)}
+        address, _, checked, memory = probed[victim]
+        return {**probed, victim: (address, SHRUNK_FREE_BYTES, checked, memory)}
 
     def make(*args, **kwargs):
         made.append(args)

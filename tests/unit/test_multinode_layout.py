@@ -40,8 +40,8 @@ def test_each_node_needs_its_ranks_share_of_the_plan():
     assert per_rank > 0
     assert node_disk.per_rank_disk_bytes(_cfg("--stream-optimizer-state-moment-dtype", "bf16"),
                                          model_tensors_of_run("tiny", None)) < per_rank
-    needs = node_disk.node_needs({"a": [0, 1, 2], "b": [3]}, per_rank=100)
-    assert needs == {"a": 300, "b": 100} and list(needs) == ["a", "b"]
+    needs = node_disk.node_needs({"a": [0, 1, 2], "b": [3]}, per_rank=lambda node, count: 100 * count)
+    assert needs == {"a": 900, "b": 100} and list(needs) == ["a", "b"]
 
 
 def test_a_short_node_gives_one_line_naming_it_and_the_numbers():
@@ -52,3 +52,12 @@ def test_a_short_node_gives_one_line_naming_it_and_the_numbers():
     assert "\n" not in line and "aaaa" not in line
     assert "node bbbb (10.0.0.2): 2 train rank(s) [2, 3] need 2.00 TB under /nvme, 500.00 GB free" in line
     assert "`miles plan`" in line
+
+
+def test_a_nodes_auto_host_tier_takes_its_share_of_the_state_off_that_nodes_disk():
+    cfg = _cfg("--stream-optimizer-state-host-cache-mb", "auto")
+    model = model_tensors_of_run("tiny", None)
+    unknown = node_disk.per_rank_disk_bytes(cfg, model, 2, memory_available=None)  # no tier counted
+    roomy = node_disk.per_rank_disk_bytes(cfg, model, 2, memory_available=64 * 2**30)
+    # what is left is the trainer offload: the whole streamed state lives in the tier
+    assert unknown == node_disk.per_rank_disk_bytes(_cfg(), model) and 0 < roomy < unknown

@@ -55,15 +55,15 @@ FRAMEWORK_MAY_IMPORT = {
                                       "OwnerRecord", "Sweep", "claim_directory", "listing", "make_directory",
                                       "path_within", "pid_alive", "process_run_id", "read_record", "remove_created",
                                       "sweep", "system_directory_reason"},
-    # validation's host-memory probe; the raw-file primitives `miles bench` measures the disk floor with
+    # validation's and the node probe's host-memory reading; the raw-file primitives `miles bench` measures the disk floor with
     f"{STREAMING_PKG}.io.stager": {"available_host_memory", "HostMemory", "NO_DIRECT", "Stager", "align_up",
                                    "drop_page_cache", "host_buffer", "open_direct", "pread_into", "pwrite_all"},
-    # `miles plan` and the disk checks size the store with its own cost model (footprint.py), codecs and
-    # host-tier placement
+    # `miles plan` and the disk checks size the store with its own cost model (footprint.py), codecs,
+    # host-tier placement and "auto" tier size
     f"{STREAMING_PKG}.codec": {"make_moment_codecs"},
     f"{STREAMING_PKG}.footprint": {"StoreFootprint", "smallest_bucket_numel", "store_footprint"},
     f"{STREAMING_PKG}.layout": {"EXP_AVG", "EXP_AVG_SQ"},
-    f"{STREAMING_PKG}.plan": {"place_in_host_ram"},
+    f"{STREAMING_PKG}.plan": {"fit_host_cache", "place_in_host_ram"},
 }
 IO_MAY_IMPORT = {"errors", "config", "units", "layout"}
 # The one upward edge left: the store's save_to/load_from call checkpoint/ (architecture.md).

@@ -7,11 +7,7 @@ from __future__ import annotations
 import pytest
 
 from miles.config import ArgumentError, Environment, parse_args, validate_args
-from miles.config.disk_budget import (
-    SMOLLM2_PARAMS,
-    disk_budget,
-    ranks_on_driver_node,
-)
+from miles.config.disk_budget import SMOLLM2_PARAMS, disk_budget, model_tensors_of_run, ranks_on_driver_node
 from miles.config.validation import _driver_node_slots
 
 GIB = 2**30
@@ -76,7 +72,8 @@ def test_budget_of_some_ranks():
     a = parse_args(["--stream-optimizer-state-to-disk", "--offload-train-target=disk", "--colocate",
                     "--num-train-ranks", "4", "--num-rollout-engines", "2"])
     a.model_dtype, a.offload_train = "fp32", True
-    assert disk_budget(a, P, cuda=False, ranks_here=4) == disk_budget(a, P, cuda=False)
-    one = disk_budget(a, P, cuda=False, ranks_here=1)
-    assert (one.state, one.trainer_offload) == (-(-12 * P // 4), 4 * P)
-    assert disk_budget(a, P, cuda=False, ranks_here=0).scratch == 0
+    model = model_tensors_of_run("smollm2", None)
+    assert disk_budget(a, model, ranks_here=4) == disk_budget(a, model)
+    one = disk_budget(a, model, ranks_here=1)
+    assert 12 * P // 4 <= one.state <= 12 * P // 4 * 1.001 and one.trainer_offload == 4 * P  # + bucket alignment
+    assert disk_budget(a, model, ranks_here=0).scratch == 0

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from miles.config import ArgumentError, Environment, parse_args, validate_args
-from miles.config.disk_budget import SMOLLM2_PARAMS, DiskBudget, disk_budget, model_params, streamed_state_bytes
+from miles.config.disk_budget import SMOLLM2_PARAMS, disk_budget, model_tensors_of_run, streamed_state_bytes
 
 DEMO = ["--stream-optimizer-state-to-disk", "--offload-train-target=disk"]
 GIB = 2**30
@@ -110,7 +110,7 @@ def test_hf_checkpoint_size_comes_from_its_config_json(tmp_path):
     cfg = {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
            "intermediate_size": 4096, "vocab_size": 32000, "tie_word_embeddings": False}
     (model / "config.json").write_text(json.dumps(cfg))
-    params = model_params("hf_checkpoint", cfg)
+    params = model_tensors_of_run("hf_checkpoint", cfg).total()
     assert 300e6 < params < 500e6
     msg = error(tmp_path, *DEMO, "--hf-checkpoint", str(model), disk_free_bytes=lambda p: GIB)
     assert f"for {params / 1e6:.1f}M params" in msg
@@ -126,9 +126,41 @@ def test_streamed_state_uses_the_store_codecs():
 def test_budget_terms(tmp_path):
     a = parse_args([*DEMO, "--colocate", "--num-train-ranks", "2", "--save", "x"])
     a.model_dtype, a.offload_train = "fp32", True
-    b = disk_budget(a, SMOLLM2_PARAMS, cuda=False)
-    # the colocated engine keeps no backup of its weights: the loop pushes them after every wake
-    assert b == DiskBudget(state=12 * SMOLLM2_PARAMS, trainer_offload=8 * SMOLLM2_PARAMS, checkpoint=16 * SMOLLM2_PARAMS)
+    b = disk_budget(a, model_tensors_of_run("smollm2", None))
+    p = SMOLLM2_PARAMS
+    # the two ranks' streamed files (12 B/param between them, the buckets' alignment on top), each rank's
+    # fp32 weights offloaded; the colocated engine keeps no backup of its weights
+    assert 12 * p <= b.state <= 12 * p * 1.001 and b.state_in_ram == 0
+    assert b.trainer_offload == 8 * p and b.checkpoint == 16 * p
+
+
+def test_the_host_tier_share_of_the_state_is_not_asked_of_the_disk(tmp_path):
+    """A bucket the host tier holds lives in RAM only: an explicit tier, or "auto" from the memory
+    available now, takes its share of the state off the disk need."""
+    def budget(host_cache_mb, memory_available=None):
+        a = parse_args([*DEMO, "--stream-optimizer-state-bucket-numel", "20000000",  # 7 buckets of 240 MB
+                        "--stream-optimizer-state-host-cache-mb", host_cache_mb])
+        a.model_dtype, a.offload_train = "fp32", True
+        return disk_budget(a, model_tensors_of_run("smollm2", None), memory_available=memory_available)
+
+    none, tier = budget("0"), budget("1024")
+    assert none.state_in_ram == 0 and 0 < tier.state_in_ram <= 2**30  # the whole buckets 1 GiB holds
+    assert tier.state + tier.state_in_ram == none.state and tier.trainer_offload == none.trainer_offload
+    assert budget("auto").state == none.state  # memory unknown: no tier counted
+    whole = budget("auto", memory_available=64 * GIB)
+    assert whole.state == 0 and whole.state_in_ram == none.state
+
+
+def test_a_state_larger_than_the_tier_and_the_free_disk_stops_before_ray(tmp_path):
+    kw = dict(has_module=lambda m: True, disk_free_bytes=lambda p: 1 * GIB)
+    tier = ["--stream-optimizer-state-host-cache-mb", "auto", "--stream-optimizer-state-bucket-numel", "20000000"]
+    # 512 MiB over the 16 GiB "auto" leaves free: the whole buckets that fit in it stay in RAM, the rest
+    # of the 1.50 GiB state needs files
+    msg = error(tmp_path, *DEMO, *tier, host_memory_available=lambda: 16 * GIB + 512 * 2**20, **kw)
+    assert "(1.13 GiB streamed optimizer state files (the host tier holds 0.38 GiB more in RAM) + 0.50 GiB " \
+           "trainer offload, for 134.5M params)" in msg
+    assert "and its filesystem has 1.00 GiB free" in msg
+    validate(tmp_path, *DEMO, *tier, host_memory_available=lambda: 20 * GIB, **kw)  # the tier holds it all
 
 
 # ---- flags that change nothing ------------------------------------------------------------------------

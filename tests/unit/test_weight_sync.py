@@ -202,20 +202,6 @@ def test_a_resumed_run_replaces_the_records_it_writes_again(tmp_path):
     assert "not json" in lines
 
 
-def test_auto_tier_leaves_room_for_the_colocated_engines_host_copies(make_config):
-    from miles.backends.base import engine_host_copies_mb, store_config
-
-    cfg = make_config("--tiny-model", "--colocate", "--num-train-ranks", "2", "--num-rollout-engines", "2",
-                      "--stream-optimizer-state-to-disk", "--offload-train-target=disk")
-    # 2 engines over 2 ranks: a node of 1 rank hosts one engine, a node of both ranks both
-    assert engine_host_copies_mb(cfg, 1, 3 << 30, cuda=True) == 3 * 1024
-    assert engine_host_copies_mb(cfg, 2, 3 << 30, cuda=True) == 6 * 1024
-    assert engine_host_copies_mb(cfg, 2, 3 << 30, cuda=False) == 0  # on CPU the engines back up to disk
-    assert store_config(cfg, 0, 1, 3 * 1024).host_cache_run_reserve_mb == 3 * 1024
-    apart = make_config("--tiny-model", "--stream-optimizer-state-to-disk", "--offload-train-target=disk")
-    assert engine_host_copies_mb(apart, 1, 3 << 30, cuda=True) == 0  # an engine that never releases keeps no copy
-
-
 def test_the_first_steps_disk_writes_are_its_own(tmp_path):
     """The mains evicted at construction are not counted as the first step's disk writes (a mixed-precision
     optimizer streams them: the torch backend's sharded Adam)."""
