@@ -120,6 +120,9 @@ def rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, sa
         rec["weight_handoff_largest_bucket_bytes"] = max(int(h["weight_handoff_largest_bucket_bytes"]) for h in handoff)
         # a rank whose buckets CUDA refused to export handed them over through host shared memory instead
         rec["weight_handoff_through_host"] = any(h["weight_handoff_through_host"] for h in handoff)
+    rec["host_rss_peak_gb"] = max(int(r["host_rss_peak_bytes"]) for r in ranks) / GB  # the largest rank's
+    if "optimizer_step_device_peak_bytes" in r0:
+        rec["optimizer_step_device_peak_gb"] = max(int(r["optimizer_step_device_peak_bytes"]) for r in ranks) / GB
     if any("device_used_bytes_asleep" in s for s in sleep):  # GPU backends: device memory in use while asleep
         rec["device_used_gb_asleep"] = max(s.get("device_used_bytes_asleep", 0) for s in sleep) / GB
     if "stream_bytes_read" in r0:
@@ -137,6 +140,8 @@ def rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, sa
             "stream_seconds": wall,
             "stream_gbps": (sum(read) + sum(written)) / GB / wall if wall > 0 else 0.0,
             "stream_peak_resident_bytes": max(int(r["stream_peak_resident_bytes"]) for r in ranks),
+            "stream_ram_state_gb": sum(int(r["stream_ram_state_bytes"]) for r in ranks) / GB,
+            "stream_disk_state_gb": sum(int(r["stream_disk_state_bytes"]) for r in ranks) / GB,
             "stream_exposed_io_seconds": max(float(r["stream_io_seconds"]) for r in ranks),
             "stream_prefetched_buckets": min(int(r["stream_prefetched_buckets"]) for r in ranks),
         })

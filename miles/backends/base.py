@@ -44,6 +44,7 @@ from miles import checkpoint
 from miles.config import RunConfig
 from miles.models import torch_dtype
 from miles.offload import make_offloader
+from miles.process_memory import peak_rss_bytes
 from miles.rl.loss import accumulate_policy_gradient
 from miles_plugins.optimizers.nvme_stream import StoreGroup, StreamConfig, stream_optimizer_state
 from miles_plugins.optimizers.streaming.io.ownership import DirectoryLock, claim_directory, remove_created
@@ -120,7 +121,10 @@ def stream_step_metrics(stores: list) -> dict[str, Any]:
             "stream_io_seconds": sum(float(t.io_seconds) for t in steps),
             "stream_buckets": sum(int(t.buckets) for t in steps),
             "stream_prefetched_buckets": sum(int(t.prefetched_buckets) for t in steps),
-            "stream_peak_resident_bytes": max(int(s.stats.peak_resident_bytes) for s in stores)}
+            "stream_peak_resident_bytes": max(int(s.stats.peak_resident_bytes) for s in stores),
+            # where the state lives: buckets in host RAM only, and the bucket files on disk
+            "stream_ram_state_bytes": sum(int(s.stats.ram_state_bytes) for s in stores),
+            "stream_disk_state_bytes": sum(int(s.stats.state_bytes - s.stats.ram_state_bytes) for s in stores)}
 
 
 def settle_store_for_sleep(store, flush: bool) -> dict[str, Any]:
@@ -250,6 +254,9 @@ class TrainBackend(abc.ABC):
         self.finish_backward()
         fwd_bwd = time.perf_counter() - fwd_bwd
 
+        cuda = self.device.type == "cuda"
+        if cuda:  # the step's own device peak: weights, grads and what the optimizer (or store) holds
+            torch.cuda.reset_peak_memory_stats(self.device)
         step_start = time.perf_counter()
         grad_norm = self.optimizer_step(rollout_id)
         step_seconds = time.perf_counter() - step_start
@@ -267,7 +274,10 @@ class TrainBackend(abc.ABC):
             "forward_backward_seconds": fwd_bwd,
             "optimizer_step_seconds": step_seconds,
             "train_seconds": time.perf_counter() - start,
+            "host_rss_peak_bytes": peak_rss_bytes(),  # this rank's process, since it started
         }
+        if cuda:
+            metrics["optimizer_step_device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
         if self.store is not None:
             metrics.update(stream_step_metrics(self.streamed_stores()))
         return metrics

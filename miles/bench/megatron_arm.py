@@ -22,30 +22,13 @@ import traceback
 
 import torch
 
+from miles.process_memory import peak_rss_bytes, rss_bytes
+
 from .megatron import PROGRESS_MARK, Shape, host_cache_mb, llama_config
 
 
 def say(spec: dict, msg: str) -> None:
     print(f"{PROGRESS_MARK}{spec['name']}: {msg}", flush=True)
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def rss_bytes() -> int:
-    """Current resident set (VmRSS) of this process."""
-    return _status_bytes("VmRSS")
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set of this process (VmHWM). Not getrusage's ru_maxrss: Linux carries that across
-    fork + exec, so an arm started by a parent holding 12 GB of compared params reported 12 GB itself."""
-    return _status_bytes("VmHWM")
 
 
 # ---- setup --------------------------------------------------------------------------------------------

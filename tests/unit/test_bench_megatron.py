@@ -293,7 +293,7 @@ def test_an_arm_reports_its_own_peak_rss_not_its_parents():
     parent_bytes = 1536 << 20
     held = bytearray(parent_bytes)
     held[::4096] = b"\x01" * len(held[::4096])  # touch every page: resident
-    code = ("import resource; from miles.bench.megatron_arm import peak_rss_bytes; "
+    code = ("import resource; from miles.process_memory import peak_rss_bytes; "
             "print(peak_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     own, inherited = map(int, out.split())

@@ -46,11 +46,11 @@ def test_flag_without_streaming_is_rejected(make_config):
 
 def test_exposed_io_per_rollout_adds_the_sleep_wait():
     rank = {"loss": 0.0, "grad_norm": 0.0, "clipfrac": 0.0, "train_rollout_logprob_abs_diff": 0.0,
-            "optimizer_step_seconds": 1.0, "forward_backward_seconds": 0.5, "train_seconds": 1.6,
+            "host_rss_peak_bytes": 2 << 30, "optimizer_step_seconds": 1.0, "forward_backward_seconds": 0.5, "train_seconds": 1.6,
             "stream_bytes_read": 10, "stream_bytes_written": 10,
             "stream_seconds": 1.0, "stream_io_seconds": 0.25, "stream_peak_resident_bytes": 1,
             "stream_prefetched_buckets": 0, "stream_disk_bytes_read": 4 << 30, "stream_disk_bytes_written": 6 << 30,
-            "stream_tier_fill_bytes": 0}
+            "stream_tier_fill_bytes": 0, "stream_ram_state_bytes": 0, "stream_disk_state_bytes": 20}
     sleep = [{"rank": 0, "bytes": 1, "seconds": 0.1, "store_wait_seconds": 0.5}]
     samples = [SimpleNamespace(response_ids=[1, 2])]
     rec = rollout_record(0, [1.0], samples, [rank], wake=[], sleep=sleep,
@@ -77,13 +77,15 @@ def test_stream_metrics_sum_the_stores_of_a_rank():
     """One function gives both backends their stream_* metrics: sums over the stores, the largest peak."""
     from miles.backends.base import stream_step_metrics
 
-    def store(read, peak):
+    def store(read, peak, ram):
         last = SimpleNamespace(bytes_read=read, bytes_written=2 * read, wall_seconds=1.0, io_seconds=0.5,
                                buckets=3, prefetched_buckets=1, disk_bytes_read=read - 1, disk_bytes_written=read,
                                tier_fill_bytes=1)
-        return SimpleNamespace(stats=SimpleNamespace(last_step=last, peak_resident_bytes=peak))
+        return SimpleNamespace(stats=SimpleNamespace(last_step=last, peak_resident_bytes=peak, state_bytes=100,
+                                                     ram_state_bytes=ram))
 
-    m = stream_step_metrics([store(10, 7), store(5, 9)])
+    m = stream_step_metrics([store(10, 7, 100), store(5, 9, 40)])
     assert m["stream_bytes_read"] == 15 and m["stream_bytes_written"] == 30 and m["stream_buckets"] == 6
     assert m["stream_io_seconds"] == 1.0 and m["stream_peak_resident_bytes"] == 9
     assert m["stream_disk_bytes_read"] == 13 and m["stream_disk_bytes_written"] == 15 and m["stream_tier_fill_bytes"] == 2
+    assert m["stream_ram_state_bytes"] == 140 and m["stream_disk_state_bytes"] == 60  # where the state lives

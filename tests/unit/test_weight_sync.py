@@ -101,14 +101,17 @@ def test_rollout_record_splits_the_train_call_and_reports_the_handoff():
     from miles.metrics import format_rollout_line, rollout_record
 
     rank = {"loss": 0.5, "grad_norm": 1.0, "clipfrac": 0.0, "train_rollout_logprob_abs_diff": 0.0,
-            "forward_backward_seconds": 1.0, "optimizer_step_seconds": 0.25, "train_seconds": 1.5}
+            "host_rss_peak_bytes": 2 << 30, "forward_backward_seconds": 1.0, "optimizer_step_seconds": 0.25,
+            "train_seconds": 1.5}
     handoff = [{"weight_handoff_seconds": 0.05, "weight_handoff_bytes": 2 << 30, "weight_handoff_buckets": 4,
                 "weight_handoff_largest_bucket_bytes": 512 << 20, "weight_handoff_through_host": False}]
     timings = {"generate_seconds": 1.0, "train_seconds": 1.6, "sleep_seconds": 0.1, "wake_seconds": 0.1,
                "step_seconds": 3.0}
-    rec = rollout_record(0, [1.0, 0.0], [SimpleNamespace(response_ids=[1, 2])] * 2, [rank, {**rank, "train_seconds": 2.0}],
+    rec = rollout_record(0, [1.0, 0.0], [SimpleNamespace(response_ids=[1, 2])] * 2,
+                         [rank, {**rank, "train_seconds": 2.0, "host_rss_peak_bytes": 3 << 30}],
                          [], [], timings, None, handoff)
     assert rec["forward_backward_seconds"] == 1.0 and rec["train_rank_seconds"] == 2.0
+    assert rec["host_rss_peak_gb"] == (3 << 30) / 1e9  # the largest rank's
     assert rec["other_seconds"] == pytest.approx(0.75)
     assert rec["weight_handoff_seconds"] == 0.05 and rec["weight_handoff_buckets"] == 4
     line = format_rollout_line(rec, 1)
@@ -122,10 +125,12 @@ def test_the_rollout_line_fits_one_terminal_line():
     from miles.metrics import ROLLOUT_LINE_WIDTH, format_rollout_line, rollout_record
 
     rank = {"loss": -0.0123456, "grad_norm": 1.0, "clipfrac": 0.0, "train_rollout_logprob_abs_diff": 0.0,
-            "forward_backward_seconds": 20.45, "optimizer_step_seconds": 9.37, "train_seconds": 30.6,
+            "host_rss_peak_bytes": 2 << 30, "forward_backward_seconds": 20.45, "optimizer_step_seconds": 9.37,
+            "train_seconds": 30.6,
             "stream_bytes_read": 123 << 30, "stream_bytes_written": 123 << 30, "stream_disk_bytes_read": 100 << 30,
             "stream_disk_bytes_written": 100 << 30, "stream_tier_fill_bytes": 0, "stream_seconds": 50.0,
-            "stream_io_seconds": 10.0, "stream_peak_resident_bytes": 1, "stream_prefetched_buckets": 2}
+            "stream_io_seconds": 10.0, "stream_peak_resident_bytes": 1, "stream_prefetched_buckets": 2,
+            "stream_ram_state_bytes": 3 << 30, "stream_disk_state_bytes": 1 << 30}
     handoff = [{"weight_handoff_seconds": 1.234, "weight_handoff_bytes": 1, "weight_handoff_buckets": 1,
                 "weight_handoff_largest_bucket_bytes": 1, "weight_handoff_through_host": False}]
     timings = {"generate_seconds": 40.2, "train_seconds": 31.2, "sleep_seconds": 5.61, "wake_seconds": 4.27,
