@@ -82,6 +82,34 @@ def drop_records_from(path: str, rollout_id: int) -> int:
     return dropped
 
 
+def _stream_record(ranks: list[dict], sleep: list[dict]) -> dict[str, Any]:
+    """The rollout record's ``stream_*`` fields: the ranks' streamed optimizer I/O and where their state lives."""
+    read = [int(r["stream_bytes_read"]) for r in ranks]
+    written = [int(r["stream_bytes_written"]) for r in ranks]
+    wall = max(float(r["stream_seconds"]) for r in ranks)
+    rec = {
+        "stream_bytes_read_per_rank": read,
+        "stream_bytes_written_per_rank": written,
+        "stream_read_gb": sum(read) / GB,
+        "stream_written_gb": sum(written) / GB,
+        "stream_disk_read_gb": sum(int(r["stream_disk_bytes_read"]) for r in ranks) / GB,
+        "stream_disk_written_gb": sum(int(r["stream_disk_bytes_written"]) for r in ranks) / GB,
+        "stream_tier_fill_gb": sum(int(r["stream_tier_fill_bytes"]) for r in ranks) / GB,
+        "stream_seconds": wall,
+        "stream_gbps": (sum(read) + sum(written)) / GB / wall if wall > 0 else 0.0,
+        "stream_peak_resident_bytes": max(int(r["stream_peak_resident_bytes"]) for r in ranks),
+        "stream_ram_state_gb": sum(int(r["stream_ram_state_bytes"]) for r in ranks) / GB,
+        "stream_disk_state_gb": sum(int(r["stream_disk_state_bytes"]) for r in ranks) / GB,
+        "stream_exposed_io_seconds": max(float(r["stream_io_seconds"]) for r in ranks),
+        "stream_prefetched_buckets": min(int(r["stream_prefetched_buckets"]) for r in ranks),
+    }
+    # the rollout's optimizer I/O nobody hid: what its step waited for, plus what the sleep after it
+    # waited for (the write-backs, with --stream-optimizer-state-flush-at-sleep)
+    rec["stream_sleep_wait_seconds"] = max((s.get("store_wait_seconds", 0.0) for s in sleep), default=0.0)
+    rec["stream_exposed_io_per_rollout_seconds"] = rec["stream_exposed_io_seconds"] + rec["stream_sleep_wait_seconds"]
+    return rec
+
+
 def rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, saved,
                    handoff=()) -> dict[str, Any]:
     """One rollout's record: the driver's ``timings`` (``*_seconds`` as the driver saw them) and the ranks'
@@ -126,29 +154,7 @@ def rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, sa
     if any("device_used_bytes_asleep" in s for s in sleep):  # GPU backends: device memory in use while asleep
         rec["device_used_gb_asleep"] = max(s.get("device_used_bytes_asleep", 0) for s in sleep) / GB
     if "stream_bytes_read" in r0:
-        read = [int(r["stream_bytes_read"]) for r in ranks]
-        written = [int(r["stream_bytes_written"]) for r in ranks]
-        wall = max(float(r["stream_seconds"]) for r in ranks)
-        rec.update({
-            "stream_bytes_read_per_rank": read,
-            "stream_bytes_written_per_rank": written,
-            "stream_read_gb": sum(read) / GB,
-            "stream_written_gb": sum(written) / GB,
-            "stream_disk_read_gb": sum(int(r["stream_disk_bytes_read"]) for r in ranks) / GB,
-            "stream_disk_written_gb": sum(int(r["stream_disk_bytes_written"]) for r in ranks) / GB,
-            "stream_tier_fill_gb": sum(int(r["stream_tier_fill_bytes"]) for r in ranks) / GB,
-            "stream_seconds": wall,
-            "stream_gbps": (sum(read) + sum(written)) / GB / wall if wall > 0 else 0.0,
-            "stream_peak_resident_bytes": max(int(r["stream_peak_resident_bytes"]) for r in ranks),
-            "stream_ram_state_gb": sum(int(r["stream_ram_state_bytes"]) for r in ranks) / GB,
-            "stream_disk_state_gb": sum(int(r["stream_disk_state_bytes"]) for r in ranks) / GB,
-            "stream_exposed_io_seconds": max(float(r["stream_io_seconds"]) for r in ranks),
-            "stream_prefetched_buckets": min(int(r["stream_prefetched_buckets"]) for r in ranks),
-        })
-        # the rollout's optimizer I/O nobody hid: what its step waited for, plus what the sleep after it
-        # waited for (the write-backs, with --stream-optimizer-state-flush-at-sleep)
-        rec["stream_sleep_wait_seconds"] = max((s.get("store_wait_seconds", 0.0) for s in sleep), default=0.0)
-        rec["stream_exposed_io_per_rollout_seconds"] = rec["stream_exposed_io_seconds"] + rec["stream_sleep_wait_seconds"]
+        rec.update(_stream_record(ranks, sleep))
     return rec
 
 

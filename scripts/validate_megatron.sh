@@ -9,7 +9,11 @@
 #           (--stream-optimizer-state-flush-at-sleep); prints each rollout's exposed optimizer I/O
 #   resume  the same MoE with a host tier that holds its whole state: 2 rollouts, a save, then a --load
 #           resume of 2 more; the load reads the tier back from disk during the first resumed rollout
-# Usage: scripts/validate_megatron.sh train [PRESET...] | sleep | drain | resume
+#   big     the 9.2B Llama (llama-9.2b), streamed with --stream-optimizer-state-host-cache-mb auto (RAM first,
+#           files for the rest): 3 rollouts with fp32 moments (110 GB of state), 3 with bf16 moments (73 GB);
+#           with BIG_SAVE=<dir> (a checkpoint of the fp32 run is ~128 GB) also a save and a --load resume of one more
+#   big-baselines  the same shape in `miles bench megatron`: resident Adam and Megatron's CPU offload, one step
+# Usage: scripts/validate_megatron.sh train [PRESET...] | sleep | drain | resume | big | big-baselines
 #   WORK=<dir with ~40 GB free> (default /tmp/miles-megatron); SLEEP_ROLLOUTS (default 3);
 #   RESUME_TO: the rollout count the resumed run trains to (default 7: two more)
 set -euo pipefail
@@ -30,7 +34,8 @@ import json, sys
 keys = ("rollout_id", "reward_mean", "loss", "optimizer_step_seconds", "sleep_seconds", "wake_seconds",
         "offload_bytes", "device_used_gb_asleep", "stream_read_gb", "stream_written_gb", "step_seconds",
         "stream_exposed_io_seconds", "stream_sleep_wait_seconds", "stream_exposed_io_per_rollout_seconds",
-        "stream_disk_read_gb", "stream_disk_written_gb", "stream_tier_fill_gb")
+        "stream_disk_read_gb", "stream_disk_written_gb", "stream_tier_fill_gb", "stream_ram_state_gb",
+        "stream_disk_state_gb", "optimizer_step_device_peak_gb", "host_rss_peak_gb")
 for line in open(sys.argv[1]):
     r = json.loads(line)
     print({k: (round(r[k], 4) if isinstance(r[k], float) else r[k]) for k in keys if k in r})
@@ -82,5 +87,26 @@ resume)
   summary "$WORK/resume-b.jsonl"
   rm -rf "$WORK/ckpt-resume"
   ;;
-*) echo "unknown phase $phase (train|sleep|drain|resume)" >&2; exit 2 ;;
+big)
+  model llama-9.2b
+  big=("${common[@]}" --hf-checkpoint "$WORK/llama-9.2b" --stream-optimizer-state-to-disk --offload-train-target=disk
+       --stream-optimizer-state-host-cache-mb auto --offload-train-disk-dir "$WORK/disk-big")
+  if [ -n "${BIG_SAVE:-}" ]; then
+    miles train "${big[@]}" --num-rollout 3 --save "$BIG_SAVE" --metrics-file "$WORK/big-fp32.jsonl"
+    summary "$WORK/big-fp32.jsonl"
+    miles train "${big[@]}" --num-rollout 4 --load "$BIG_SAVE" --metrics-file "$WORK/big-fp32-resume.jsonl"
+    summary "$WORK/big-fp32-resume.jsonl"
+  else
+    miles train "${big[@]}" --num-rollout 3 --metrics-file "$WORK/big-fp32.jsonl"
+    summary "$WORK/big-fp32.jsonl"
+  fi
+  miles train "${big[@]}" --stream-optimizer-state-moment-dtype bf16 --num-rollout 3 --metrics-file "$WORK/big-bf16.jsonl"
+  summary "$WORK/big-bf16.jsonl"
+  ;;
+big-baselines)
+  # llama-9.2b's shape (vocabulary: the char tokenizer's ~100 tokens, as make_random_model.py builds it)
+  miles bench megatron --hidden 4096 --layers 42 --ffn 14336 --heads 32 --query-groups 8 --vocab 128 \
+    --arms resident,cpu-offload --steps 1 --warmup 0 --dir "$WORK/bench-big" --arm-timeout 600 --json "$WORK/big-baselines.json"
+  ;;
+*) echo "unknown phase $phase (train|sleep|drain|resume|big|big-baselines)" >&2; exit 2 ;;
 esac

@@ -36,6 +36,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -278,6 +279,19 @@ def _package_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(miles.__file__)))
 
 
+def exit_reason(returncode: int) -> str:
+    """How an arm's process ended, in words: a negative status is the signal that killed it."""
+    if returncode >= 0:
+        return f"exited with status {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    hint = (" (what Linux's out-of-memory killer sends when host memory runs out: `dmesg` names the process)"
+            if -returncode == signal.SIGKILL else "")
+    return f"was killed by {name}{hint}"
+
+
 def run_arm(spec: dict, workdir: str, say, *, verbose: bool = False, timeout: float | None = None) -> dict:
     """Run one arm in a fresh process of this interpreter; its result dict, or {"ok": False, "error": ...}
     when it died without writing one (the error holds its exit status and last output lines)."""
@@ -317,7 +331,7 @@ def run_arm(spec: dict, workdir: str, say, *, verbose: bool = False, timeout: fl
     if os.path.exists(spec["result"]):
         with open(spec["result"]) as f:
             return json.load(f)
-    why = f"killed after {timeout:.0f} s (--arm-timeout)" if killed.is_set() else f"exited with status {rc}"
+    why = f"killed after {timeout:.0f} s (--arm-timeout)" if killed.is_set() else exit_reason(rc)
     last = " | ".join(l for l in list(tail)[-8:] if l.strip())
     return {"name": spec["name"], "kind": spec["kind"], "ok": False,
             "error": f"the arm's process {why} without a result; last output: {last}"}

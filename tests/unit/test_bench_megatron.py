@@ -273,6 +273,12 @@ def test_an_arm_process_without_cuda_reports_its_error(tmp_path):
     assert any("failed:" in l for l in lines)
 
 
+def test_an_arm_killed_by_a_signal_says_which_and_what_sigkill_usually_means():
+    assert bench.exit_reason(3) == "exited with status 3"
+    assert bench.exit_reason(-15) == "was killed by SIGTERM"
+    assert bench.exit_reason(-9).startswith("was killed by SIGKILL (what Linux's out-of-memory killer sends")
+
+
 def test_report_shows_where_host_memory_peaked():
     results = fake_results()
     arm = results["arms"]["store-0"]
