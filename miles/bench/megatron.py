@@ -232,29 +232,11 @@ def run(args) -> int:
     try:
         for i, arm in enumerate(arms):
             say(f"arm {i + 1}/{len(arms)}: {arm['name']} ...")
-            spec = common | arm | {"saved_params": os.path.join(work, f"{arm['name']}.params.pt"),
-                                   "saved_mains": os.path.join(work, f"{arm['name']}.mains.pt"),
-                                   "result": os.path.join(work, f"{arm['name']}.result.json")}
-            t0 = time.perf_counter()
-            r = run_arm(spec, work, say, verbose=args.verbose, timeout=args.arm_timeout or None)
-            r["arm_seconds"] = time.perf_counter() - t0
-            if r.get("ok") and r.get("params") != counts["total"]:
-                say(f"  note: the model has {r['params']:,} params, the shape formula says {counts['total']:,}")
+            r = _measure_arm(common | arm, work, args, say, counts["total"], reference)
             if arm["name"] == "resident":
-                r["identical"] = "reference"
                 reference = r if r.get("ok") else None
-            elif r.get("ok") and reference is not None:
-                say(f"  comparing {arm['name']}'s final params with resident's ...")
-                r["identical"] = compare_saved(reference.get("saved_params"), r.get("saved_params"),
-                                               reference.get("saved_mains"), r.get("saved_mains"))
-            else:
-                r["identical"] = None
-            if arm["name"] != "resident":
-                _remove(r.get("saved_params"), r.get("saved_mains"))
             results["arms"][arm["name"]] = r
             results["device"] = r.get("device") or results["device"]  # the parent creates no CUDA context
-            say(f"arm {arm['name']} " + (f"done in {r['arm_seconds']:.0f} s" if r.get("ok")
-                                         else f"FAILED after {r['arm_seconds']:.0f} s: {r.get('error')}"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
         with contextlib.suppress(OSError):  # --dir itself only when the run left it empty: it may be the user's
@@ -265,6 +247,33 @@ def run(args) -> int:
     write_json(args.json, results, say)
     failed = [n for n, r in results["arms"].items() if not r.get("ok") and n != "cpu-offload"]
     return 1 if failed else 0
+
+
+def _measure_arm(spec: dict, work: str, args, say, params: int, reference: dict | None) -> dict:
+    """One arm run in its own process, its final params compared with the resident arm's (``reference``,
+    None when it failed or did not run) and then removed; its result with ``arm_seconds`` and ``identical``."""
+    name = spec["name"]
+    spec = spec | {"saved_params": os.path.join(work, f"{name}.params.pt"),
+                   "saved_mains": os.path.join(work, f"{name}.mains.pt"),
+                   "result": os.path.join(work, f"{name}.result.json")}
+    t0 = time.perf_counter()
+    r = run_arm(spec, work, say, verbose=args.verbose, timeout=args.arm_timeout or None)
+    r["arm_seconds"] = time.perf_counter() - t0
+    if r.get("ok") and r.get("params") != params:
+        say(f"  note: the model has {r['params']:,} params, the shape formula says {params:,}")
+    if name == "resident":
+        r["identical"] = "reference"
+    elif r.get("ok") and reference is not None:
+        say(f"  comparing {name}'s final params with resident's ...")
+        r["identical"] = compare_saved(reference.get("saved_params"), r.get("saved_params"),
+                                       reference.get("saved_mains"), r.get("saved_mains"))
+    else:
+        r["identical"] = None
+    if name != "resident":
+        _remove(r.get("saved_params"), r.get("saved_mains"))
+    say(f"arm {name} " + (f"done in {r['arm_seconds']:.0f} s" if r.get("ok")
+                          else f"FAILED after {r['arm_seconds']:.0f} s: {r.get('error')}"))
+    return r
 
 
 def _remove(*paths) -> None:

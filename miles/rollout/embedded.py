@@ -116,26 +116,9 @@ class EmbeddedRolloutEngine:
         self.max_batch_size = max_batch_size
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.backup = backup or ("disk" if self.device.type == "cpu" else "cpu")
-        if backup_dir is None and config is not None:
-            backup_dir = config.paths.engine_dir(engine_id)
-        # without a run's config, a private temporary directory (removed at close); with one, the engine's
-        # directory, locked by the offloader and removed at close only if this run made it
-        self._temp_backup_dir = None
-        if backup_dir is None and self.backup == "disk":
-            backup_dir = self._temp_backup_dir = tempfile.mkdtemp(prefix=f"miles-rollout-engine{engine_id}-")
-        chunk_mb = config.offload.offload_train_disk_chunk_mb if config is not None else DEFAULT_CHUNK_MB
-        self._offloader = StorageOffloader(self.backup, backup_dir, chunk_mb,
-                                           run_id=config.run_id if config is not None else None)
-        # every weight and buffer, tied ones under each name (the offloader backs each storage up once);
-        # without a backup only the parameters, which a weight update rewrites (buffers such as rotary
-        # frequencies are not sent, and are small)
-        self._tensors = [t for _, t in self.model.named_parameters(remove_duplicate=False)]
-        self._param_storages = {t.untyped_storage()._cdata for t in self._tensors}
-        if self.backup != "none":
-            self._tensors += [t for _, t in self.model.named_buffers(remove_duplicate=False)]
-        self._updated_storages: set[int] = set()  # the parameters weight updates rewrote since the last release
-        self._name_to_tensor = dict(self.model.named_parameters(remove_duplicate=False))
-        self._name_to_tensor.update(dict(self.model.named_buffers(remove_duplicate=False)))
+        self._temp_backup_dir: Optional[str] = None
+        self._offloader = self._make_offloader(config, backup_dir)
+        self._track_tensors()
         self.weight_version = 0
         seed = config.rollout.rollout_seed if config is not None else 0
         self._generator = torch.Generator(device=self.device).manual_seed(int(seed) * 7919 + engine_id)
@@ -152,6 +135,29 @@ class EmbeddedRolloutEngine:
         logger.info("rollout engine %d: %s on %s (%s)", engine_id, self.description, self.device,
                     "static cache, CUDA graphs" if self.cuda_graphs else
                     "static cache" if self.static_cache else "dynamic cache")
+
+    def _make_offloader(self, config: Optional[RunConfig], backup_dir: Optional[str]) -> StorageOffloader:
+        """The offloader of released weights. Its directory: the given one; with a run's config the engine's
+        own (locked by the offloader, removed at close only if this run made it); else, for a disk backup, a
+        private temporary directory (removed at close)."""
+        if backup_dir is None and config is not None:
+            backup_dir = config.paths.engine_dir(self.engine_id)
+        if backup_dir is None and self.backup == "disk":
+            backup_dir = self._temp_backup_dir = tempfile.mkdtemp(prefix=f"miles-rollout-engine{self.engine_id}-")
+        chunk_mb = config.offload.offload_train_disk_chunk_mb if config is not None else DEFAULT_CHUNK_MB
+        return StorageOffloader(self.backup, backup_dir, chunk_mb, run_id=config.run_id if config is not None else None)
+
+    def _track_tensors(self) -> None:
+        """What release backs up and what updates may write: every weight and buffer, tied ones under each name
+        (the offloader backs each storage up once); without a backup only the parameters, which a weight
+        update rewrites (buffers such as rotary frequencies are not sent, and are small)."""
+        self._tensors = [t for _, t in self.model.named_parameters(remove_duplicate=False)]
+        self._param_storages = {t.untyped_storage()._cdata for t in self._tensors}
+        if self.backup != "none":
+            self._tensors += [t for _, t in self.model.named_buffers(remove_duplicate=False)]
+        self._updated_storages: set[int] = set()  # the parameters weight updates rewrote since the last release
+        self._name_to_tensor = dict(self.model.named_parameters(remove_duplicate=False))
+        self._name_to_tensor.update(dict(self.model.named_buffers(remove_duplicate=False)))
 
     def _choose_decoding(self, static_cache: Optional[bool], cuda_graphs: Optional[bool]) -> tuple[bool, bool]:
         supported = decode.supports_static_cache(self.model)

@@ -59,12 +59,17 @@ def transformer_config_from_hf(hf_config: Any, *, params_dtype: torch.dtype, exp
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
     )
-    if arch.num_experts is None:
-        return kwargs
+    if arch.num_experts is not None:
+        kwargs.update(_moe_kwargs(arch, expert_model_parallel_size))
+    return kwargs
+
+
+def _moe_kwargs(arch, expert_model_parallel_size: int) -> dict[str, Any]:
+    """The MoE part of :func:`transformer_config_from_hf`: HF's router and experts as megatron-core's."""
     if arch.moe_topk == 1 and arch.moe_renormalize:
         raise UnsupportedModelError("top-1 routing with renormalized probabilities (weight 1.0 per token) has no "
                                     "megatron-core router equivalent; use a top-k >= 2 model")
-    kwargs.update(
+    return dict(
         num_moe_experts=arch.num_experts,
         moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
         moe_router_topk=arch.moe_topk,
@@ -82,7 +87,6 @@ def transformer_config_from_hf(hf_config: Any, *, params_dtype: torch.dtype, exp
         moe_grouped_gemm=False,  # SequentialMLP: one module per expert (convert.py's layout)
         expert_model_parallel_size=expert_model_parallel_size,
     )
-    return kwargs
 
 
 def gpt_model_kwargs(hf_config: Any) -> dict[str, Any]:

@@ -171,29 +171,13 @@ class NVMeOptimizerStateStore:
         self.buckets: list[Bucket] = []
         self.codecs = store_codecs(config.moment_dtype)
         self.segment_names = segment_names(self.streams_main)
-        footprint = store_footprint(self._entry_numels(), config.moment_dtype, streams_main=self.streams_main,
-                                    bucket_numel=config.bucket_numel, depth=config.depth,
-                                    device_budget_bytes=_device_budget_bytes(config), sync=config.io_engine == "sync")
-        self.device_budget_bytes = footprint.device_budget_bytes
-        self.bucket_numel, self.depth = footprint.bucket_numel, footprint.depth
-        self.write_behind = _write_behind(config)
+        footprint = self._fit_footprint(config)
         plans = plan_buckets(self._entry_numels(), self.bucket_numel)
         layouts = bucket_layouts(self.codecs, self.segment_names, plans)
-        file_bytes = list(footprint.bucket_file_bytes)
-        self.stats = StoreStats(num_buckets=footprint.num_buckets, state_bytes=footprint.state_bytes,
-                                max_bucket_bytes=len(self.segment_names) * 4 * footprint.max_bucket_numel,
-                                bucket_numel=self.bucket_numel, bucket_inflight_bytes=footprint.bucket_inflight_bytes,
-                                codec_scratch_bytes=footprint.codec_scratch_bytes,
-                                device_budget_bytes=self.device_budget_bytes)
         live_path = os.path.join(os.path.abspath(config.dir), self.relative_dir)
         _refuse_directory_in_a_checkpoint(live_path)
         _refuse_shared_directory(live_path)
-        self.host_cache_bytes = self._host_cache_bytes(config)
-        in_ram = place_in_host_ram(file_bytes, self.host_cache_bytes if config.io_engine == "pipelined" else 0)
-        self.stats.ram_state_bytes = sum(n for n, ram in zip(file_bytes, in_ram) if ram)
-        check_state_fits(self.stats.state_bytes, self.stats.ram_state_bytes,
-                         free_disk_bytes(config.dir, self.relative_dir), config.dir,
-                         f"host_cache_mb={config.host_cache_mb!r}: {self.host_cache_bytes / GB:.3f} GB")
+        in_ram = self._place_in_ram(config, list(footprint.bucket_file_bytes))
         self.stager = Stager(self.device, config.chunk_mb * MiB, io_engine=config.io_engine,
                              io_threads=config.io_threads, direct_io=config.direct_io,
                              host_cache_bytes=self.host_cache_bytes, ram_home_bytes=self.stats.ram_state_bytes)
@@ -208,6 +192,34 @@ class NVMeOptimizerStateStore:
         _LIVE_STORES.add(self)
         self._create_buckets(plans, layouts, in_ram)
         self._log_construction(footprint.below_minimum)
+
+    def _fit_footprint(self, config: StreamConfig):
+        """The store's footprint (footprint.py: bucket size and depth fitted to the device budget, bucket
+        and state bytes); sets the sizes it decides and the construction's stats."""
+        footprint = store_footprint(self._entry_numels(), config.moment_dtype, streams_main=self.streams_main,
+                                    bucket_numel=config.bucket_numel, depth=config.depth,
+                                    device_budget_bytes=_device_budget_bytes(config), sync=config.io_engine == "sync")
+        self.device_budget_bytes = footprint.device_budget_bytes
+        self.bucket_numel, self.depth = footprint.bucket_numel, footprint.depth
+        self.write_behind = _write_behind(config)
+        self.stats = StoreStats(num_buckets=footprint.num_buckets, state_bytes=footprint.state_bytes,
+                                max_bucket_bytes=len(self.segment_names) * 4 * footprint.max_bucket_numel,
+                                bucket_numel=self.bucket_numel, bucket_inflight_bytes=footprint.bucket_inflight_bytes,
+                                codec_scratch_bytes=footprint.codec_scratch_bytes,
+                                device_budget_bytes=self.device_budget_bytes)
+        return footprint
+
+    def _place_in_ram(self, config: StreamConfig, file_bytes: list[int]) -> tuple[bool, ...]:
+        """Size the host tier and choose the buckets that live in it only (RAM first, files for the rest);
+        StoreConfigError before anything is allocated when the tier and the free disk together cannot hold
+        the state."""
+        self.host_cache_bytes = self._host_cache_bytes(config)
+        in_ram = place_in_host_ram(file_bytes, self.host_cache_bytes if config.io_engine == "pipelined" else 0)
+        self.stats.ram_state_bytes = sum(n for n, ram in zip(file_bytes, in_ram) if ram)
+        check_state_fits(self.stats.state_bytes, self.stats.ram_state_bytes,
+                         free_disk_bytes(config.dir, self.relative_dir), config.dir,
+                         f"host_cache_mb={config.host_cache_mb!r}: {self.host_cache_bytes / GB:.3f} GB")
+        return in_ram
 
     def _create_buckets(self, plans, layouts, in_ram: tuple[bool, ...]) -> None:
         """Lock and empty the store's directory, make each planned bucket (a file, or host RAM only where
