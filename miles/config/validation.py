@@ -49,10 +49,10 @@ Derived: ``model_source`` (``"hf_checkpoint"`` | ``"smollm2"`` | ``"tiny"``), ``
 from __future__ import annotations
 
 import argparse
-import logging
 import dataclasses
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import sys
