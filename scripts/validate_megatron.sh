@@ -11,7 +11,8 @@
 #           resume of 2 more; the load reads the tier back from disk during the first resumed rollout
 #   big     the 9.2B Llama (llama-9.2b), streamed with --stream-optimizer-state-host-cache-mb auto (RAM first,
 #           files for the rest): 3 rollouts with fp32 moments (110 GB of state), 3 with bf16 moments (73 GB);
-#           with BIG_SAVE=<dir> (a checkpoint of the fp32 run is ~128 GB) also a save and a --load resume of one more
+#           with BIG_SAVE=<dir> (a checkpoint of the fp32 run is ~128 GB) also a save and a --load resume of one more;
+#           then 2 rollouts with a host tier smaller than the state (BIG_SPLIT_MB MiB, default 92160: ~13 GB in files)
 #   big-baselines  the same shape in `miles bench megatron`: resident Adam and Megatron's CPU offload, one step
 # Usage: scripts/validate_megatron.sh train [PRESET...] | sleep | drain | resume | big | big-baselines
 #   WORK=<dir with ~40 GB free> (default /tmp/miles-megatron); SLEEP_ROLLOUTS (default 3);
@@ -89,8 +90,8 @@ resume)
   ;;
 big)
   model llama-9.2b
-  big=("${common[@]}" --hf-checkpoint "$WORK/llama-9.2b" --stream-optimizer-state-to-disk --offload-train-target=disk
-       --stream-optimizer-state-host-cache-mb auto --offload-train-disk-dir "$WORK/disk-big")
+  base=("${common[@]}" --hf-checkpoint "$WORK/llama-9.2b" --stream-optimizer-state-to-disk --offload-train-target=disk)
+  big=("${base[@]}" --stream-optimizer-state-host-cache-mb auto --offload-train-disk-dir "$WORK/disk-big")
   if [ -n "${BIG_SAVE:-}" ]; then
     miles train "${big[@]}" --num-rollout 3 --save "$BIG_SAVE" --metrics-file "$WORK/big-fp32.jsonl"
     summary "$WORK/big-fp32.jsonl"
@@ -102,6 +103,10 @@ big)
   fi
   miles train "${big[@]}" --stream-optimizer-state-moment-dtype bf16 --num-rollout 3 --metrics-file "$WORK/big-bf16.jsonl"
   summary "$WORK/big-bf16.jsonl"
+  # a host tier smaller than the state (BIG_SPLIT_MB, default 90 GiB): RAM for most buckets, files for the rest
+  miles train "${base[@]}" --stream-optimizer-state-host-cache-mb "${BIG_SPLIT_MB:-92160}" \
+    --offload-train-disk-dir "$WORK/disk-split" --num-rollout 2 --metrics-file "$WORK/big-split.jsonl"
+  summary "$WORK/big-split.jsonl"
   ;;
 big-baselines)
   # llama-9.2b's shape (vocabulary: the char tokenizer's ~100 tokens, as make_random_model.py builds it)

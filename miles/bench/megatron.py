@@ -82,7 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arm-timeout", type=float, default=0, help="seconds an arm may run before it is killed and "
                    "reported as failed (0: no limit)")
     p.add_argument("--after-load", action="store_true", help="store arms with a host tier: also time the "
-                   "first step after a save + load, at once and once the tier's read-ahead (fill) has landed")
+                   "first step after a save + load, at once and once the tier's read-ahead (fill) has landed, "
+                   "and report the bytes the save wrote to disk against the state's")
     p.add_argument("--json", default=None, help="write every number here")
     p.add_argument("--verbose", action="store_true", help="echo the arms' whole output (Megatron's logs too), "
                    "not only their progress lines")

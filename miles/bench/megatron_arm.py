@@ -24,6 +24,7 @@ import torch
 
 from miles.process_memory import peak_rss_bytes, rss_bytes
 
+from .common import process_disk_write_bytes, tree_file_bytes
 from .megatron import PROGRESS_MARK, Shape, host_cache_mb, llama_config
 
 
@@ -200,10 +201,15 @@ def first_steps_after_load(spec: dict, ddp, opt, stores: list) -> dict:
     base = os.path.join(spec["dir"], f"{spec['name']}-after-load")
     out: dict = {}
     try:
-        t0 = time.perf_counter()
+        written0, t0 = process_disk_write_bytes(), time.perf_counter()
         for store in stores:
             store.save_to(base)
         out["save_seconds"] = time.perf_counter() - t0
+        written = process_disk_write_bytes()
+        # what the save put on the disk (live write-back + checkpoint files), against the state it saves
+        out["save_disk_write_bytes"] = None if written is None or written0 is None else written - written0
+        out["save_checkpoint_bytes"] = tree_file_bytes(base)
+        out["state_bytes"] = sum(store.stats.state_bytes for store in stores)
         index = spec["warmup"] + spec["steps"]
         for label, wait_for_fill in (("at_once", False), ("after_fill", True)):
             t0 = time.perf_counter()

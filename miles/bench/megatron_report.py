@@ -201,8 +201,20 @@ def after_load_text(al: dict) -> str:
             f"host cache {now['cache_bytes_read'] / GB:.2f} GB); after the tier's read-ahead landed "
             f"({al['fill_seconds']:.2f} s after the load) {later['seconds']:.3f} s (disk "
             f"{later['disk_bytes_read'] / GB:.2f} GB, host cache {later['cache_bytes_read'] / GB:.2f} GB); "
-            f"ratio {later['seconds'] / now['seconds']:.3f}x; save {al['save_seconds']:.2f} s, load "
-            f"{al['after_fill_load_seconds']:.2f} s")
+            f"ratio {later['seconds'] / now['seconds']:.3f}x; load {al['after_fill_load_seconds']:.2f} s; "
+            + save_text(al))
+
+
+def save_text(al: dict) -> str:
+    """What the --after-load save wrote: the disk's bytes (the process's write_bytes) against the state's."""
+    text = f"save {al['save_seconds']:.2f} s"
+    if al.get("state_bytes"):
+        state = al["state_bytes"]
+        text += f", checkpoint files {al['save_checkpoint_bytes'] / GB:.2f} GB for {state / GB:.2f} GB of state"
+        if al.get("save_disk_write_bytes") is not None:
+            text += (f", {al['save_disk_write_bytes'] / GB:.2f} GB written to disk "
+                     f"({al['save_disk_write_bytes'] / state:.3f}x the state)")
+    return text
 
 
 def _rss_stages(arm: dict) -> str:

@@ -318,3 +318,32 @@ def test_report_shows_the_first_step_after_a_load():
     assert "at once 8.000 s" in line and "after the tier's read-ahead landed (7.50 s after the load) 0.500 s" in line
     assert "ratio 0.062x" in line and "host cache 16.40 GB" in line
     assert "first step after a load" not in rep.report(fake_results())  # only with --after-load
+
+
+def test_report_says_what_the_save_wrote_against_the_state():
+    results = fake_results()
+    step = {"seconds": 8.0, "disk_bytes_read": 0, "cache_bytes_read": 16.4e9}
+    results["arms"]["store-100"]["after_load"] = {
+        "save_seconds": 9.0, "at_once_load_seconds": 9.0, "after_fill_load_seconds": 9.5, "fill_seconds": 7.5,
+        "at_once": step, "after_fill": step | {"seconds": 0.5}, "state_bytes": 16.0e9,
+        "save_checkpoint_bytes": 16.0e9 + 4096, "save_disk_write_bytes": 16.08e9}
+    line = next(l for l in rep.report(results).splitlines() if "first step after a load" in l)
+    assert "checkpoint files 16.00 GB for 16.00 GB of state, 16.08 GB written to disk (1.005x the state)" in line
+    results["arms"]["store-100"]["after_load"]["save_disk_write_bytes"] = None  # /proc/self/io unreadable
+    line = next(l for l in rep.report(results).splitlines() if "first step after a load" in l)
+    assert line.endswith("checkpoint files 16.00 GB for 16.00 GB of state")
+
+
+def test_process_disk_write_bytes_counts_this_process_s_writes(tmp_path):
+    from miles.bench.common import process_disk_write_bytes, tree_file_bytes
+
+    before = process_disk_write_bytes()
+    if before is None:
+        pytest.skip("/proc/self/io is not readable here")
+    (tmp_path / "d").mkdir()
+    with open(tmp_path / "d" / "f", "wb") as f:
+        f.write(b"\1" * (8 << 20))
+        f.flush()
+        os.fsync(f.fileno())
+    assert process_disk_write_bytes() - before >= 8 << 20
+    assert tree_file_bytes(str(tmp_path)) == 8 << 20
