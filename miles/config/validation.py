@@ -65,7 +65,8 @@ from miles.config.disk_budget import GIB, disk_budget, model_tensors_of_run, ran
 from miles.config.effective_flags import first_ineffective_flag
 from miles.config.paths import RunPaths, default_root, new_run_id
 from miles.config.run_config import RunConfig
-from miles_plugins.optimizers.streaming.config import HOST_CACHE_AUTO
+from miles_plugins.optimizers.streaming.config import HOST_CACHE_AUTO, StreamConfig
+from miles_plugins.optimizers.streaming.errors import StoreConfigError
 from miles_plugins.optimizers.streaming.io.ownership import path_within, system_directory_reason
 from miles_plugins.optimizers.streaming.units import MiB
 
@@ -218,7 +219,6 @@ def _check_ranges(a: argparse.Namespace) -> None:
 
     for n in ("num_train_ranks", "num_rollout_engines", "num_cpus_per_rank", "num_rollout",
               "rollout_batch_size", "rollout_max_response_len", "micro_batch_size",
-              "stream_optimizer_state_bucket_numel", "stream_optimizer_state_chunk_mb",
               "offload_train_disk_chunk_mb", "save_interval", "save_keep_latest", "weight_sync_bucket_mb"):
         at_least(n, 1)
     if a.n_samples_per_prompt < 2:
@@ -269,18 +269,29 @@ _NOT_IMPLEMENTED = (("reset_optimizer_states", "--reset-optimizer-states"),
                     ("enable_witness", "--enable-witness"))
 
 
+# The --stream-optimizer-state-* flags that are StreamConfig fields: the store's own rules check them.
+_STORE_FIELD_FLAGS = {"chunk_mb": "stream_optimizer_state_chunk_mb",
+                      "moment_dtype": "stream_optimizer_state_moment_dtype",
+                      "bucket_numel": "stream_optimizer_state_bucket_numel",
+                      "device_budget_mb": "stream_optimizer_state_device_budget_mb",
+                      "host_cache_mb": "stream_optimizer_state_host_cache_mb"}
+
+
+def _check_store_settings(a: argparse.Namespace) -> None:
+    """The store's settings by the store's rules (StreamConfig checks itself when built), worded for the flags."""
+    fields = {field: getattr(a, name) for field, name in _STORE_FIELD_FLAGS.items()}
+    try:
+        StreamConfig(dir=".", **fields)  # the directory is checked apart, once the run's paths are known
+    except StoreConfigError as e:
+        if e.field not in _STORE_FIELD_FLAGS:
+            raise
+        flag = "--" + _STORE_FIELD_FLAGS[e.field].replace("_", "-")
+        raise _err(f"{flag} must be {e.expected} (got {fields[e.field]!r}).", (flag,),
+                   f"change {flag}, or drop it for the default.") from None
+
+
 def _check_streaming(a: argparse.Namespace) -> None:
-    budget = a.stream_optimizer_state_device_budget_mb
-    if budget is not None and budget < 1:
-        raise _err(f"--stream-optimizer-state-device-budget-mb must be >= 1 (got {budget}).",
-                   ("--stream-optimizer-state-device-budget-mb",),
-                   "pass a budget in MiB, or drop the flag (one default bucket's worth).")
-    host_cache = a.stream_optimizer_state_host_cache_mb
-    if host_cache != HOST_CACHE_AUTO and (not isinstance(host_cache, int) or isinstance(host_cache, bool)
-                                          or host_cache < 0):
-        raise _err(f"--stream-optimizer-state-host-cache-mb must be a size in MiB >= 0 or '{HOST_CACHE_AUTO}' (got "
-                   f"{host_cache!r}).", ("--stream-optimizer-state-host-cache-mb",),
-                   f"pass 0 (no host tier), a budget in MiB, or {HOST_CACHE_AUTO} (fit to the node's free memory).")
+    _check_store_settings(a)
     if not a.stream_optimizer_state_to_disk:
         return
     if a.colocate and a.offload_train is False:

@@ -29,12 +29,13 @@ import torch
 from .streaming.bind.megatron_optimizer import StoreGroup, bind_megatron
 from .streaming.bind.torch_adam import bind_plain_adam, bind_sharded_adam
 from .streaming.bucket import StreamEntry
-from .streaming.config import DEFAULT_BUCKET_NUMEL, DEFAULT_CHUNK_MB, MOMENT_DTYPES, StreamConfig, check_config
+from .streaming.config import DEFAULT_BUCKET_NUMEL, DEFAULT_CHUNK_MB, MOMENT_DTYPES, StreamConfig
 from .streaming.errors import CheckpointError, StateCorruptionError, StoreConfigError, StorePoisonedError
 from .streaming.io.ownership import DirectoryInUseError
 from .streaming.layout import STREAMED_DIR
 from .streaming.plan import fit_to_device_budget, plan_buckets
-from .streaming.store import NVMeOptimizerStateStore, StepStats, StoreStats
+from .streaming.stats import StepStats, StoreStats
+from .streaming.store import NVMeOptimizerStateStore
 
 __all__ = ["stream_optimizer_state", "NVMeOptimizerStateStore", "StreamConfig", "StoreConfigError", "CheckpointError",
            "DirectoryInUseError", "StorePoisonedError", "StateCorruptionError",
@@ -54,7 +55,7 @@ def _default_rank() -> int:
 
 def _resolve_config(config: StreamConfig | None, fields: dict) -> StreamConfig:
     """One StreamConfig from either a config or its fields as keywords (not both: which would win is a
-    guess), validated, its rank resolved."""
+    guess), its rank resolved. A StreamConfig validates itself when it is built (config.check_config)."""
     unknown = sorted(set(fields) - set(_FIELDS))
     if unknown:
         raise TypeError(f"stream_optimizer_state() got unexpected keyword arguments {unknown}; "
@@ -66,7 +67,8 @@ def _resolve_config(config: StreamConfig | None, fields: dict) -> StreamConfig:
         if "dir" not in fields:
             raise TypeError("stream_optimizer_state() needs dir= (a directory on node-local disk) or config=")
         config = StreamConfig(**fields)
-    check_config(config)
+    if not isinstance(config, StreamConfig):
+        raise TypeError(f"config must be a StreamConfig, got {type(config).__name__}")
     return config if config.rank is not None else dataclasses.replace(config, rank=_default_rank())
 
 

@@ -62,14 +62,19 @@ CASES = [
     ([STREAM, DISK, "--stream-optimizer-state-chunk-mb", "8"], None),
     ([STREAM, DISK, "--stream-optimizer-state-device-budget-mb", "1024"], None),
     ([STREAM, DISK, "--stream-optimizer-state-device-budget-mb", "-1"],
-     "--stream-optimizer-state-device-budget-mb must be >= 1 (got -1). Fix: pass a budget in MiB, or drop the flag "
-     "(one default bucket's worth)."),
+     "--stream-optimizer-state-device-budget-mb must be a positive budget in MiB (left unset: one default bucket's "
+     "worth) (got -1). Fix: change --stream-optimizer-state-device-budget-mb, or drop it for the default."),
     (["--stream-optimizer-state-device-budget-mb", "1024"],
      "--stream-optimizer-state-device-budget-mb 1024 has no effect: --stream-optimizer-state-to-disk is off. Fix: "
      "add --stream-optimizer-state-to-disk --offload-train-target=disk, or drop "
      "--stream-optimizer-state-device-budget-mb."),
     ([STREAM, DISK, "--stream-optimizer-state-chunk-mb", "0"],
-     "--stream-optimizer-state-chunk-mb must be >= 1 (got 0). Fix: pass --stream-optimizer-state-chunk-mb >= 1."),
+     "--stream-optimizer-state-chunk-mb must be a positive host staging chunk in MiB (default 256) (got 0). Fix: "
+     "change --stream-optimizer-state-chunk-mb, or drop it for the default."),
+    ([STREAM, DISK, "--stream-optimizer-state-bucket-numel", "0"],
+     "--stream-optimizer-state-bucket-numel must be a positive element count (left unset: fitted to the device "
+     "budget, at most 200000000) (got 0). Fix: change --stream-optimizer-state-bucket-numel, or drop it for the "
+     "default."),
     (["--stream-optimizer-state-chunk-mb", "8"],
      "--stream-optimizer-state-chunk-mb 8 has no effect: --stream-optimizer-state-to-disk is off. Fix: add "
      "--stream-optimizer-state-to-disk --offload-train-target=disk, or drop --stream-optimizer-state-chunk-mb."),
@@ -78,12 +83,14 @@ CASES = [
      "--stream-optimizer-state-host-cache-mb 4096 has no effect: --stream-optimizer-state-to-disk is off. Fix: "
      "add --stream-optimizer-state-to-disk --offload-train-target=disk, or drop --stream-optimizer-state-host-cache-mb."),
     ([STREAM, DISK, "--stream-optimizer-state-host-cache-mb", "-1"],
-     "--stream-optimizer-state-host-cache-mb must be a size in MiB >= 0 or 'auto' (got -1). Fix: pass 0 (no host "
-     "tier), a budget in MiB, or auto (fit to the node's free memory)."),
+     "--stream-optimizer-state-host-cache-mb must be an integer >= 0, the host tier in MiB (0: none), or 'auto' "
+     "(fit to the node's free memory) (got -1). Fix: change --stream-optimizer-state-host-cache-mb, or drop it for "
+     "the default."),
     ([STREAM, DISK, "--stream-optimizer-state-host-cache-mb", "auto"], None),
     ([STREAM, DISK, "--stream-optimizer-state-host-cache-mb", "lots"],
-     "--stream-optimizer-state-host-cache-mb must be a size in MiB >= 0 or 'auto' (got 'lots'). Fix: pass 0 (no "
-     "host tier), a budget in MiB, or auto (fit to the node's free memory)."),
+     "--stream-optimizer-state-host-cache-mb must be an integer >= 0, the host tier in MiB (0: none), or 'auto' "
+     "(fit to the node's free memory) (got 'lots'). Fix: change --stream-optimizer-state-host-cache-mb, or drop it "
+     "for the default."),
     (["--colocate"], None),
     (["--colocate", "--no-offload-train"], None),
     (["--offload-train", "--offload-train-target", "cpu"], None),

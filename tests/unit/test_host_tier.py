@@ -363,10 +363,26 @@ def test_fit_host_cache_is_the_ranks_share_of_free_memory():
 ])
 def test_host_cache_fields_are_checked(tmp_path, field, value, match):
     from miles_plugins.optimizers.nvme_stream import StoreConfigError, StreamConfig
-    from miles_plugins.optimizers.streaming.config import check_config
 
-    with pytest.raises(StoreConfigError, match=match):
-        check_config(StreamConfig(dir=str(tmp_path), **{field: value}))
+    with pytest.raises(StoreConfigError, match=match) as e:
+        StreamConfig(dir=str(tmp_path), **{field: value})
+    assert e.value.field == field
+
+
+def test_a_stream_config_checks_itself_when_built_and_when_replaced(tmp_path):
+    """One place of the store's rules: a StreamConfig is valid from its construction, so nothing downstream
+    (stream_optimizer_state, the store, set_io) checks it again; dataclasses.replace builds a new, checked one."""
+    import dataclasses
+
+    from miles_plugins.optimizers.nvme_stream import StoreConfigError, StreamConfig
+
+    config = StreamConfig(dir=str(tmp_path), chunk_mb=8)
+    with pytest.raises(StoreConfigError, match="chunk_mb must be a positive host staging chunk in MiB") as e:
+        dataclasses.replace(config, chunk_mb=0)
+    assert (e.value.field, e.value.expected) == ("chunk_mb", "a positive host staging chunk in MiB (default 256)")
+    with pytest.raises(StoreConfigError, match="depth must be") as e:
+        dataclasses.replace(config, depth=-1)
+    assert e.value.field == "depth"
 
 
 def test_auto_sizes_the_tier_from_mem_available_and_logs_it(tmp_path, monkeypatch, caplog):

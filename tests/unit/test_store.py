@@ -190,7 +190,7 @@ def test_root_errors(tmp_path):
         ro.mkdir(mode=0o500)
         with pytest.raises(StoreConfigError, match="not writable"):
             stream_optimizer_state(make_adamw(make_params()), dir=str(ro))
-    with pytest.raises(StoreConfigError, match="chunk_mb must be positive"):
+    with pytest.raises(StoreConfigError, match="chunk_mb must be a positive host staging chunk"):
         stream_optimizer_state(make_adamw(make_params()), dir=str(tmp_path), chunk_mb=0)
 
 

@@ -49,6 +49,8 @@ FRAMEWORK_MAY_IMPORT = {
                                 "DEFAULT_HOST_CACHE_RESERVE_MB", "DEFAULT_IO_THREADS", "HOST_CACHE_AUTO",
                                 "IO_ENGINES", "MOMENT_DTYPES", "StreamConfig"},
     f"{STREAMING_PKG}.units": {"GB", "MiB"},
+    # validation checks the store's flags by the store's own rules and words their failure for the flags
+    f"{STREAMING_PKG}.errors": {"StoreConfigError"},
     # the run's own directories (run root, rank dirs, offload files, checkpoints) are owned, locked and
     # swept exactly as the store's
     f"{STREAMING_PKG}.io.ownership": {"CREATED_FILE", "DirectoryInUseError", "DirectoryLock", "LockUnsupportedError",

@@ -239,5 +239,5 @@ def test_a_store_knob_given_at_its_default_value_is_used_as_given(make_config):
     given = store_config(make_config(*stream, "--stream-optimizer-state-bucket-numel", str(DEFAULT_BUCKET_NUMEL),
                                      "--stream-optimizer-state-device-budget-mb", "4096"), 0, 1)
     assert given.bucket_numel == DEFAULT_BUCKET_NUMEL and given.device_budget_mb == 4096
-    with pytest.raises(Exception, match="device-budget-mb must be >= 1"):
+    with pytest.raises(Exception, match="device-budget-mb must be a positive budget in MiB"):
         make_config(*stream, "--stream-optimizer-state-device-budget-mb", "0")

@@ -90,11 +90,15 @@ class StreamConfig:
     verify: bool = False
     device_budget_mb: Optional[int] = None
 
+    def __post_init__(self) -> None:
+        check_config(self)  # valid by construction: whoever holds a StreamConfig need not check it again
+
 
 def check_moment_dtype(moment_dtype) -> None:
     if not isinstance(moment_dtype, str) or moment_dtype not in MOMENT_DTYPES:
-        raise StoreConfigError(f"moment_dtype {moment_dtype!r} is not supported; choose one of "
-                               f"{', '.join(MOMENT_DTYPES)}")
+        expected = f"one of {', '.join(MOMENT_DTYPES)}"
+        raise StoreConfigError(f"moment_dtype {moment_dtype!r} is not supported; choose {expected}",
+                               "moment_dtype", expected)
 
 
 def _whole(value) -> bool:
@@ -102,18 +106,20 @@ def _whole(value) -> bool:
 
 
 def check_config(config: StreamConfig) -> None:
-    """Raise StoreConfigError naming the first bad field, its value and what to pass instead."""
+    """The store's rules for its settings, in one place (StreamConfig runs them when it is built, and
+    dataclasses.replace runs them again on the new object): StoreConfigError naming the first bad field, its
+    value and what to pass instead."""
     def bad(field: str, expected: str) -> StoreConfigError:
-        return StoreConfigError(f"{field} must be {expected}, got {getattr(config, field)!r}")
+        return StoreConfigError(f"{field} must be {expected}, got {getattr(config, field)!r}", field, expected)
 
     if not isinstance(config.dir, str) or not config.dir:
         raise bad("dir", "a directory on node-local disk (a non-empty path)")
     if not _whole(config.chunk_mb) or config.chunk_mb <= 0:
-        raise bad("chunk_mb", f"positive: a host staging chunk in MiB (default {DEFAULT_CHUNK_MB})")
+        raise bad("chunk_mb", f"a positive host staging chunk in MiB (default {DEFAULT_CHUNK_MB})")
     check_moment_dtype(config.moment_dtype)
     if config.bucket_numel is not None and (not _whole(config.bucket_numel) or config.bucket_numel <= 0):
-        raise bad("bucket_numel", f"None (fitted to the device budget, at most {DEFAULT_BUCKET_NUMEL}) or a "
-                                  "positive element count")
+        raise bad("bucket_numel", "a positive element count (left unset: fitted to the device budget, at most "
+                                  f"{DEFAULT_BUCKET_NUMEL})")
     if config.rank is not None and (not _whole(config.rank) or config.rank < 0):
         raise bad("rank", "None (torch.distributed's rank) or an integer >= 0")
     if config.io_engine not in IO_ENGINES:
@@ -143,4 +149,4 @@ def check_config(config: StreamConfig) -> None:
     if not isinstance(config.verify, bool):
         raise bad("verify", "True (checksum the bucket files) or False")
     if config.device_budget_mb is not None and (not _whole(config.device_budget_mb) or config.device_budget_mb <= 0):
-        raise bad("device_budget_mb", "None (one default bucket's worth) or a positive budget in MiB")
+        raise bad("device_budget_mb", "a positive budget in MiB (left unset: one default bucket's worth)")

@@ -50,82 +50,31 @@ poisons the store like any I/O failure.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import logging
 import os
-import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
 from .checkpoint import save_load as checkpoint
 from .bucket import Bucket, StreamEntry, storage_identity
-from .config import HOST_CACHE_AUTO, StreamConfig, check_config
+from .config import HOST_CACHE_AUTO, StreamConfig
 from .errors import CheckpointError, StateCorruptionError, StoreConfigError, StorePoisonedError
 from .footprint import bucket_layouts, fit_store, residency_bound_bytes, segment_names, store_codecs, store_footprint
-from .io.stager import Stager, available_host_memory, free_disk_bytes, on_a_worker_thread
+from .io.stager import Stager, available_host_memory, free_disk_bytes
 from .layout import (EXP_AVG, EXP_AVG_SQ, MAIN, STREAMED_DIR, bucket_filename, store_identity,
                      store_relative_dir)
+from .lifetime import LIVE_STORES, StoreResources, call_if_alive, refuse_shared_directory, release_dropped_store
 from .plan import (DEFAULT_BUCKET_NUMEL, MIN_BUCKET_NUMEL, check_state_fits, fit_host_cache, place_in_host_ram,
                    plan_buckets)
+from .stats import StepStats, StoreStats
 from .units import GB, MiB
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepStats:
-    bytes_read: int = 0  # state bytes the step consumed: from disk, the host cache, or still resident
-    bytes_written: int = 0  # state bytes the step wrote back (some may land after it returned)
-    buckets: int = 0
-    io_seconds: float = 0.0  # wall - compute: time the step waited for I/O (exposed I/O)
-    io_task_seconds: float = 0.0  # time the engine's tasks spent moving bytes during the step, summed over
-    #   its threads (total I/O; the part not in io_seconds overlapped compute)
-    compute_seconds: float = 0.0  # update + publish (device-synchronized)
-    wall_seconds: float = 0.0
-    disk_bytes_read: int = 0  # of bytes_read, read from the files (including read-ahead before the step)
-    cache_bytes_read: int = 0  # of bytes_read, served from the host cache
-    disk_bytes_written: int = 0  # bytes sent to the files since the previous step (buckets without a host
-    #   image, and write-backs of dirty images by flush/save in between; 0 on steady steps when the host tier
-    #   holds every bucket; counted from the end of a load_from, whose own write-back is not a step's)
-    reused_bytes: int = 0  # of bytes_read, still resident from the previous step's write-back
-    prefetched_buckets: int = 0  # buckets whose reads started before the step (prefetch)
-    pending_writes: int = 0  # buckets whose write-back was still in flight when the step returned
-    peak_resident_bytes: int = 0  # this step's peak
-    tier_fill_bytes: int = 0  # disk bytes read ahead into the host tier since the previous step
-    #   (fill_host_tier); the step then reads them from the tier, as part of cache_bytes_read
-
-
-@dataclass
-class StoreStats:
-    num_buckets: int = 0
-    state_bytes: int = 0  # bytes of all streamed segments on disk
-    steps: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    peak_resident_bytes: int = 0  # most state bytes on the device at once: buckets in flight + codec scratch
-    resident_bytes: int = 0  # now (between steps: prefetched and write-behind buckets)
-    max_bucket_bytes: int = 0  # fp32 bytes of the largest bucket
-    last_step: StepStats = field(default_factory=StepStats)
-    io_engine: str = "pipelined"
-    depth: int = 0  # buckets read ahead / written behind while one updates
-    bucket_numel: int = 0  # element budget per bucket in effect (fitted to the device budget unless given)
-    bucket_inflight_bytes: int = 0  # most bytes one bucket in flight materializes (fp32 + codec temporaries)
-    codec_scratch_bytes: int = 0  # a narrow codec's chunk temporaries while it encodes or decodes (0 for fp32)
-    # min(2 * depth + 1, num_buckets) * bucket_inflight_bytes + codec_scratch_bytes: peak_resident_bytes never
-    # exceeds it, and it never exceeds device_budget_bytes
-    residency_bound_bytes: int = 0
-    device_budget_bytes: int = 0  # StreamConfig.device_budget_mb in bytes (or the default: one default bucket)
-    staging_bytes: int = 0  # host staging the engine may allocate (pinned on CUDA)
-    host_cache_bytes: int = 0  # host-RAM budget for images of buckets (the host tier; host_cache_mb="auto": the
-    #   size chosen when the store was built, or by set_io)
-    ram_state_bytes: int = 0  # of state_bytes, the buckets that live in host RAM only (no file on disk; placed
-    #   when the store was built); state_bytes - ram_state_bytes is what the files on disk hold
 
 
 class NVMeOptimizerStateStore:
@@ -136,14 +85,15 @@ class NVMeOptimizerStateStore:
 
     def __init__(self, entries: list[StreamEntry], master: torch.optim.Optimizer, config: StreamConfig, *,
                  instance: int = 0, part: int = 0, resident_adam=None, model_params: dict[str, int] | None = None):
-        """config: validated here (config.check_config); its rank must be resolved (not None).
+        """config: a StreamConfig (valid by construction: config.check_config); its rank must be resolved.
         instance, part: the store's identity, chosen by the binding (layout.store_relative_dir): the
         directory it works in and the one its checkpoints are saved under. resident_adam: the small
         always-resident Adam over native-fp32 params the binding steps beside the store (or None);
         checkpoints carry its state. model_params: {entry name: elements} of every param this store's
         identity covers across ranks, so a load refuses a checkpoint of another model (None: the binding
         cannot list them; not checked)."""
-        check_config(config)
+        if not isinstance(config, StreamConfig):
+            raise StoreConfigError(f"config must be a StreamConfig, got {type(config).__name__}")
         if config.rank is None:
             raise StoreConfigError("config.rank is None: resolve it (torch.distributed's rank) before building a store")
         _check_entries(entries)
@@ -176,20 +126,20 @@ class NVMeOptimizerStateStore:
         layouts = bucket_layouts(self.codecs, self.segment_names, plans)
         live_path = os.path.join(os.path.abspath(config.dir), self.relative_dir)
         _refuse_directory_in_a_checkpoint(live_path)
-        _refuse_shared_directory(live_path)
+        refuse_shared_directory(live_path)
         in_ram = self._place_in_ram(config, list(footprint.bucket_file_bytes))
         self.stager = Stager(self.device, config.chunk_mb * MiB, io_engine=config.io_engine,
                              io_threads=config.io_threads, direct_io=config.direct_io,
                              host_cache_bytes=self.host_cache_bytes, ram_home_bytes=self.stats.ram_state_bytes)
         # weakly: the stager outlives a dropped store in its finalizer, and must not keep it alive
-        self.stager.on_drain(_call_if_alive(weakref.WeakMethod(self._release_pipeline)))
-        self._resources = _Resources(self.stager)
-        self._finalizer = weakref.finalize(self, _release_dropped_store, self._resources, self.relative_dir)
-        self._finalizer.atexit = False  # at exit, _close_live_stores closes the live ones in full
+        self.stager.on_drain(call_if_alive(weakref.WeakMethod(self._release_pipeline)))
+        self._resources = StoreResources(self.stager)
+        self._finalizer = weakref.finalize(self, release_dropped_store, self._resources, self.relative_dir)
+        self._finalizer.atexit = False  # at exit, lifetime.close_live_stores closes the live ones in full
         self._bound = self._binding()
         self._update_io_stats()
         self._closed = False
-        _LIVE_STORES.add(self)
+        LIVE_STORES.add(self)
         self._create_buckets(plans, layouts, in_ram)
         self._log_construction(footprint.below_minimum)
 
@@ -552,8 +502,7 @@ class NVMeOptimizerStateStore:
         self.flush()
         changes = dict(io_engine=io_engine, depth=depth, write_behind=write_behind, io_threads=io_threads,
                        direct_io=direct_io, host_cache_mb=host_cache_mb, verify=verify)
-        config = dataclasses.replace(self.config, **{k: v for k, v in changes.items() if v is not None})
-        check_config(config)
+        config = dataclasses.replace(self.config, **{k: v for k, v in changes.items() if v is not None})  # a new, checked config
         depth = self._fit_to_budget(config, self.bucket_numel).depth  # the files fix the bucket size
         # "auto" is sized once; a new value is sized now (an "auto" coming in sees the old tier's images
         # still allocated: it may come out smaller than a fresh store's)
@@ -790,55 +739,7 @@ class NVMeOptimizerStateStore:
         self._release_pipeline()
         if self._finalizer.detach() is not None:
             self._resources.release()
-        _LIVE_STORES.discard(self)
-
-
-class _Resources:
-    """What a store holds beyond its memory: the I/O engine's threads and staging, its files'
-    descriptors, its directory and lock. Kept apart from the store (and never pointing at it), so that
-    a finalizer can release them once the store is unreachable."""
-
-    def __init__(self, stager: Stager):
-        self.stager = stager
-        self.files = []  # every bucket file created, in order
-        self.directory_lock = None  # None until the directory is locked
-
-    def release(self) -> None:
-        self.stager.wait_all(raise_errors=False)  # write-behind in flight ends before its files close
-        for file in self.files:  # removed next: dirty host images are not written
-            self.stager.close_file(file, write_back=False)
-        if self.directory_lock is not None:
-            self.stager.remove_directory(self.directory_lock)
-        self.stager.close()
-
-
-def _release_dropped_store(resources: _Resources, relative_dir: str) -> None:
-    """The finalizer of a store garbage-collected without close(). A collection may run on one of the
-    engine's own threads, which cannot wait for or stop themselves: the release then runs on a thread
-    of its own."""
-    logger.warning("optimizer-state store %s was dropped without close(): removing its files and stopping its "
-                   "I/O threads now; call store.close() when done with it", relative_dir)
-    if on_a_worker_thread():
-        threading.Thread(target=resources.release, name="miles-store-release", daemon=True).start()
-    else:
-        resources.release()
-
-
-def _call_if_alive(method_ref: "weakref.WeakMethod"):
-    def call() -> None:
-        method = method_ref()
-        if method is not None:
-            method()
-    return call
-
-
-_LIVE_STORES: "weakref.WeakSet[NVMeOptimizerStateStore]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_live_stores() -> None:
-    for store in list(_LIVE_STORES):
-        store.close()
+        LIVE_STORES.discard(self)
 
 
 def _device_budget_bytes(config: StreamConfig) -> int | None:
@@ -861,16 +762,6 @@ def _refuse_directory_in_a_checkpoint(path: str) -> None:
             f"the optimizer-state directory {path} lies inside the checkpoint {base} ({why}); the store empties "
             "its directory and removes it at close, which would delete that checkpoint: choose a store directory "
             "outside every checkpoint (dir=..., --offload-train-disk-dir)")
-
-
-def _refuse_shared_directory(path: str) -> None:
-    """Two live stores in one directory would wipe each other's files: refuse the second, before any
-    file is touched. The binding chooses the identity; stream_optimizer_state(..., instance=k) sets it."""
-    for other in list(_LIVE_STORES):
-        if other.path == path:
-            raise StoreConfigError(
-                f"another open store of this process already works in {path} (identity {other.identity}): "
-                "close it first, or give this optimizer another identity (stream_optimizer_state(..., instance=k))")
 
 
 def _check_entries(entries: list[StreamEntry]) -> None:
