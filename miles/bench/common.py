@@ -79,19 +79,6 @@ def write_json(path: str | None, results: dict, say) -> None:
         say(f"wrote {path}")
 
 
-def process_disk_write_bytes() -> int | None:
-    """Bytes this process (all its threads) has caused to be written to storage so far: ``write_bytes`` of
-    /proc/self/io (Linux). None where it cannot be read."""
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("write_bytes:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def tree_file_bytes(root: str) -> int:
     """Total size of the regular files under ``root``."""
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)

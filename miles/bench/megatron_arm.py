@@ -22,9 +22,9 @@ import traceback
 
 import torch
 
-from miles.process_memory import peak_rss_bytes, rss_bytes
+from miles.process_memory import disk_write_bytes, peak_rss_bytes, rss_bytes
 
-from .common import process_disk_write_bytes, tree_file_bytes
+from .common import tree_file_bytes
 from .megatron import PROGRESS_MARK, Shape, host_cache_mb, llama_config
 
 
@@ -201,11 +201,11 @@ def first_steps_after_load(spec: dict, ddp, opt, stores: list) -> dict:
     base = os.path.join(spec["dir"], f"{spec['name']}-after-load")
     out: dict = {}
     try:
-        written0, t0 = process_disk_write_bytes(), time.perf_counter()
+        written0, t0 = disk_write_bytes(), time.perf_counter()
         for store in stores:
             store.save_to(base)
         out["save_seconds"] = time.perf_counter() - t0
-        written = process_disk_write_bytes()
+        written = disk_write_bytes()
         # what the save put on the disk (live write-back + checkpoint files), against the state it saves
         out["save_disk_write_bytes"] = None if written is None or written0 is None else written - written0
         out["save_checkpoint_bytes"] = tree_file_bytes(base)

@@ -6,7 +6,6 @@ with exit status 2 where CUDA or megatron-core is missing. The real arms run in 
 import importlib.util
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -335,17 +334,16 @@ def test_report_says_what_the_save_wrote_against_the_state():
     assert line.endswith("checkpoint files 16.00 GB for 16.00 GB of state")
 
 
-def test_process_disk_write_bytes_counts_this_process_s_writes(tmp_path):
-    from miles.bench.common import process_disk_write_bytes, tree_file_bytes
+def test_disk_write_bytes_counts_this_process_s_writes(tmp_path):
+    from miles.bench.common import tree_file_bytes
+    from miles.process_memory import disk_write_bytes
 
-    if sys.platform != "linux":
-        pytest.skip("/proc/self/io is Linux's")
-    before = process_disk_write_bytes()
-    assert before is not None, "/proc/self/io should be readable on Linux"
+    before = disk_write_bytes()
+    assert before is not None, "/proc/self/io is not readable: miles runs on Linux"
     (tmp_path / "d").mkdir()
     with open(tmp_path / "d" / "f", "wb") as f:
         f.write(b"\1" * (8 << 20))
         f.flush()
         os.fsync(f.fileno())
-    assert process_disk_write_bytes() - before >= 8 << 20
+    assert disk_write_bytes() - before >= 8 << 20
     assert tree_file_bytes(str(tmp_path)) == 8 << 20

@@ -383,6 +383,11 @@ def test_a_stream_config_checks_itself_when_built_and_when_replaced(tmp_path):
     with pytest.raises(StoreConfigError, match="depth must be") as e:
         dataclasses.replace(config, depth=-1)
     assert e.value.field == "depth"
+    from miles_plugins.optimizers.nvme_stream import stream_optimizer_state
+
+    params = [torch.nn.Parameter(torch.zeros(8))]
+    with pytest.raises(TypeError, match="config must be a StreamConfig, got dict"):
+        stream_optimizer_state(torch.optim.Adam(params), config={"dir": str(tmp_path)})
 
 
 def test_auto_sizes_the_tier_from_mem_available_and_logs_it(tmp_path, monkeypatch, caplog):

@@ -85,15 +85,14 @@ class NVMeOptimizerStateStore:
 
     def __init__(self, entries: list[StreamEntry], master: torch.optim.Optimizer, config: StreamConfig, *,
                  instance: int = 0, part: int = 0, resident_adam=None, model_params: dict[str, int] | None = None):
-        """config: a StreamConfig (valid by construction: config.check_config); its rank must be resolved.
+        """config: a StreamConfig (valid by construction: config.check_config; stream_optimizer_state checks that it
+        is one); its rank must be resolved.
         instance, part: the store's identity, chosen by the binding (layout.store_relative_dir): the
         directory it works in and the one its checkpoints are saved under. resident_adam: the small
         always-resident Adam over native-fp32 params the binding steps beside the store (or None);
         checkpoints carry its state. model_params: {entry name: elements} of every param this store's
         identity covers across ranks, so a load refuses a checkpoint of another model (None: the binding
         cannot list them; not checked)."""
-        if not isinstance(config, StreamConfig):
-            raise StoreConfigError(f"config must be a StreamConfig, got {type(config).__name__}")
         if config.rank is None:
             raise StoreConfigError("config.rank is None: resolve it (torch.distributed's rank) before building a store")
         _check_entries(entries)
