@@ -2,18 +2,12 @@
 
 Per bucket, in order: fetch (materialize, read) -> update (Adam over exactly its pieces) -> publish
 (mains into the model's storage) -> write back -> release. Residency is bounded by the buckets in
-flight, never the whole state.
-
-The step is a pipeline over those phases. While bucket i updates, the reads of the next `depth`
-buckets and the write-backs of the previous `depth` are in flight (stager/engine: worker threads, CUDA
-streams). A bucket's storage is released once its write-back no longer needs it. Around the step:
-  read-ahead   `prefetch()` (the training loop calls it before forward/backward) starts the reads of the
-               next step's first `depth` buckets that would come from disk, while the disk is idle.
+flight, never the whole state. pipeline.py walks the buckets through those phases (read-ahead of the
+next `depth`, write-behind of the previous `depth`, the alternating order); the store builds the
+buckets, checks and counts each step, and owns what lasts between steps:
   write-behind the step returns with up to `depth` write-backs still in flight; the next read of such a
                bucket, a save/load (stager.drain), `flush()` and `close()` wait for them. A bucket still
                resident from its write-back is reused by the next step without a read (fp32 segments).
-  order        the bucket order alternates every step, so the buckets written last are read first (still
-               in the page cache with buffered I/O, or still resident on the device).
   host tier    optional (host_cache_mb): the buckets it holds whole when the store is built live in host
                RAM only, with no file (plan.place_in_host_ram, Stager.create_in_ram); the disk holds the rest.
                What is left, or a tier set later by set_io, keeps write-back images of files
@@ -66,9 +60,9 @@ from .config import HOST_CACHE_AUTO, StreamConfig
 from .errors import CheckpointError, StateCorruptionError, StoreConfigError, StorePoisonedError
 from .footprint import bucket_layouts, fit_store, residency_bound_bytes, segment_names, store_codecs, store_footprint
 from .io.stager import Stager, available_host_memory, free_disk_bytes
-from .layout import (EXP_AVG, EXP_AVG_SQ, MAIN, STREAMED_DIR, bucket_filename, store_identity,
-                     store_relative_dir)
+from .layout import MAIN, STREAMED_DIR, bucket_filename, store_identity, store_relative_dir
 from .lifetime import LIVE_STORES, StoreResources, call_if_alive, refuse_shared_directory, release_dropped_store
+from .pipeline import BucketPipeline
 from .plan import (DEFAULT_BUCKET_NUMEL, MIN_BUCKET_NUMEL, check_state_fits, fit_host_cache, place_in_host_ram,
                    plan_buckets)
 from .stats import StepStats, StoreStats
@@ -106,11 +100,6 @@ class NVMeOptimizerStateStore:
         self.moment_dtype = config.moment_dtype
         self.identity = store_identity(instance, part)
         self.relative_dir = store_relative_dir(config.rank, instance, part)
-        self._fetching: dict[int, Bucket] = {}  # reads started, not yet consumed by a step
-        self._held: dict[int, tuple[Bucket, int]] = {}  # written back, storage kept: (bucket, extra bytes)
-        self._current: Bucket | None = None
-        self._order_flipped = False  # a load restored a saved run's bucket order (restore_next_order)
-        self._step_read = self._step_reused = self._step_peak = 0
         self._save_job = None
         self.last_save: dict | None = None
         self.poisoned_by: BaseException | None = None  # the failure that left a torn state (see the module doc)
@@ -130,8 +119,11 @@ class NVMeOptimizerStateStore:
         self.stager = Stager(self.device, config.chunk_mb * MiB, io_engine=config.io_engine,
                              io_threads=config.io_threads, direct_io=config.direct_io,
                              host_cache_bytes=self.host_cache_bytes, ram_home_bytes=self.stats.ram_state_bytes)
-        # weakly: the stager outlives a dropped store in its finalizer, and must not keep it alive
-        self.stager.on_drain(call_if_alive(weakref.WeakMethod(self._release_pipeline)))
+        self.pipeline = BucketPipeline(self.buckets, self.stager, self.codecs, self.stats, self.device,
+                                       depth=footprint.depth, write_behind=_write_behind(config),
+                                       streams_main=self.streams_main)
+        # weakly: the stager outlives a dropped store in its finalizer, and must not keep its pipeline alive
+        self.stager.on_drain(call_if_alive(weakref.WeakMethod(self.pipeline.release_all)))
         self._resources = StoreResources(self.stager)
         self._finalizer = weakref.finalize(self, release_dropped_store, self._resources, self.relative_dir)
         self._finalizer.atexit = False  # at exit, lifetime.close_live_stores closes the live ones in full
@@ -149,8 +141,7 @@ class NVMeOptimizerStateStore:
                                     bucket_numel=config.bucket_numel, depth=config.depth,
                                     device_budget_bytes=_device_budget_bytes(config), sync=config.io_engine == "sync")
         self.device_budget_bytes = footprint.device_budget_bytes
-        self.bucket_numel, self.depth = footprint.bucket_numel, footprint.depth
-        self.write_behind = _write_behind(config)
+        self.bucket_numel = footprint.bucket_numel
         self.stats = StoreStats(num_buckets=footprint.num_buckets, state_bytes=footprint.state_bytes,
                                 max_bucket_bytes=len(self.segment_names) * 4 * footprint.max_bucket_numel,
                                 bucket_numel=self.bucket_numel, bucket_inflight_bytes=footprint.bucket_inflight_bytes,
@@ -250,6 +241,16 @@ class NVMeOptimizerStateStore:
         return size
 
     @property
+    def depth(self) -> int:
+        """Buckets read ahead and written behind (the pipeline's; set_io may change it)."""
+        return self.pipeline.depth
+
+    @property
+    def write_behind(self) -> bool:
+        """Whether a step returns before its last write-backs land (never with the sync engine)."""
+        return self.pipeline.write_behind
+
+    @property
     def direct_io(self) -> bool:
         """Whether the engine moves bytes with O_DIRECT now (a probe may have fallen back to buffered)."""
         return self.stager.direct_io
@@ -277,145 +278,13 @@ class NVMeOptimizerStateStore:
         self._marks = self._read_marks()  # the first step's stats count from here: not the eviction's writes
         logger.info("evicted %.3f GB of fp32 mains to disk in %.2f s", nbytes / GB, time.perf_counter() - start)
 
-    # ---- the step: a pipeline over the bucket phases -------------------------------------------
-    def next_bucket_order(self) -> list[Bucket]:
-        """The order the next step walks the buckets in. It alternates every step: the buckets written
-        last are read first, still in page cache. A checkpoint records the direction (the encode order
-        decides which bucket draws which stochastic-rounding noise) and a load restores it."""
-        return self.buckets[::-1] if self.next_order_descending() else self.buckets
-
-    def next_order_descending(self) -> bool:
-        return (self.stats.steps % 2 == 1) != self._order_flipped
-
-    def restore_next_order(self, descending: bool) -> None:
-        """Make the next step walk the buckets as a saved run's next step would have (checkpoint load)."""
-        self._order_flipped = descending != (self.stats.steps % 2 == 1)
-
+    # ---- the step: a walk of the pipeline over the bucket phases -----------------------------
     def _read_marks(self) -> tuple[int, int, int, float, int]:
         """The engine's counters a step's stats are differences of: disk bytes read, host-cache bytes
         read, disk bytes written, task seconds, bytes read ahead into the host tier."""
         c = self.stager.counters
         return (c.bytes_read - c.cache_bytes_read, c.cache_bytes_read, c.disk_bytes_written,
                 c.read_seconds + c.write_seconds, c.fill_bytes_read)
-
-    def _track_residency(self, scratch: int = 0) -> None:
-        """Measure the state bytes on the device now: every bucket in flight, plus `scratch` while a
-        codec encodes or decodes (its chunk temporaries are not tensors the store holds: their bound)."""
-        live = {b.index: b for b in self._fetching.values()}
-        live.update((i, b) for i, (b, _) in self._held.items())
-        if self._current is not None:
-            live[self._current.index] = self._current
-        total = sum(b.resident_bytes() + b.pending_decode_bytes() for b in live.values())
-        total += sum(extra for _, extra in self._held.values()) + scratch
-        self.stats.resident_bytes = total
-        self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, total)
-        self._step_peak = max(self._step_peak, total)
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-
-    def _reusable(self, bucket: Bucket, names: tuple[str, ...]) -> bool:
-        """Held by its write-back with every segment to fetch resident: its buffers hold exactly what
-        the file will, so the next step needs no read. Only segments stored as is (a narrow codec's file
-        bytes are a rounding of the buffer, and the update must see what a read would give)."""
-        return (bucket.index in self._held and bool(names)
-                and all(self.codecs[n].reads_in_place() for n in names)
-                and all(bucket.flat[n].untyped_storage().nbytes() == bucket.numel * 4 for n in names))
-
-    def _host_cached(self, bucket: Bucket, names: tuple[str, ...]) -> bool:
-        """The host cache holds these segments: a read costs a host->device copy, no disk."""
-        return bool(names) and all(self.stager.is_cached(bucket.file, bucket.layout.segments[n].offset,
-                                                         bucket.layout.segments[n].nbytes) for n in names)
-
-    def _start_fetch(self, bucket: Bucket) -> None:
-        self._held.pop(bucket.index, None)  # its storage is refilled once its write-back has landed
-        bucket.start_fetch(self.stager, bucket.segments_to_fetch())
-        self._fetching[bucket.index] = bucket
-        self._track_residency()
-
-    def _read_ahead(self, order: list[Bucket], start: int) -> int:
-        """Start reads of the buckets from order[start] on until `depth` are in flight."""
-        started = 0
-        for bucket in order[start:]:
-            if len(self._fetching) >= self.depth:
-                break
-            names = bucket.segments_to_fetch()
-            if bucket.index in self._fetching or not names or self._reusable(bucket, names):
-                continue
-            self._start_fetch(bucket)
-            started += 1
-        return started
-
-    def _acquire(self, bucket: Bucket) -> None:
-        """fetch: make `bucket` resident with its current state (prefetched, still resident, or read now)."""
-        names = bucket.segments_to_fetch()
-        nbytes = sum(bucket.layout.segments[n].nbytes for n in names)
-        self._step_read += nbytes
-        if bucket.index in self._fetching and not all(
-                bucket.flat[n].untyped_storage().nbytes() == bucket.numel * 4 for n in names):
-            bucket.finish_fetch(self.stager)  # released behind the pipeline's back (a direct bucket.fetch/
-            del self._fetching[bucket.index]  # release by a test or a tool): read it again
-        if bucket.index not in self._fetching and self._reusable(bucket, names):
-            self.stager.wait_sources(bucket.file)  # the update must not change what is still being copied out
-            del self._held[bucket.index]
-            self._step_reused += nbytes
-        else:
-            if bucket.index not in self._fetching:
-                self._start_fetch(bucket)
-            self._track_residency(scratch=self._codec_scratch(bucket.segments_to_fetch()))  # decoding
-            bucket.finish_fetch(self.stager)
-            del self._fetching[bucket.index]
-        self._current = bucket
-        self._track_residency()
-
-    def _write_back(self, bucket: Bucket) -> None:
-        """write back: submit the bucket's writes; its storage stays held until they no longer need it."""
-        lazy = bucket.resident_bytes() - sum(f.untyped_storage().nbytes() for f in bucket.flat.values())
-        bucket.write_back(self.stager)
-        written = ((MAIN,) if self.streams_main else ()) + ((EXP_AVG, EXP_AVG_SQ) if bucket.moments_on_disk else ())
-        encoded = sum(self.codecs[n].encoded_nbytes(bucket.numel) for n in written
-                      if not self.codecs[n].reads_in_place())
-        self._held[bucket.index] = (bucket, lazy + encoded)
-        self._current = None
-        self._track_residency(scratch=self._codec_scratch(written))  # what encoding it held at its deepest
-
-    def _codec_scratch(self, names) -> int:
-        """The codec scratch bound while segments `names` are encoded or decoded (0 when all are fp32)."""
-        return 0 if all(self.codecs[n].reads_in_place() for n in names) else self.stats.codec_scratch_bytes
-
-    def _release_written(self, limit: int) -> None:
-        """release: free buckets whose write-backs no longer need their storage (keeping the ones the
-        next step can reuse), and block on the oldest while more than `limit` are held."""
-        for index, (bucket, _) in list(self._held.items()):
-            names = bucket.segments_to_fetch()
-            keep = self._reusable(bucket, names) and not self._host_cached(bucket, names)
-            if self.stager.sources_released(bucket.file) and not keep:
-                bucket.release()
-                del self._held[index]
-        while len(self._held) > limit:
-            index, (bucket, _) = next(iter(self._held.items()))
-            self.stager.wait_sources(bucket.file)
-            bucket.release()
-            del self._held[index]
-        self._track_residency()
-
-    def _release_pipeline(self) -> None:
-        """Release every bucket the pipeline holds (the I/O in flight has ended): prefetched buckets are
-        discarded (the next step reads them again), written-back ones freed."""
-        for bucket in list(self._fetching.values()):
-            bucket.discard_pending_decode()
-            bucket.release()
-        for bucket, _ in self._held.values():
-            bucket.release()
-        if self._current is not None:
-            self._current.release()
-        self._fetching, self._held, self._current = {}, {}, None
-        self.stats.resident_bytes = 0
-
-    def _abort(self) -> None:
-        self.stager.wait_all(raise_errors=False)
-        self._release_pipeline()
 
     def fill_host_tier(self) -> int:
         """Read-ahead into the host tier's free space: start reading, on the I/O threads, the buckets the
@@ -426,15 +295,8 @@ class NVMeOptimizerStateStore:
         the store runs, a file gets an image at its first write as long as the budget lasts, and keeps
         it. Returns the bytes started."""
         self._check_usable()
-        started, buckets = 0, 0
         with self._poisons_on_failure("reading ahead into the host tier"):  # a failed read breaks the engine
-            for bucket in self.next_bucket_order():
-                names = bucket.segments_to_fetch()
-                if not names or self._host_cached(bucket, names) or bucket.index in self._fetching:
-                    continue
-                spans = [(bucket.layout.segments[n].offset, bucket.layout.segments[n].nbytes) for n in names]
-                nbytes = self.stager.fill_host_tier(bucket.file, spans)
-                started, buckets = started + nbytes, buckets + (nbytes > 0)
+            started, buckets = self.pipeline.fill_host_tier()
         if started:
             logger.info("host tier: reading %d buckets (%.3f GB) from disk into host RAM ahead of the next step",
                         buckets, started / GB)
@@ -449,21 +311,7 @@ class NVMeOptimizerStateStore:
         self._check_usable()
         with self._poisons_on_failure("a previous step's write-behind"):
             self.stager.check()
-        if self.depth == 0:
-            return 0
-        self._release_written(self.depth)
-        started = 0
-        for bucket in self.next_bucket_order():
-            if len(self._fetching) >= self.depth:
-                break
-            names = bucket.segments_to_fetch()
-            if bucket.index in self._fetching or not names or self._reusable(bucket, names):
-                continue
-            if self._host_cached(bucket, names):
-                continue
-            self._start_fetch(bucket)
-            started += 1
-        return started
+        return self.pipeline.prefetch()
 
     def flush(self) -> None:
         """Wait until every write-back is in the files, the host tier's dirty images included, and
@@ -476,7 +324,7 @@ class NVMeOptimizerStateStore:
             with self._poisons_on_failure("a previous step's write-behind"):
                 self.stager.write_back()
         finally:
-            self._release_pipeline()
+            self.pipeline.release_all()
 
     def release_device(self) -> None:
         """Free every device buffer the pipeline holds, without waiting for the disk: return once each
@@ -490,7 +338,7 @@ class NVMeOptimizerStateStore:
             with self._poisons_on_failure("a previous step's write-behind"):
                 self.stager.wait_device()
         finally:
-            self._release_pipeline()
+            self.pipeline.release_all()
 
     def set_io(self, *, io_engine: str | None = None, depth: int | None = None, write_behind: bool | None = None,
                io_threads: int | None = None, direct_io: bool | None = None, host_cache_mb: int | str | None = None,
@@ -512,7 +360,7 @@ class NVMeOptimizerStateStore:
         if config.verify != self.config.verify:
             self.stager.set_verify([b.file for b in self.buckets], config.verify)
         self.config = config
-        self.depth, self.write_behind = depth, _write_behind(config)
+        self.pipeline.configure(depth=depth, write_behind=_write_behind(config))
         self._update_io_stats()
         self.fill_host_tier()  # the new engine starts without images
 
@@ -524,41 +372,24 @@ class NVMeOptimizerStateStore:
             self.stager.check()
         start = time.perf_counter()
         written0 = self.stager.counters.bytes_written
-        prefetched = len(self._fetching)
-        self._step_read = self._step_reused = self._step_peak = 0
-        compute = 0.0
-        order = self.next_bucket_order()
         try:
-            for i, bucket in enumerate(order):
-                self._acquire(bucket)
-                self._read_ahead(order, i + 1)
-                t = time.perf_counter()
-                bucket.update()
-                bucket.publish()
-                self._sync()
-                compute += time.perf_counter() - t
-                self._track_residency()
-                self._write_back(bucket)
-                self._release_written(self.depth)
-            if not self.write_behind:
-                self._release_written(0)
-                for bucket in self.buckets:
-                    self.stager.wait_writes(bucket.file)
+            walk = self.pipeline.walk()
             self.stager.check()
         except BaseException as e:
             self._poison(e, f"step {self.stats.steps + 1}")
-            self._abort()
+            self.pipeline.abort()
             raise
         wall = time.perf_counter() - start
         disk0, cache0, disk_written0, task0, fill0 = self._marks
         self._marks = disk1, cache1, disk_written1, task1, fill1 = self._read_marks()
         pending = sum(1 for b in self.buckets if self.stager.writes_in_flight(b.file))
-        last = StepStats(bytes_read=self._step_read, bytes_written=self.stager.counters.bytes_written - written0,
-                         buckets=len(self.buckets), io_seconds=wall - compute, io_task_seconds=task1 - task0,
-                         compute_seconds=compute, wall_seconds=wall, disk_bytes_read=disk1 - disk0,
-                         cache_bytes_read=cache1 - cache0, disk_bytes_written=disk_written1 - disk_written0,
-                         reused_bytes=self._step_reused, prefetched_buckets=prefetched, pending_writes=pending,
-                         peak_resident_bytes=self._step_peak, tier_fill_bytes=fill1 - fill0)
+        last = StepStats(bytes_read=walk.read_bytes, bytes_written=self.stager.counters.bytes_written - written0,
+                         buckets=len(self.buckets), io_seconds=wall - walk.compute_seconds,
+                         io_task_seconds=task1 - task0, compute_seconds=walk.compute_seconds, wall_seconds=wall,
+                         disk_bytes_read=disk1 - disk0, cache_bytes_read=cache1 - cache0,
+                         disk_bytes_written=disk_written1 - disk_written0, reused_bytes=walk.reused_bytes,
+                         prefetched_buckets=walk.prefetched_buckets, pending_writes=pending,
+                         peak_resident_bytes=walk.peak_resident_bytes, tier_fill_bytes=fill1 - fill0)
         self.stats.steps += 1
         self.stats.bytes_read += last.bytes_read
         self.stats.bytes_written += last.bytes_written
@@ -571,7 +402,7 @@ class NVMeOptimizerStateStore:
                     self.stats.steps, last.buckets, last.bytes_read / GB, last.disk_bytes_read / GB,
                     last.cache_bytes_read / GB, last.reused_bytes / GB, last.bytes_written / GB,
                     last.disk_bytes_written / GB, wall, moved / wall if wall else 0.0, last.io_seconds,
-                    last.io_task_seconds, last.compute_seconds, prefetched, pending,
+                    last.io_task_seconds, last.compute_seconds, last.prefetched_buckets, pending,
                     last.peak_resident_bytes / GB, self.stats.residency_bound_bytes / GB,
                     self.device_budget_bytes / GB)
         return last
@@ -711,8 +542,7 @@ class NVMeOptimizerStateStore:
         one with the same settings (same files, same descriptors)."""
         if self.poisoned_by is None:
             return
-        self.stager.wait_all(raise_errors=False)
-        self._release_pipeline()
+        self.pipeline.abort()
         self.stager.set_engine(self.config.io_engine, io_threads=self.config.io_threads,
                                direct_io=self.config.direct_io, host_cache_bytes=self.host_cache_bytes,
                                discard_errors=True)
@@ -734,8 +564,7 @@ class NVMeOptimizerStateStore:
         except Exception:
             logger.exception("a background save of optimizer state failed")
         self._closed = True
-        self.stager.wait_all(raise_errors=False)  # write-behind in flight ends before its files close
-        self._release_pipeline()
+        self.pipeline.abort()  # write-behind in flight ends before its files close
         if self._finalizer.detach() is not None:
             self._resources.release()
         LIVE_STORES.discard(self)

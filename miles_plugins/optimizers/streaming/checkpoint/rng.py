@@ -48,7 +48,7 @@ def _noisy_segments(store) -> list[str]:
 
 def snapshot(store) -> tuple[dict, bytes | None]:
     """At the save's snapshot: (manifest fields, bytes of codec_rng.pt or None when no codec draws noise)."""
-    fields = {"next_bucket_order": "descending" if store.next_order_descending() else "ascending"}
+    fields = {"next_bucket_order": "descending" if store.pipeline.next_order_descending() else "ascending"}
     states = {n: store.codecs[n].rng_state() for n in _noisy_segments(store)}
     if not states:
         return fields, None
@@ -125,7 +125,7 @@ def restore(store, record: tuple | None, why_not: str = "") -> None:
     for name, per_device in states.items():
         store.codecs[name].set_rng_state(per_device)
     if descending is not None:
-        store.restore_next_order(descending)
+        store.pipeline.restore_next_order(descending)
 
 
 def reset(store) -> None:

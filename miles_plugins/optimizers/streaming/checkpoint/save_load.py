@@ -142,7 +142,7 @@ class SaveJob:
         self.manifest.update(rng_fields)
         _remove_abandoned_temporaries(self.final)
         io.make_dirs(self.tmp)
-        self.order = [b.index for b in store.next_bucket_order()]  # the order the next step overwrites them in
+        self.order = [b.index for b in store.pipeline.next_order()]  # the order the next step overwrites them in
         self.locks = {i: threading.Lock() for i in self.order}
         self.fds, self.done, self.error, self.use_reflink = {}, set(), None, True
         self.checks = {}  # bucket -> verify's check of a reflinked copy, run when the clone is checksummed
