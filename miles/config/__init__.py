@@ -21,4 +21,6 @@ from miles.config.arguments import (  # noqa: F401
 )
 from miles.config.paths import RunPaths  # noqa: F401
 from miles.config.run_config import RunConfig  # noqa: F401
-from miles.config.validation import ArgumentError, Environment, validate_args  # noqa: F401
+from miles.config.environment import Environment  # noqa: F401
+from miles.config.errors import ArgumentError  # noqa: F401
+from miles.config.validation import validate_args  # noqa: F401

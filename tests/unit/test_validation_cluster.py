@@ -8,7 +8,7 @@ import pytest
 
 from miles.config import ArgumentError, Environment, parse_args, validate_args
 from miles.config.disk_budget import SMOLLM2_PARAMS, disk_budget, model_tensors_of_run, ranks_on_driver_node
-from miles.config.validation import _driver_node_slots
+from miles.config.resource_checks import driver_node_slots
 
 GIB = 2**30
 P = SMOLLM2_PARAMS
@@ -63,8 +63,8 @@ def test_ray_address_comes_from_the_environment(tmp_path, monkeypatch):
 
 def test_driver_node_slots_are_its_gpus_or_its_cpus_per_rank(tmp_path):
     a = parse_args(["--num-cpus-per-rank", "4"])
-    assert _driver_node_slots(a, env(tmp_path, cpu_count=lambda: 18)) == 4
-    assert _driver_node_slots(a, env(tmp_path, cuda_available=lambda: True, gpu_count=lambda: 8)) == 8
+    assert driver_node_slots(a, env(tmp_path, cpu_count=lambda: 18)) == 4
+    assert driver_node_slots(a, env(tmp_path, cuda_available=lambda: True, gpu_count=lambda: 8)) == 8
     assert ranks_on_driver_node(16, 8) == 8 and ranks_on_driver_node(4, 8) == 4 and ranks_on_driver_node(4, 0) == 0
 
 

@@ -1,0 +1,236 @@
+"""Where a ``miles train`` run writes, and what this machine must hold: the checks of validation that look
+at disks and host resources (through the :class:`~miles.config.environment.Environment`, never directly).
+
+- every directory the run writes is a directory or can be created as one, and is writable;
+- each filesystem has the free space the run will write there (:mod:`miles.config.disk_budget`; joining a
+  cluster, the driver node's share only: :mod:`miles.ray.node_disk` checks every node once Ray placed the ranks);
+- the root is the run's own (not ``/``, a system directory or the home directory), and no output lies in
+  a directory the run removes when it ends;
+- the placement group fits this machine's CPUs when the run starts its own Ray, colocated engines fit
+  the train ranks, and the train ranks' host tiers fit the memory available here.
+
+:func:`miles.config.validation.validate_args` calls them once the arguments are resolved (absolute
+paths, ``offload_train`` set); each raises one :class:`~miles.config.errors.ArgumentError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Optional
+
+from miles.config.disk_budget import GIB, disk_budget, model_tensors_of_run, ranks_on_driver_node
+from miles.config.environment import Environment
+from miles.config.errors import ArgumentError
+from miles.config.paths import RunPaths
+from miles_plugins.optimizers.streaming.config import HOST_CACHE_AUTO
+from miles_plugins.optimizers.streaming.io.ownership import path_within, system_directory_reason
+from miles_plugins.optimizers.streaming.units import MiB
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["check_disk", "check_fits_this_machine", "check_outputs_outside_scratch", "check_root_is_the_runs_own",
+           "driver_node_slots"]
+
+
+# ---- disk -------------------------------------------------------------------------------------------
+def _nearest_existing(path: str, env: Environment) -> str:
+    while not env.path_exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _label(flag: str, path: str, is_default: bool) -> str:
+    return f"{path} (the default of {flag})" if is_default else f"{flag} {path}"
+
+
+def _check_directory(flag: str, path: str, env: Environment, is_default: bool = False) -> str:
+    """``path`` is a writable directory or can be created as one; returns its nearest existing part."""
+    where = _label(flag, path, is_default)
+    if env.path_exists(path) and not env.is_dir(path):
+        raise ArgumentError(f"{where} is a file, not a directory.", (flag,),
+                   f"pass a directory for {flag} (it is created when missing).")
+    existing = _nearest_existing(path, env)
+    if not env.is_dir(existing):
+        raise ArgumentError(f"{where} cannot be created: {existing} is a file.", (flag,),
+                   f"pass a directory for {flag} whose parents are directories.")
+    if not env.dir_writable(existing):
+        raise ArgumentError(f"{where} is not writable: files cannot be created in {existing}.", (flag,),
+                   f"pass a directory on a writable local disk for {flag} (e.g. under $SCRATCH or /tmp).")
+    return existing
+
+
+def _check_free(flag: str, where: str, existing: str, need: int, what: str, params: int, env: Environment,
+                scope: str = "") -> None:
+    """``scope``: which ranks the need counts, when not all of them (a cluster's driver node)."""
+    free = env.disk_free_bytes(existing)
+    if need > free:
+        raise ArgumentError(f"{where}: the run needs about {need / GIB:.2f} GiB there ({what}, for {params / 1e6:.1f}M "
+                   f"params{scope}) and its filesystem has {free / GIB:.2f} GiB free.", (flag,),
+                   f"free space, pass {flag} on a larger disk, or shrink the run (e.g. "
+                   "--stream-optimizer-state-moment-dtype fp8e4m3); `miles plan` sizes a run.")
+
+
+def driver_node_slots(a: argparse.Namespace, env: Environment) -> int:
+    """Bundles the driver's machine can hold: one per GPU, or per --num-cpus-per-rank CPUs without CUDA."""
+    return env.gpu_count() if env.cuda_available() else env.cpu_count() // a.num_cpus_per_rank
+
+
+def _ranks_checked_here(a: argparse.Namespace, env: Environment) -> tuple[Optional[int], str]:
+    """The train ranks whose scratch the root's filesystem must hold (None: all, the run's own single-node
+    Ray) and how the error message says so. Joining a cluster, only the driver's node's share lands on this
+    disk; the other nodes' disks are checked by the per-node probe once Ray has placed the ranks."""
+    if env.ray_address is None:
+        return None, ""
+    ranks = ranks_on_driver_node(a.num_train_ranks, driver_node_slots(a, env))
+    return ranks, (f"; at most {ranks} of the {a.num_train_ranks} train ranks can run on this node of the "
+                   f"cluster at {env.ray_address}, each other node's disk is checked when Ray places the ranks")
+
+
+def _model_tensors(a: argparse.Namespace, env: Environment, model_source: str):
+    """The policy's tensors as `miles plan` counts them; None when they cannot be known here."""
+    hf_config = None
+    if model_source == "hf_checkpoint":
+        try:
+            hf_config = env.read_json(os.path.join(a.hf_checkpoint, "config.json"))
+        except (OSError, ValueError):
+            return None  # the model loader reports an unreadable config.json with its own words
+    return model_tensors_of_run(model_source, hf_config)
+
+
+def check_disk(a: argparse.Namespace, env: Environment, model_source: str, root_is_default: bool) -> None:
+    """Every directory the run writes is usable, and its filesystem holds what the run will write there
+    (:mod:`miles.config.disk_budget`); ``a`` is resolved (absolute paths, offload_train set)."""
+    root_flag = "--offload-train-disk-dir"
+    writes_root = (a.stream_optimizer_state_to_disk or a.colocate
+                   or (a.offload_train and a.offload_train_target == "disk"))
+    root = _check_directory(root_flag, a.offload_train_disk_dir, env, root_is_default) if writes_root else None
+    save = _check_directory("--save", os.path.abspath(a.save), env) if a.save else None
+    _check_directory("--metrics-file", os.path.dirname(a.metrics_file), env)
+    if a.tensorboard_dir:
+        _check_directory("--tensorboard-dir", os.path.abspath(a.tensorboard_dir), env)
+
+    model = _model_tensors(a, env, model_source)
+    if model is None:
+        return
+    from miles.sizing.estimate import SizingError
+    from miles.sizing.sharding import LayoutError
+
+    ranks_here, scope = _ranks_checked_here(a, env) if root else (None, "")
+    memory = env.host_memory_available() if a.stream_optimizer_state_host_cache_mb == HOST_CACHE_AUTO else None
+    try:
+        budget = disk_budget(a, model, ranks_here=ranks_here, memory_available=memory)
+    except (SizingError, LayoutError) as exc:  # the layout's own checks (here and in the backend) name it
+        logger.warning("free-space check skipped: `miles plan` cannot size this run (%s)", exc)
+        return
+    params = model.total()
+    save_with_root = bool(root and save) and env.filesystem_id(save) == env.filesystem_id(root)
+    if root:
+        need = budget.scratch + (budget.checkpoint if save_with_root else 0)
+        _check_free(root_flag, _label(root_flag, a.offload_train_disk_dir, root_is_default), root, need,
+                    budget.describe(save_with_root), params, env, scope)
+    if save and not save_with_root:
+        _check_free("--save", f"--save {a.save}", save, budget.checkpoint, "one checkpoint", params, env)
+
+
+_ROOT_FLAG = "--offload-train-disk-dir"
+# what each output flag would lose if the run's teardown removed the directory it lies in
+_OUTPUTS = (("save", "--save", "its checkpoints and metrics"), ("load", "--load", "the checkpoint to resume from"),
+            ("metrics_file", "--metrics-file", "the metrics"), ("tensorboard_dir", "--tensorboard-dir",
+                                                                  "the TensorBoard logs"))
+
+
+def check_root_is_the_runs_own(a: argparse.Namespace, env: Environment, root_is_default: bool) -> None:
+    """The root is not ``/``, a system directory or the home directory itself (as given and resolved)."""
+    root = a.offload_train_disk_dir
+    for candidate in dict.fromkeys((root, env.real_path(root))):
+        why = system_directory_reason(candidate, env.home)
+        if why is not None:
+            raise ArgumentError(f"{_label(_ROOT_FLAG, root, root_is_default)} cannot be the run's root: {why}, and the run "
+                       "creates its folders there and removes them when it ends.", (_ROOT_FLAG,),
+                       f"pass a directory of its own for {_ROOT_FLAG}, on a node-local disk (e.g. under $SCRATCH "
+                       "or /tmp).")
+
+
+def check_outputs_outside_scratch(a: argparse.Namespace, env: Environment, paths: RunPaths,
+                                   metrics_is_default: bool) -> None:
+    """No output of the run lies inside (or is) a directory its teardown removes."""
+    root = paths.root
+    removed = paths.removed_at_exit(root_exists=env.path_exists(root))
+    for attr, flag, loses in _OUTPUTS:
+        given = getattr(a, attr)
+        if not given:
+            continue
+        path = os.path.abspath(given)
+        for directory in removed:
+            if path_within(path, directory) or path_within(env.real_path(path), env.real_path(directory)):
+                created = " (it does not exist yet, so the run creates it)" if directory == root else ""
+                where = _label(flag, given, attr == "metrics_file" and metrics_is_default)
+                raise ArgumentError(f"{where} lies inside {directory}{created}, which this run makes under {_ROOT_FLAG} "
+                           f"and removes, with everything in it, when it ends: {loses} would be deleted.",
+                           (flag, _ROOT_FLAG), f"pass a {flag} outside {root} (e.g. next to it), or a {_ROOT_FLAG} "
+                           f"that does not contain {given}.")
+
+
+# ---- this machine ------------------------------------------------------------------------------------
+
+_HOST_CACHE_FLAG = "--stream-optimizer-state-host-cache-mb"
+
+
+def _bundles(a: argparse.Namespace) -> int:
+    """The placement group's bundles (miles.ray.layout.bundle_specs): one per train rank, and one per
+    rollout engine unless the engines share the train ranks' bundles (--colocate)."""
+    return a.num_train_ranks + (0 if a.colocate else a.num_rollout_engines)
+
+
+def _starts_own_ray(env: Environment) -> bool:
+    """The run starts a single-node Ray cluster on this machine (miles.train), rather than joining one."""
+    return env.ray_address is None and not env.ray_running()
+
+
+def check_fits_this_machine(a: argparse.Namespace, env: Environment) -> None:
+    """What Ray would only find out after its placement group timed out, or the store once the actors are
+    up: checked here against this machine's CPUs and available memory."""
+    if a.colocate and a.num_rollout_engines > a.num_train_ranks:
+        raise ArgumentError(f"--colocate places each rollout engine on a train rank's bundle, and --num-rollout-engines "
+                   f"{a.num_rollout_engines} is more than --num-train-ranks {a.num_train_ranks}.",
+                   ("--colocate", "--num-rollout-engines", "--num-train-ranks"),
+                   f"pass --num-rollout-engines {a.num_train_ranks} or fewer, or drop --colocate.")
+    if _starts_own_ray(env):
+        _check_fits_own_ray(a, env)
+    _check_host_tier_fits(a, env)
+
+
+def _check_fits_own_ray(a: argparse.Namespace, env: Environment) -> None:
+    """The placement group fits the CPUs of the single-node Ray cluster the run starts (Ray gives it the
+    machine's CPUs); otherwise Ray would wait for it until its timeout."""
+    bundles = _bundles(a)
+    spelled = (f"--num-train-ranks {a.num_train_ranks}" if a.colocate else
+               f"--num-train-ranks {a.num_train_ranks} + --num-rollout-engines {a.num_rollout_engines} (not colocated)")
+    fix = ("lower --num-train-ranks, --num-rollout-engines or --num-cpus-per-rank"
+           + ("" if a.colocate else ", add --colocate (the engines then share the train ranks' bundles)")
+           + ", or run on a larger machine (RAY_ADDRESS joins an existing cluster).")
+    cpus, need = env.cpu_count(), bundles * a.num_cpus_per_rank
+    if need > cpus:
+        raise ArgumentError(f"{spelled} = {bundles} bundles x --num-cpus-per-rank {a.num_cpus_per_rank} = {need} CPUs, and "
+                   f"this machine has {cpus} for the Ray cluster the run starts.",
+                   ("--num-train-ranks", "--num-rollout-engines", "--num-cpus-per-rank"), fix)
+
+
+def _check_host_tier_fits(a: argparse.Namespace, env: Environment) -> None:
+    """Every train rank on this machine takes a host tier of its own, and together they must fit the memory
+    the host has available (the store refuses one rank's tier larger than that, once the actors are up)."""
+    per_rank = a.stream_optimizer_state_host_cache_mb
+    if not a.stream_optimizer_state_to_disk or per_rank == HOST_CACHE_AUTO or not per_rank:
+        return
+    ranks = a.num_train_ranks if _starts_own_ray(env) else ranks_on_driver_node(
+        a.num_train_ranks, driver_node_slots(a, env))
+    available = env.host_memory_available()
+    if available is None or not ranks or ranks * per_rank * MiB <= available:
+        return
+    raise ArgumentError(f"{_HOST_CACHE_FLAG} {per_rank} asks {per_rank * MiB / GIB:.2f} GiB of host RAM for the host tier of "
+               f"each of the {ranks} train ranks on this machine ({ranks * per_rank * MiB / GIB:.2f} GiB in all), "
+               f"and it has {available / GIB:.2f} GiB available.", (_HOST_CACHE_FLAG,),
+               f"pass at most {available // ranks // MiB} MiB ({available / GIB:.2f} GiB over {ranks} ranks), or "
+               f"{HOST_CACHE_AUTO} (fit to the free memory when the store is built).")
