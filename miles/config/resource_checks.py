@@ -30,6 +30,9 @@ from miles_plugins.optimizers.streaming.units import MiB
 
 logger = logging.getLogger(__name__)
 
+_ROOT_FLAG = "--offload-train-disk-dir"
+_HOST_CACHE_FLAG = "--stream-optimizer-state-host-cache-mb"
+
 __all__ = ["check_disk", "check_fits_this_machine", "check_outputs_outside_scratch", "check_root_is_the_runs_own",
            "driver_node_slots"]
 
@@ -50,14 +53,14 @@ def _check_directory(flag: str, path: str, env: Environment, is_default: bool = 
     where = _label(flag, path, is_default)
     if env.path_exists(path) and not env.is_dir(path):
         raise ArgumentError(f"{where} is a file, not a directory.", (flag,),
-                   f"pass a directory for {flag} (it is created when missing).")
+                            f"pass a directory for {flag} (it is created when missing).")
     existing = _nearest_existing(path, env)
     if not env.is_dir(existing):
         raise ArgumentError(f"{where} cannot be created: {existing} is a file.", (flag,),
-                   f"pass a directory for {flag} whose parents are directories.")
+                            f"pass a directory for {flag} whose parents are directories.")
     if not env.dir_writable(existing):
         raise ArgumentError(f"{where} is not writable: files cannot be created in {existing}.", (flag,),
-                   f"pass a directory on a writable local disk for {flag} (e.g. under $SCRATCH or /tmp).")
+                            f"pass a directory on a writable local disk for {flag} (e.g. under $SCRATCH or /tmp).")
     return existing
 
 
@@ -67,9 +70,9 @@ def _check_free(flag: str, where: str, existing: str, need: int, what: str, para
     free = env.disk_free_bytes(existing)
     if need > free:
         raise ArgumentError(f"{where}: the run needs about {need / GIB:.2f} GiB there ({what}, for {params / 1e6:.1f}M "
-                   f"params{scope}) and its filesystem has {free / GIB:.2f} GiB free.", (flag,),
-                   f"free space, pass {flag} on a larger disk, or shrink the run (e.g. "
-                   "--stream-optimizer-state-moment-dtype fp8e4m3); `miles plan` sizes a run.")
+                            f"params{scope}) and its filesystem has {free / GIB:.2f} GiB free.", (flag,),
+                            f"free space, pass {flag} on a larger disk, or shrink the run (e.g. "
+                            "--stream-optimizer-state-moment-dtype fp8e4m3); `miles plan` sizes a run.")
 
 
 def driver_node_slots(a: argparse.Namespace, env: Environment) -> int:
@@ -102,10 +105,9 @@ def _model_tensors(a: argparse.Namespace, env: Environment, model_source: str):
 def check_disk(a: argparse.Namespace, env: Environment, model_source: str, root_is_default: bool) -> None:
     """Every directory the run writes is usable, and its filesystem holds what the run will write there
     (:mod:`miles.config.disk_budget`); ``a`` is resolved (absolute paths, offload_train set)."""
-    root_flag = "--offload-train-disk-dir"
     writes_root = (a.stream_optimizer_state_to_disk or a.colocate
                    or (a.offload_train and a.offload_train_target == "disk"))
-    root = _check_directory(root_flag, a.offload_train_disk_dir, env, root_is_default) if writes_root else None
+    root = _check_directory(_ROOT_FLAG, a.offload_train_disk_dir, env, root_is_default) if writes_root else None
     save = _check_directory("--save", os.path.abspath(a.save), env) if a.save else None
     _check_directory("--metrics-file", os.path.dirname(a.metrics_file), env)
     if a.tensorboard_dir:
@@ -128,13 +130,12 @@ def check_disk(a: argparse.Namespace, env: Environment, model_source: str, root_
     save_with_root = bool(root and save) and env.filesystem_id(save) == env.filesystem_id(root)
     if root:
         need = budget.scratch + (budget.checkpoint if save_with_root else 0)
-        _check_free(root_flag, _label(root_flag, a.offload_train_disk_dir, root_is_default), root, need,
+        _check_free(_ROOT_FLAG, _label(_ROOT_FLAG, a.offload_train_disk_dir, root_is_default), root, need,
                     budget.describe(save_with_root), params, env, scope)
     if save and not save_with_root:
         _check_free("--save", f"--save {a.save}", save, budget.checkpoint, "one checkpoint", params, env)
 
 
-_ROOT_FLAG = "--offload-train-disk-dir"
 # what each output flag would lose if the run's teardown removed the directory it lies in
 _OUTPUTS = (("save", "--save", "its checkpoints and metrics"), ("load", "--load", "the checkpoint to resume from"),
             ("metrics_file", "--metrics-file", "the metrics"), ("tensorboard_dir", "--tensorboard-dir",
@@ -147,10 +148,12 @@ def check_root_is_the_runs_own(a: argparse.Namespace, env: Environment, root_is_
     for candidate in dict.fromkeys((root, env.real_path(root))):
         why = system_directory_reason(candidate, env.home)
         if why is not None:
-            raise ArgumentError(f"{_label(_ROOT_FLAG, root, root_is_default)} cannot be the run's root: {why}, and the run "
-                       "creates its folders there and removes them when it ends.", (_ROOT_FLAG,),
-                       f"pass a directory of its own for {_ROOT_FLAG}, on a node-local disk (e.g. under $SCRATCH "
-                       "or /tmp).")
+            raise ArgumentError(
+                f"{_label(_ROOT_FLAG, root, root_is_default)} cannot be the run's root: {why}, and the run "
+                "creates its folders there and removes them when it ends.",
+                (_ROOT_FLAG,),
+                f"pass a directory of its own for {_ROOT_FLAG}, on a node-local disk (e.g. under $SCRATCH "
+                "or /tmp).")
 
 
 def check_outputs_outside_scratch(a: argparse.Namespace, env: Environment, paths: RunPaths,
@@ -167,15 +170,16 @@ def check_outputs_outside_scratch(a: argparse.Namespace, env: Environment, paths
             if path_within(path, directory) or path_within(env.real_path(path), env.real_path(directory)):
                 created = " (it does not exist yet, so the run creates it)" if directory == root else ""
                 where = _label(flag, given, attr == "metrics_file" and metrics_is_default)
-                raise ArgumentError(f"{where} lies inside {directory}{created}, which this run makes under {_ROOT_FLAG} "
-                           f"and removes, with everything in it, when it ends: {loses} would be deleted.",
-                           (flag, _ROOT_FLAG), f"pass a {flag} outside {root} (e.g. next to it), or a {_ROOT_FLAG} "
-                           f"that does not contain {given}.")
+                raise ArgumentError(
+                    f"{where} lies inside {directory}{created}, which this run makes under {_ROOT_FLAG} "
+                    f"and removes, with everything in it, when it ends: {loses} would be deleted.",
+                    (flag, _ROOT_FLAG),
+                    f"pass a {flag} outside {root} (e.g. next to it), or a {_ROOT_FLAG} "
+                    f"that does not contain {given}.")
 
 
 # ---- this machine ------------------------------------------------------------------------------------
 
-_HOST_CACHE_FLAG = "--stream-optimizer-state-host-cache-mb"
 
 
 def _bundles(a: argparse.Namespace) -> int:
@@ -193,10 +197,11 @@ def check_fits_this_machine(a: argparse.Namespace, env: Environment) -> None:
     """What Ray would only find out after its placement group timed out, or the store once the actors are
     up: checked here against this machine's CPUs and available memory."""
     if a.colocate and a.num_rollout_engines > a.num_train_ranks:
-        raise ArgumentError(f"--colocate places each rollout engine on a train rank's bundle, and --num-rollout-engines "
-                   f"{a.num_rollout_engines} is more than --num-train-ranks {a.num_train_ranks}.",
-                   ("--colocate", "--num-rollout-engines", "--num-train-ranks"),
-                   f"pass --num-rollout-engines {a.num_train_ranks} or fewer, or drop --colocate.")
+        raise ArgumentError(
+            f"--colocate places each rollout engine on a train rank's bundle, and --num-rollout-engines "
+            f"{a.num_rollout_engines} is more than --num-train-ranks {a.num_train_ranks}.",
+            ("--colocate", "--num-rollout-engines", "--num-train-ranks"),
+            f"pass --num-rollout-engines {a.num_train_ranks} or fewer, or drop --colocate.")
     if _starts_own_ray(env):
         _check_fits_own_ray(a, env)
     _check_host_tier_fits(a, env)
@@ -213,9 +218,11 @@ def _check_fits_own_ray(a: argparse.Namespace, env: Environment) -> None:
            + ", or run on a larger machine (RAY_ADDRESS joins an existing cluster).")
     cpus, need = env.cpu_count(), bundles * a.num_cpus_per_rank
     if need > cpus:
-        raise ArgumentError(f"{spelled} = {bundles} bundles x --num-cpus-per-rank {a.num_cpus_per_rank} = {need} CPUs, and "
-                   f"this machine has {cpus} for the Ray cluster the run starts.",
-                   ("--num-train-ranks", "--num-rollout-engines", "--num-cpus-per-rank"), fix)
+        raise ArgumentError(
+            f"{spelled} = {bundles} bundles x --num-cpus-per-rank {a.num_cpus_per_rank} = {need} CPUs, and "
+            f"this machine has {cpus} for the Ray cluster the run starts.",
+            ("--num-train-ranks", "--num-rollout-engines", "--num-cpus-per-rank"),
+            fix)
 
 
 def _check_host_tier_fits(a: argparse.Namespace, env: Environment) -> None:
@@ -229,8 +236,10 @@ def _check_host_tier_fits(a: argparse.Namespace, env: Environment) -> None:
     available = env.host_memory_available()
     if available is None or not ranks or ranks * per_rank * MiB <= available:
         return
-    raise ArgumentError(f"{_HOST_CACHE_FLAG} {per_rank} asks {per_rank * MiB / GIB:.2f} GiB of host RAM for the host tier of "
-               f"each of the {ranks} train ranks on this machine ({ranks * per_rank * MiB / GIB:.2f} GiB in all), "
-               f"and it has {available / GIB:.2f} GiB available.", (_HOST_CACHE_FLAG,),
-               f"pass at most {available // ranks // MiB} MiB ({available / GIB:.2f} GiB over {ranks} ranks), or "
-               f"{HOST_CACHE_AUTO} (fit to the free memory when the store is built).")
+    raise ArgumentError(
+        f"{_HOST_CACHE_FLAG} {per_rank} asks {per_rank * MiB / GIB:.2f} GiB of host RAM for the host tier of "
+        f"each of the {ranks} train ranks on this machine ({ranks * per_rank * MiB / GIB:.2f} GiB in all), "
+        f"and it has {available / GIB:.2f} GiB available.",
+        (_HOST_CACHE_FLAG,),
+        f"pass at most {available // ranks // MiB} MiB ({available / GIB:.2f} GiB over {ranks} ranks), or "
+        f"{HOST_CACHE_AUTO} (fit to the free memory when the store is built).")

@@ -105,7 +105,7 @@ def _check_ranges(a: argparse.Namespace) -> None:
         at_least(n, 0)
     if not 0 < a.rollout_top_p <= 1:
         raise ArgumentError(f"--rollout-top-p must be in (0, 1] (got {a.rollout_top_p}).", ("--rollout-top-p",),
-                   "pass a value in (0, 1].")
+                            "pass a value in (0, 1].")
     for n in ("adam_beta1", "adam_beta2"):
         v = getattr(a, n)
         if not 0 <= v < 1:
@@ -159,7 +159,7 @@ def _check_store_settings(a: argparse.Namespace) -> None:
             raise
         flag = "--" + _STORE_FIELD_FLAGS[e.field].replace("_", "-")
         raise ArgumentError(f"{flag} must be {e.expected} (got {fields[e.field]!r}).", (flag,),
-                   f"change {flag}, or drop it for the default.") from None
+                            f"change {flag}, or drop it for the default.") from None
 
 
 def _check_streaming(a: argparse.Namespace) -> None:
@@ -184,7 +184,7 @@ def _check_streaming(a: argparse.Namespace) -> None:
     for attr, flag, why in _STREAM_REJECTS:
         if getattr(a, attr):
             raise ArgumentError(f"{_STREAM} cannot be combined with {flag}: {why}.", (_STREAM, flag),
-                       f"drop {flag} or {_STREAM}.")
+                                f"drop {flag} or {_STREAM}.")
     if a.optimizer != "adam":
         raise ArgumentError(
             f"{_STREAM} supports only --optimizer adam (got {a.optimizer}).",
@@ -203,41 +203,53 @@ def _check_flags_take_effect(a: argparse.Namespace, env: Environment) -> None:
 
 def _check_model(a: argparse.Namespace, env: Environment) -> None:
     if a.tiny_model and a.hf_checkpoint:
-        raise ArgumentError("--tiny-model and --hf-checkpoint choose different models.", ("--tiny-model", "--hf-checkpoint"),
-                   "pass only one of them.")
+        raise ArgumentError(
+            "--tiny-model and --hf-checkpoint choose different models.",
+            ("--tiny-model", "--hf-checkpoint"),
+            "pass only one of them.")
     if a.hf_checkpoint:
         if not env.path_exists(a.hf_checkpoint):
             raise ArgumentError(f"--hf-checkpoint {a.hf_checkpoint}: no such file or directory.", ("--hf-checkpoint",),
-                       "pass the folder of a HuggingFace model (with config.json), or drop the flag to use "
-                       "the embedded default model.")
+                                "pass the folder of a HuggingFace model (with config.json), or drop the flag to use "
+                                "the embedded default model.")
         if not env.is_file(os.path.join(a.hf_checkpoint, "config.json")):
-            raise ArgumentError(f"--hf-checkpoint {a.hf_checkpoint} is not a HuggingFace model folder (no config.json).",
-                       ("--hf-checkpoint",), "pass the folder that holds config.json and the weights.")
+            raise ArgumentError(
+                f"--hf-checkpoint {a.hf_checkpoint} is not a HuggingFace model folder (no config.json).",
+                ("--hf-checkpoint",),
+                "pass the folder that holds config.json and the weights.")
 
 
 def _check_backend(a: argparse.Namespace, env: Environment) -> None:
     for attr, flag in _NOT_IMPLEMENTED:
         if getattr(a, attr):
-            raise ArgumentError(f"{flag} is accepted for compatibility with miles/Megatron command lines but no backend "
-                       "here implements it.", (flag,), f"drop {flag}.")
+            raise ArgumentError(
+                f"{flag} is accepted for compatibility with miles/Megatron command lines but no backend "
+                "here implements it.",
+                (flag,),
+                f"drop {flag}.")
     ep = a.expert_model_parallel_size
     if ep < 1 or a.num_train_ranks % ep:
         raise ArgumentError(f"--expert-model-parallel-size {ep} must be >= 1 and divide --num-train-ranks "
-                   f"{a.num_train_ranks}.", ("--expert-model-parallel-size", "--num-train-ranks"),
-                   "pick an expert-parallel size that divides the number of train ranks.")
+                            f"{a.num_train_ranks}.", ("--expert-model-parallel-size", "--num-train-ranks"),
+                            "pick an expert-parallel size that divides the number of train ranks.")
     if a.train_backend == "megatron":
         _check_megatron(a, env)
         return
     if ep > 1:
-        raise ArgumentError(f"--expert-model-parallel-size {ep} needs --train-backend megatron: the torch backend "
-                   "replicates every expert on every rank.", ("--expert-model-parallel-size", "--train-backend"),
-                   "add --train-backend megatron or drop --expert-model-parallel-size.")
+        raise ArgumentError(
+            f"--expert-model-parallel-size {ep} needs --train-backend megatron: the torch backend "
+            "replicates every expert on every rank.",
+            ("--expert-model-parallel-size", "--train-backend"),
+            "add --train-backend megatron or drop --expert-model-parallel-size.")
     for attr, flag in (("fp8_param", "--fp8-param"),
                        ("use_precision_aware_optimizer", "--use-precision-aware-optimizer"),
                        ("optimizer_cpu_offload", "--optimizer-cpu-offload")):
         if getattr(a, attr):
-            raise ArgumentError(f"{flag} is a megatron-core feature; --train-backend {a.train_backend} does not "
-                       "support it.", (flag, "--train-backend"), f"add --train-backend megatron or drop {flag}.")
+            raise ArgumentError(
+                f"{flag} is a megatron-core feature; --train-backend {a.train_backend} does not "
+                "support it.",
+                (flag, "--train-backend"),
+                f"add --train-backend megatron or drop {flag}.")
 
 
 def _check_megatron(a: argparse.Namespace, env: Environment) -> None:
@@ -245,25 +257,30 @@ def _check_megatron(a: argparse.Namespace, env: Environment) -> None:
     if tuple(env.python_version) < (3, 12):
         v = ".".join(map(str, env.python_version))
         raise ArgumentError(f"--train-backend megatron needs Python >= 3.12 (megatron-core does not install on "
-                   f"Python {v}).", ("--train-backend",), "use --train-backend torch, or Python >= 3.12 "
-                   "with the megatron extra on a CUDA machine.")
+                            f"Python {v}).", ("--train-backend",), "use --train-backend torch, or Python >= 3.12 "
+                            "with the megatron extra on a CUDA machine.")
     if not env.cuda_available():
         raise ArgumentError("--train-backend megatron needs CUDA (megatron-core hard-codes CUDA) and none is "
-                   "available.", ("--train-backend",), "use --train-backend torch on this machine.")
+                            "available.", ("--train-backend",), "use --train-backend torch on this machine.")
     if not env.has_module("megatron.core"):
         raise ArgumentError("--train-backend megatron: megatron-core is not installed.", ("--train-backend",),
-                   "pip install the megatron extra (pip install 'miles[megatron]').")
+                            "pip install the megatron extra (pip install 'miles[megatron]').")
     if a.fp8_param:
-        raise ArgumentError("--fp8-param: the megatron backend builds bf16 params (fp8 params need Transformer Engine's "
-                   "fp8 recipe, which it does not set up).", ("--fp8-param", "--train-backend"), "drop --fp8-param.")
+        raise ArgumentError(
+            "--fp8-param: the megatron backend builds bf16 params (fp8 params need Transformer Engine's "
+            "fp8 recipe, which it does not set up).",
+            ("--fp8-param", "--train-backend"),
+            "drop --fp8-param.")
     if a.use_precision_aware_optimizer and not env.has_module("transformer_engine"):
-        raise ArgumentError("--use-precision-aware-optimizer needs Transformer Engine's FusedAdam, and transformer_engine "
-                   "is not importable.", ("--use-precision-aware-optimizer",),
-                   "install Transformer Engine or drop --use-precision-aware-optimizer.")
+        raise ArgumentError(
+            "--use-precision-aware-optimizer needs Transformer Engine's FusedAdam, and transformer_engine "
+            "is not importable.",
+            ("--use-precision-aware-optimizer",),
+            "install Transformer Engine or drop --use-precision-aware-optimizer.")
     if a.model_dtype == "fp32" and a.stream_optimizer_state_to_disk:
         raise ArgumentError(f"{_STREAM} with --train-backend megatron needs bf16 params: the store streams the fp32 "
-                   "masters of low-precision params, and fp32 params have none.", (_STREAM, "--model-dtype"),
-                   "pass --model-dtype bf16 (the default on CUDA).")
+                            "masters of low-precision params, and fp32 params have none.", (_STREAM, "--model-dtype"),
+                            "pass --model-dtype bf16 (the default on CUDA).")
 
 
 def _sglang_flags_given(a: argparse.Namespace) -> list[str]:
@@ -282,18 +299,18 @@ def _check_sglang(a: argparse.Namespace, env: Environment) -> None:
     if a.rollout_engine != "sglang":
         if given:
             raise ArgumentError(f"{given[0]} has no effect: --rollout-engine is {a.rollout_engine}.", (given[0],),
-                       f"add --rollout-engine sglang, or drop {given[0]}.")
+                                f"add --rollout-engine sglang, or drop {given[0]}.")
         return
     if not env.has_module("sglang"):
         raise ArgumentError("--rollout-engine sglang: sglang is not installed here.", ("--rollout-engine",),
-                   f"{INSTALL_HINT}; or use --rollout-engine embedded.")
+                            f"{INSTALL_HINT}; or use --rollout-engine embedded.")
     if type(a.sglang_tp_size) is not int or a.sglang_tp_size < 1:
         raise ArgumentError(f"--sglang-tp-size must be an int >= 1 (got {a.sglang_tp_size!r}).", ("--sglang-tp-size",),
-                   "pass the tensor-parallel size of each sglang engine, e.g. 1.")
+                            "pass the tensor-parallel size of each sglang engine, e.g. 1.")
     fraction = a.sglang_mem_fraction_static
     if fraction is not None and not 0 < fraction < 1:
         raise ArgumentError(f"--sglang-mem-fraction-static must be in (0, 1) (got {fraction}).",
-                   ("--sglang-mem-fraction-static",), "pass a fraction such as 0.5, or drop the flag.")
+                            ("--sglang-mem-fraction-static",), "pass a fraction such as 0.5, or drop the flag.")
     try:
         parse_server_args(a.sglang_server_arg or ())
         if a.sglang_url is not None:
@@ -305,48 +322,63 @@ def _check_sglang(a: argparse.Namespace, env: Environment) -> None:
         for flag in ("--sglang-mem-fraction-static", "--sglang-server-arg"):
             if flag in given:
                 raise ArgumentError(f"{flag} has no effect with --sglang-url {a.sglang_url}: the server runs with the "
-                           "arguments it was started with.", (flag, "--sglang-url"),
-                           f"pass it to the server when starting it, or drop {flag}.")
+                                    "arguments it was started with.", (flag, "--sglang-url"),
+                                    f"pass it to the server when starting it, or drop {flag}.")
         if a.num_rollout_engines != 1:
-            raise ArgumentError(f"--sglang-url drives one server, and --num-rollout-engines is {a.num_rollout_engines}.",
-                       ("--sglang-url", "--num-rollout-engines"), "pass --num-rollout-engines 1.")
+            raise ArgumentError(
+                f"--sglang-url drives one server, and --num-rollout-engines is {a.num_rollout_engines}.",
+                ("--sglang-url", "--num-rollout-engines"),
+                "pass --num-rollout-engines 1.")
     else:
         if a.sglang_tp_size > 1:
-            raise ArgumentError(f"--sglang-tp-size {a.sglang_tp_size}: an in-process sglang engine gets one GPU from Ray.",
-                       ("--sglang-tp-size",), f"start an sglang server with --tp-size {a.sglang_tp_size} and pass "
-                       "--sglang-url, or use --sglang-tp-size 1.")
+            raise ArgumentError(
+                f"--sglang-tp-size {a.sglang_tp_size}: an in-process sglang engine gets one GPU from Ray.",
+                ("--sglang-tp-size",),
+                f"start an sglang server with --tp-size {a.sglang_tp_size} and pass "
+                "--sglang-url, or use --sglang-tp-size 1.")
         if _resolve_model_source(a, env) == "tiny":
-            raise ArgumentError("--rollout-engine sglang loads the model from a HuggingFace folder, and the policy is the "
-                       "tiny random model, which has none.", ("--rollout-engine",),
-                       "pass --hf-checkpoint DIR (`miles` can write a random model folder: "
-                       "miles.models.write_random_model).")
+            raise ArgumentError(
+                "--rollout-engine sglang loads the model from a HuggingFace folder, and the policy is the "
+                "tiny random model, which has none.",
+                ("--rollout-engine",),
+                "pass --hf-checkpoint DIR (`miles` can write a random model folder: "
+                "miles.models.write_random_model).")
     if not a.colocate or a.weight_sync == "distributed":
         why = "--weight-sync distributed" if a.colocate else "without --colocate"
-        raise ArgumentError(f"--rollout-engine sglang {why}: the weights reach an sglang engine only by reference, from the "
-                   "train rank it shares a GPU with (broadcasting to sglang is not wired).",
-                   ("--rollout-engine", "--colocate", "--weight-sync"),
-                   "add --colocate (and leave --weight-sync at auto or ipc).")
+        raise ArgumentError(
+            f"--rollout-engine sglang {why}: the weights reach an sglang engine only by reference, from the "
+            "train rank it shares a GPU with (broadcasting to sglang is not wired).",
+            ("--rollout-engine", "--colocate", "--weight-sync"),
+            "add --colocate (and leave --weight-sync at auto or ipc).")
 
 
 def _check_rollout(a: argparse.Namespace, env: Environment) -> None:
     _check_sglang(a, env)
     if a.weight_sync == "ipc" and env.cuda_available() and not a.colocate:
-        raise ArgumentError("--weight-sync ipc on GPUs needs --colocate: a CUDA IPC handle reaches only an engine on the "
-                   "GPU of the train rank that made it.", ("--weight-sync", "--colocate"),
-                   "add --colocate, or pass --weight-sync distributed (auto chooses it for you).")
+        raise ArgumentError(
+            "--weight-sync ipc on GPUs needs --colocate: a CUDA IPC handle reaches only an engine on the "
+            "GPU of the train rank that made it.",
+            ("--weight-sync", "--colocate"),
+            "add --colocate, or pass --weight-sync distributed (auto chooses it for you).")
     if a.weight_sync == "distributed" and env.cuda_available() and a.colocate:
-        raise ArgumentError("--weight-sync distributed with --colocate: NCCL cannot join two processes on one GPU (each "
-                   "engine shares its GPU with a train rank).", ("--weight-sync", "--colocate"),
-                   "drop --weight-sync (auto hands colocated engines the weights by reference).")
+        raise ArgumentError(
+            "--weight-sync distributed with --colocate: NCCL cannot join two processes on one GPU (each "
+            "engine shares its GPU with a train rank).",
+            ("--weight-sync", "--colocate"),
+            "drop --weight-sync (auto hands colocated engines the weights by reference).")
     if a.prompt_data is not None:
         if not env.is_file(a.prompt_data):
-            raise ArgumentError(f"--prompt-data {a.prompt_data}: no such file.", ("--prompt-data",),
-                       'pass a JSONL file with one {"prompt": ..., "answer": ...} object per line, or drop the '
-                       "flag to use the built-in arithmetic task.")
+            raise ArgumentError(
+                f"--prompt-data {a.prompt_data}: no such file.",
+                ("--prompt-data",),
+                'pass a JSONL file with one {"prompt": ..., "answer": ...} object per line, or drop the '
+                "flag to use the built-in arithmetic task.")
         problem = env.check_prompt_data(a.prompt_data)
         if problem:
-            raise ArgumentError(f"--prompt-data: {problem}.", ("--prompt-data",),
-                       'make every non-blank line a JSON object {"prompt": "<text>", "answer": "<text or number>"}.')
+            raise ArgumentError(
+                f"--prompt-data: {problem}.",
+                ("--prompt-data",),
+                'make every non-blank line a JSON object {"prompt": "<text>", "answer": "<text or number>"}.')
 
 
 def _check_checkpoint(a: argparse.Namespace, env: Environment) -> None:
@@ -356,13 +388,13 @@ def _check_checkpoint(a: argparse.Namespace, env: Environment) -> None:
         raise ArgumentError("--save-keep-latest needs --save.", ("--save-keep-latest", "--save"), "add --save DIR.")
     if a.finetune and not a.load:
         raise ArgumentError("--finetune needs --load (it loads weights from a checkpoint).", ("--finetune", "--load"),
-                   "add --load DIR or drop --finetune.")
+                            "add --load DIR or drop --finetune.")
     if a.no_load_optim and not a.load:
         raise ArgumentError("--no-load-optim needs --load.", ("--no-load-optim", "--load"),
-                   "add --load DIR or drop --no-load-optim.")
+                            "add --load DIR or drop --no-load-optim.")
     if a.load and not env.is_dir(a.load):
         raise ArgumentError(f"--load {a.load}: no such directory.", ("--load",),
-                   "pass an existing checkpoint directory, or drop --load to start fresh.")
+                            "pass an existing checkpoint directory, or drop --load to start fresh.")
 
 
 # ------------------------------------------------------------------------------------------ main

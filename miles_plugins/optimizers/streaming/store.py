@@ -11,8 +11,8 @@ buckets, checks and counts each step, and owns what lasts between steps:
   host tier    optional (host_cache_mb): the buckets it holds whole when the store is built live in host
                RAM only, with no file (plan.place_in_host_ram, Stager.create_in_ram); the disk holds the rest.
                What is left, or a tier set later by set_io, keeps write-back images of files
-               (io/hostcache.py): their reads and writes cost a host<->device copy and no disk I/O. Their bytes reach the
-               files only on flush() and save_to() (and set_io, which flushes); load_from() replaces
+               (io/hostcache.py): their reads and writes cost a host<->device copy and no disk I/O. Their bytes
+               reach the files only on flush() and save_to() (and set_io, which flushes); load_from() replaces
                the state and close() removes the files, neither writes them. release_device() frees
                the device without waiting for the disk. Images are fixed per file once given; a load
                or set_io drops them, and fill_host_tier() (called by both) reads the buckets back into
@@ -349,7 +349,8 @@ class NVMeOptimizerStateStore:
         self.flush()
         changes = dict(io_engine=io_engine, depth=depth, write_behind=write_behind, io_threads=io_threads,
                        direct_io=direct_io, host_cache_mb=host_cache_mb, verify=verify)
-        config = dataclasses.replace(self.config, **{k: v for k, v in changes.items() if v is not None})  # a new, checked config
+        # a new config, checked when built
+        config = dataclasses.replace(self.config, **{k: v for k, v in changes.items() if v is not None})
         depth = self._fit_to_budget(config, self.bucket_numel).depth  # the files fix the bucket size
         # "auto" is sized once; a new value is sized now (an "auto" coming in sees the old tier's images
         # still allocated: it may come out smaller than a fresh store's)
