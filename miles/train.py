@@ -25,8 +25,9 @@ Ownership of the disk: the driver locks the run root before Ray starts and holds
 second run on the same root stops at once with exit code 2, naming the first); every directory the
 run makes is marked as made by its run id, and teardown removes only those, on the driver's node and on
 every other node that hosted the run's actors (:mod:`miles.ray.node_sweep`; one warning lists what else
-it found under the root, and on which node). SIGTERM and SIGINT stop the loop, run the same teardown,
-print one line and exit with 128 + the signal number.
+it found under the root, and on which node). SIGTERM and SIGINT stop the loop at once (one line says so),
+run the same teardown (at most 25 s), print one line and exit with 128 + the signal number; a second
+signal, or teardown running past its limit, exits at once (:class:`_StopOnSignal`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any, Optional, Sequence
 
@@ -63,6 +65,11 @@ class RunError(RuntimeError):
     cannot hold what its ranks write (one line naming the node; :mod:`miles.ray.node_disk`)."""
 
 
+class SkippedStepsError(RuntimeError):
+    """--max-consecutive-skipped-steps rollouts in a row could not be trained on (non-finite grads, or
+    engine output that is not valid training input): the run stops instead of going on without learning."""
+
+
 class RunInterrupted(BaseException):
     """SIGTERM or SIGINT arrived: the loop stops, teardown runs, the process exits 128 + signum.
 
@@ -74,15 +81,22 @@ class RunInterrupted(BaseException):
 
 
 class _StopOnSignal:
-    """While installed, the first SIGTERM/SIGINT raises :class:`RunInterrupted` in the main thread; later
-    ones are ignored so that teardown can finish. ``ray.init`` replaces the driver's SIGTERM handler:
-    call :meth:`install` again after it."""
+    """While installed, the first SIGTERM/SIGINT logs one line at once (what the run was waiting for) and
+    raises :class:`RunInterrupted` in the main thread; the driver's waits return to Python every
+    :data:`miles.ray.errors.WAKE_S` for it, however long the actor call. Teardown then has
+    ``teardown_limit_s``. A second signal, or the limit passing, stops the process at once: one line, then
+    ``os._exit(128 + signum)``; Ray ends the actors of a driver that is gone, and the next run on the same
+    root removes what they left. ``ray.init`` replaces the driver's SIGTERM handler: call :meth:`install`
+    again after it."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    TEARDOWN_LIMIT_S = 25.0  # schedulers send SIGKILL about 30 s after SIGTERM: stop first, with a line
 
-    def __init__(self):
+    def __init__(self, teardown_limit_s: float = TEARDOWN_LIMIT_S):
         self.received: Optional[int] = None
+        self.teardown_limit_s = teardown_limit_s
         self._previous = {}
+        self._deadline: Optional[threading.Timer] = None
 
     def install(self) -> None:
         for signum in self.SIGNALS:
@@ -90,15 +104,33 @@ class _StopOnSignal:
             self._previous.setdefault(signum, previous)
 
     def restore(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
         if self.received is not None:
-            return  # already stopping
+            self._stop_now(signum, f"second signal ({name}) during teardown")
         self.received = signum
+        # the module is loaded by the first actor call; importing Ray here would hold the line back
+        errors = sys.modules.get("miles.ray.errors")
+        pending = errors.waiting_for() if errors is not None else None
+        logger.warning("%s received: stopping the run%s; teardown gets at most %.0f s (a second signal stops at "
+                       "once)", name, f", which was waiting for {pending}" if pending else "", self.teardown_limit_s)
+        self._deadline = threading.Timer(self.teardown_limit_s, self._stop_now,
+                                         (signum, f"teardown still running {self.teardown_limit_s:.0f} s after {name}"))
+        self._deadline.daemon = True
+        self._deadline.start()
         raise RunInterrupted(signum)
+
+    @staticmethod
+    def _stop_now(signum: int, why: str) -> None:
+        logger.error("%s: stopping at once (exit %d); the actors end with this process, the next run removes what "
+                     "they left", why, 128 + signum)
+        os._exit(128 + signum)
 
 
 def claim_run_root(config: RunConfig) -> DirectoryLock:
@@ -191,6 +223,8 @@ def run(config: RunConfig) -> dict[str, Any]:
     except (DirectoryInUseError, LockUnsupportedError, FileNotFoundError) as e:
         print(f"miles train: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    for directory in config.creates:
+        logger.info("%s does not exist: this run creates it", directory)
     stop = _StopOnSignal()
     stop.install()
     summary: dict[str, Any] = {"run_dir": config.paths.run_dir, "metrics_file": config.logging.metrics_file,
@@ -207,10 +241,12 @@ def run(config: RunConfig) -> dict[str, Any]:
             raise
         signum = stop.received
     finally:
-        stop.restore()
-        removed = remove_run_directories(config, summary["node_sweeps"])
-        removed += len(checkpoint.remove_unpublished_saves(config.checkpoint.save))  # the ranks are gone
-        root_lock.release()
+        try:
+            removed = remove_run_directories(config, summary["node_sweeps"])
+            removed += len(checkpoint.remove_unpublished_saves(config.checkpoint.save))  # the ranks are gone
+            root_lock.release()
+        finally:
+            stop.restore()  # only now: a second signal during this cleanup still stops at once
     print(interrupted_line(signum, summary, removed), file=sys.stderr)
     raise SystemExit(128 + signum) from None
 
@@ -249,6 +285,7 @@ def _run_holding_root(config: RunConfig, stop: _StopOnSignal, summary: dict[str,
     from miles.ray.errors import ActorFailure
     from miles.ray.node_disk import NodeDiskError
     from miles.ray.placement_group import remove
+    from miles.weights.transport import default_shm_dir, sweep_dead_files
 
     t_run = time.perf_counter()
     source = prepare_policy(config)  # one-time model conversion happens here, not in every actor
@@ -269,14 +306,15 @@ def _run_holding_root(config: RunConfig, stop: _StopOnSignal, summary: dict[str,
         weight_sync.push(start_rollout)
         if config.offload.offload_train:
             run.train_group.sleep()
-        sink = MetricsSink(config.logging.metrics_file, config.logging.tensorboard_dir, start_rollout)
+        sink = MetricsSink(config.logging.metrics_file, config.logging.tensorboard_dir, config.run_id,
+                           summary["resumed_runs"], start_rollout)
         summary["tensorboard_dir"] = sink.tb_dir if sink.tb is not None else None
         loop = _Loop(config, cursor, tokenizer, run.train_group, run.rollout, weight_sync, sink, summary)
         summary["last_record"] = loop.run(range(start_rollout, config.rollout.num_rollout))
     except ActorFailure as e:
         failure = e
         logger.error("%s failed on %s. The actor's traceback:\n%s", e.what, e.actor, e.remote_traceback)
-    except NodeDiskError as e:
+    except (NodeDiskError, SkippedStepsError, checkpoint.CheckpointError) as e:
         failure = e
         logger.error("%s", e)
     except BaseException as e:
@@ -285,6 +323,8 @@ def _run_holding_root(config: RunConfig, stop: _StopOnSignal, summary: dict[str,
     finally:
         _teardown(run.train_group, run.rollout, run.pg, sink, failed=failure is not None, remove_pg=remove)
         summary["node_sweeps"] = _sweep_actor_nodes(config, run.actor_nodes, _actor_pids_by_node(summary))
+        # an actor killed in the middle of a weight handoff ran no cleanup: its host-memory bucket is a file
+        sweep_dead_files(default_shm_dir())
         if started_ray:  # after the sweeps: they are Ray tasks
             ray.shutdown()
     summary["seconds"] = time.perf_counter() - t_run
@@ -343,6 +383,7 @@ def _resume(config: RunConfig, train_group, summary: dict[str, Any]) -> tuple[in
     from miles.rl import make_prompt_source
 
     start_rollout, data_position = 0, 0
+    resumed_runs: list[str] = []  # the runs whose history this one continues (none when fresh or --finetune)
     ckpt = config.checkpoint
     if ckpt.load:
         base = checkpoint.resolve(ckpt.load)
@@ -355,12 +396,13 @@ def _resume(config: RunConfig, train_group, summary: dict[str, Any]) -> tuple[in
             if not ckpt.finetune:
                 start_rollout = int(meta["next_rollout_id"])
                 data_position = int(meta.get("data_state", {}).get("consumed_prompts", 0))
+                resumed_runs = checkpoint.runs_of(meta)
             logger.info("loaded %s: model%s; resuming at rollout %d, prompt %d", base,
                         f", optimizer ({loaded[0]['optimizer']})" if load_optim else " only (optimizer skipped)",
                         start_rollout, data_position)
             summary["loaded_checkpoint"] = base
             summary["load_info"] = loaded
-    summary["start_rollout"] = start_rollout
+    summary["start_rollout"], summary["resumed_runs"] = start_rollout, resumed_runs
     return start_rollout, _DataCursor(make_prompt_source(config), data_position)
 
 
@@ -373,6 +415,7 @@ class _Loop:
         self.train_group, self.rollout, self.weight_sync = train_group, rollout, weight_sync
         self.sink, self.summary = sink, summary
         self.pending = None  # a checkpoint whose streamed optimizer state is still being copied
+        self.skipped_in_a_row = 0  # rollouts since the last applied optimizer step
 
     def run(self, rollout_ids) -> Optional[dict]:
         record = None
@@ -384,9 +427,28 @@ class _Loop:
                 self.summary["records"].append(record)
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:+.3g}")
                 logger.info(format_rollout_line(record, num_rollout))
+                self.count_skipped_step(record)
         if self.pending is not None:
             _publish(self.config, self.train_group, self.pending, self.summary)
         return record
+
+    def count_skipped_step(self, record: dict[str, Any]) -> None:
+        """A skipped optimizer step is logged in full; --max-consecutive-skipped-steps of them in a row stop
+        the run (the policy has not learned for that long: the cause is not a one-off)."""
+        reason = record["step_skipped"]
+        if reason is None:
+            self.skipped_in_a_row = 0
+            return
+        self.skipped_in_a_row += 1
+        limit = self.config.training.max_consecutive_skipped_steps
+        logger.warning("rollout %d: the optimizer step was skipped (%d in a row, the run stops at %d): %s",
+                       record["rollout_id"], self.skipped_in_a_row, limit, reason)
+        if self.skipped_in_a_row >= limit:
+            raise SkippedStepsError(
+                f"{self.skipped_in_a_row} rollouts in a row skipped their optimizer step (the last, rollout "
+                f"{record['rollout_id']}: {reason}); weights and optimizer state are unchanged since rollout "
+                f"{record['rollout_id'] - self.skipped_in_a_row + 1} began. Check the rollout engine's log-probs and the "
+                "rewards, or lower --lr; --max-consecutive-skipped-steps sets the limit")
 
     def generate(self, rollout_id: int) -> tuple[list, list[float], list[float]]:
         """Samples of the rollout's prompts, their rewards and GRPO advantages (set on the samples too)."""
@@ -473,7 +535,7 @@ def _publish(config: RunConfig, train_group, pending: dict[str, Any], summary: d
         train_group.finish_save()
     base = pending["base"]
     checkpoint.write_meta(base, next_rollout_id=pending["completed"], data_state=pending["data_state"],
-                          world_size=train_group.world_size,
+                          world_size=train_group.world_size, runs=[*summary["resumed_runs"], config.run_id],
                           extra={"streamed_optimizer_state": config.optimizer.stream_optimizer_state_to_disk})
     checkpoint.publish(config.checkpoint.save, base)
     summary["checkpoints"].append(base)

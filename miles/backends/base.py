@@ -32,6 +32,7 @@ import abc
 import contextlib
 import importlib
 import logging
+import math
 import os
 import random
 import time
@@ -45,8 +46,8 @@ from miles.config import RunConfig
 from miles.models import torch_dtype
 from miles.offload import make_offloader
 from miles.process_memory import peak_rss_bytes
-from miles.rl.loss import accumulate_policy_gradient
-from miles_plugins.optimizers.nvme_stream import StoreGroup, StreamConfig, stream_optimizer_state
+from miles.rl.loss import accumulate_policy_gradient, training_input_problem
+from miles_plugins.optimizers.nvme_stream import StepStats, StoreGroup, StreamConfig, stream_optimizer_state
 from miles_plugins.optimizers.streaming.io.ownership import DirectoryLock, claim_directory, remove_created
 
 logger = logging.getLogger(__name__)
@@ -106,10 +107,11 @@ def store_info(stores: list) -> dict[str, Any]:
             "paths": [s.path for s in stores], "relative_dirs": [s.relative_dir for s in stores]}
 
 
-def stream_step_metrics(stores: list) -> dict[str, Any]:
+def stream_step_metrics(stores: list, stepped: bool = True) -> dict[str, Any]:
     """The last optimizer step's streamed I/O over a rank's stores (one for the torch backend, one per
-    chained optimizer for megatron): the ``stream_*`` metrics of a train step."""
-    steps = [s.stats.last_step for s in stores]
+    chained optimizer for megatron): the ``stream_*`` metrics of a train step. ``stepped=False``: this
+    train call skipped its step, so nothing streamed (the stores' last step is an earlier one's)."""
+    steps = [s.stats.last_step if stepped else StepStats() for s in stores]
     return {"stream_bytes_read": sum(int(t.bytes_read) for t in steps),
             "stream_bytes_written": sum(int(t.bytes_written) for t in steps),
             # of those, what the disk moved (the rest: the host tier or still resident), and what was read
@@ -235,30 +237,49 @@ class TrainBackend(abc.ABC):
         log-probs); ``advantages[i]`` belongs to ``samples[i]``. The loss is the token mean over the whole
         rollout (all ranks): each rank divides by the global token count / world size, and the DP grad
         average makes the sum.
+
+        The step is skipped on every rank, leaving weights and optimizer state (the store's included)
+        untouched bit for bit, when any rank's samples are not valid training input
+        (:func:`~miles.rl.loss.training_input_problem`: nothing is computed) or when any rank's grads are
+        not finite; ``metrics["step_skipped"]`` then says why (None when the step was applied).
         """
         start = time.perf_counter()
         loss_args = loss_arguments(self.config)
         local_tokens = float(sum(len(s.response_ids) for s in samples))
-        global_tokens, _ = self.all_reduce([local_tokens, float(len(samples))])
+        problem = training_input_problem(samples, advantages, self.vocab_size())
+        global_tokens, _, bad_input_ranks = self.all_reduce([local_tokens, float(len(samples)),
+                                                             float(problem is not None)])
         num_tokens = max(1.0, global_tokens) / self.world_size
 
         self.zero_grads()
         if self.store is not None:  # read-ahead: the disk is idle during forward/backward
             self.store.prefetch()
         fwd_bwd = time.perf_counter()
-        sums = accumulate_policy_gradient(samples, advantages, self.logprobs,
-                                          pad_id=self.tokenizer.pad_token_id,  # load_policy guarantees one
-                                          micro_batch_size=self.config.training.micro_batch_size,
-                                          device=self.device, eps_clip=loss_args["eps_clip"],
-                                          temperature=loss_args["temperature"], num_tokens=num_tokens)
-        self.finish_backward()
+        if bad_input_ranks:
+            sums = [math.nan, 0.0, math.nan]
+            skipped = f"rank {self.rank}: {problem}" if problem else "another rank's samples are not valid input"
+        else:
+            sums = accumulate_policy_gradient(samples, advantages, self.logprobs,
+                                              pad_id=self.tokenizer.pad_token_id,  # load_policy guarantees one
+                                              micro_batch_size=self.config.training.micro_batch_size,
+                                              device=self.device, eps_clip=loss_args["eps_clip"],
+                                              temperature=loss_args["temperature"], num_tokens=num_tokens)
+            self.finish_backward()
+            grads_finite = self.all_reduce([0.0 if self.local_grads_finite() else 1.0])[0] == 0.0
+            skipped = None if grads_finite else "non-finite gradients"
         fwd_bwd = time.perf_counter() - fwd_bwd
 
         cuda = self.device.type == "cuda"
         if cuda:  # the step's own device peak: weights, grads and what the optimizer (or store) holds
             torch.cuda.reset_peak_memory_stats(self.device)
         step_start = time.perf_counter()
-        grad_norm = self.optimizer_step(rollout_id)
+        if skipped is None:
+            grad_norm = self.optimizer_step(rollout_id)
+        else:
+            self.zero_grads()  # nothing of this step may reach the weights, the state, or the sleep's backup
+            grad_norm = math.nan
+            logger.warning("rank %d: rollout %d: optimizer step skipped (%s): weights and optimizer state are "
+                           "unchanged", self.rank, rollout_id, skipped)
         step_seconds = time.perf_counter() - step_start
 
         loss_sum, clipped, absdiff = self.all_reduce(sums)
@@ -269,6 +290,7 @@ class TrainBackend(abc.ABC):
             "clipfrac": clipped / tokens,
             "train_rollout_logprob_abs_diff": absdiff / tokens,
             "grad_norm": grad_norm,
+            "step_skipped": skipped,
             "samples": len(samples),
             "response_tokens": int(local_tokens),
             "forward_backward_seconds": fwd_bwd,
@@ -279,7 +301,7 @@ class TrainBackend(abc.ABC):
         if cuda:
             metrics["optimizer_step_device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
         if self.store is not None:
-            metrics.update(stream_step_metrics(self.streamed_stores()))
+            metrics.update(stream_step_metrics(self.streamed_stores(), stepped=skipped is None))
         return metrics
 
     # ---- weights ------------------------------------------------------------------------------
@@ -401,8 +423,9 @@ class TrainBackend(abc.ABC):
     def claim_rank_dir(self) -> None:
         """Make the rank directory if missing (marked as this run's) and lock it for this process.
 
-        A directory that already exists is used as it is, not wiped: it was not made by this run, so
-        whatever is in it is someone else's (a second run on the same root is refused by the lock)."""
+        A directory left by a run that died on this host is swept first (``claim_directory``); any other
+        existing directory is used as it is, never emptied: it was not made by this run, so whatever is in
+        it is someone else's (a second run on the same root is refused by the lock)."""
         if not self.rank_dir:
             return
         self.rank_dir_lock = claim_directory(self.rank_dir, self.config.run_id, f"rank {self.rank} directory")
@@ -446,6 +469,15 @@ class TrainBackend(abc.ABC):
 
     def finish_backward(self) -> None:
         """After the micro-batches' backward passes: what the grads still need before the step."""
+
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Token ids the model embeds: ``0 .. vocab_size() - 1`` (a sample outside it is not trained on)."""
+
+    @abc.abstractmethod
+    def local_grads_finite(self) -> bool:
+        """Whether every grad this rank holds after :meth:`finish_backward` is finite (the template
+        all-reduces the answer, so every rank skips a step that any rank's grads would poison)."""
 
     @abc.abstractmethod
     def optimizer_step(self, rollout_id: int) -> float:

@@ -33,10 +33,11 @@ import time
 
 import torch
 
+from miles.config.errors import ArgumentError
 from miles_plugins.optimizers.streaming.units import GB, MiB
 
-from .common import (FwdBwd, Progress, log_store_lines, machine, median, number_arg, one_device, parse_count,
-                     run_standalone, sync_device, write_json)
+from .common import (MAX_FWD_BWD_SECONDS, FwdBwd, Progress, device_arg, dir_arg, log_store_lines, machine, median,
+                     number_arg, one_device, parse_count, run_standalone, sync_device, write_json)
 
 STATE_BYTES_PER_PARAM = 12  # fp32 master + 2 fp32 moments
 PROG = "miles bench checkpoint"
@@ -46,15 +47,16 @@ PROG = "miles bench checkpoint"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gb", type=number_arg(float, "the streamed state in GB, e.g. 2"), default=1.0,
                    help="streamed state in GB (12 B/param: fp32 masters + 2 moments)")
-    p.add_argument("--device", default="cpu", help="where the params live: cpu (default) or cuda")
-    p.add_argument("--dir", default="miles-bench-checkpoint", help="directory on the disk under test (created); "
+    p.add_argument("--device", type=device_arg, default="cpu", help="where the params live: cpu (default) or cuda")
+    p.add_argument("--dir", type=dir_arg, default="miles-bench-checkpoint", help="directory on the disk under test (created); "
                    "the run works in a fresh scratch directory inside it and removes it at the end")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--bucket-numel", type=number_arg(parse_count, "an element count per bucket, e.g. 25M"),
                    default=25_000_000, help="element budget per bucket (e.g. 25M; default 25M)")
     p.add_argument("--repeat", type=number_arg(int, "a round count, e.g. 3"), default=1,
                    help="rounds of (step alone, plain copy, waited save, background saves); medians are reported")
-    p.add_argument("--fwd-bwd-seconds", type=number_arg(float, "seconds, e.g. 2.5", inclusive=True), default=None,
+    p.add_argument("--fwd-bwd-seconds", type=number_arg(float, "seconds, e.g. 2.5", inclusive=True,
+                                                        high=MAX_FWD_BWD_SECONDS), default=None,
                    help="simulated forward/backward between a background save and the next step (default: "
                    "1.2 x the first round's waited save)")
     p.add_argument("--fwd-bwd", choices=["auto", "matmul", "sleep"], default="auto", help="what the simulated "
@@ -71,18 +73,6 @@ def main(argv=None) -> int:
 
 
 # ---- helpers ------------------------------------------------------------------------------------------
-def _device(text: str) -> torch.device:
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise SystemExit(f"{PROG}: --device {text!r} is not a torch device; use cpu or cuda") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"{PROG}: --device {text} but torch sees no CUDA device; use --device cpu")
-    if device.type not in ("cpu", "cuda"):
-        raise SystemExit(f"{PROG}: --device {text} is not supported; use cpu or cuda")
-    return device
-
-
 def _check_room(root: str, state_bytes: int) -> None:
     """The live files plus one copy of them (plain copy or checkpoint) sit on the disk at once."""
     need = 2 * state_bytes + 64 * MiB
@@ -137,7 +127,7 @@ BACKGROUND_MODES = (("right_away", "next step right away (worst case)"),
 def run(args) -> int:
     log_store_lines(args.quiet)
     say = Progress()
-    device = one_device(_device(args.device))
+    device = one_device(args.device)
     n = _param_count(args.gb)
     root, created_root = _make_root(args.dir)
     scratch = tempfile.mkdtemp(prefix="miles-bench-checkpoint-", dir=root)
@@ -168,20 +158,16 @@ def run(args) -> int:
 def _param_count(gb: float) -> int:
     n = int(gb * GB / STATE_BYTES_PER_PARAM)
     if n < 4:
-        raise SystemExit(f"{PROG}: --gb {gb:g} is {n} params, too few to split over 4 tensors; give at least "
+        raise ArgumentError(f"--gb {gb:g} is {n} params, too few to split over 4 tensors; give at least "
                          f"--gb {4 * STATE_BYTES_PER_PARAM / GB:.1e}")
     return n
 
 
 def _make_root(directory: str) -> tuple[str, bool]:
-    """--dir as an absolute path, created when missing; and whether this run created it."""
-    root = os.path.abspath(directory)
-    if os.path.exists(root) and not os.path.isdir(root):
-        raise SystemExit(f"{PROG}: --dir {root} exists and is not a directory; give a directory (it is created "
-                         "when missing)")
-    created_root = not os.path.exists(root)
-    os.makedirs(root, exist_ok=True)
-    return root, created_root
+    """--dir (absolute, checked by dir_arg), created when missing; and whether this run created it."""
+    created_root = not os.path.exists(directory)
+    os.makedirs(directory, exist_ok=True)
+    return directory, created_root
 
 
 def _build(n: int, device: torch.device, live_dir: str, bucket_numel: int, say) -> _Live:

@@ -10,7 +10,7 @@ import sys
 from miles.cli import DefaultsHelpFormatter
 
 from . import checkpoint, megatron, rl, stream
-from .common import describe
+from .common import describe, run_checked
 
 BENCHMARKS = (stream, checkpoint, megatron, rl)
 
@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    return run_checked(f"{parser.prog} {args.benchmark}", args.func, args)
 
 
 if __name__ == "__main__":

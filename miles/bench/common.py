@@ -11,6 +11,7 @@ import math
 import os
 import platform
 import sys
+import tempfile
 import time
 
 import torch
@@ -24,20 +25,75 @@ def parse_count(text: str) -> int:
     return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
-def number_arg(kind, what: str, low: float = 0.0, inclusive: bool = False):
-    """An argparse type: a finite number > low (>= low when inclusive); the error says what to give."""
+def number_arg(kind, what: str, low: float = 0.0, inclusive: bool = False, high: float | None = None):
+    """An argparse type: a finite number > low (>= low when inclusive) and <= high; the error says what
+    to give."""
 
     def parse(text: str):
         try:
             value = kind(text)
-        except ValueError:
+        except (ValueError, OverflowError):
             raise argparse.ArgumentTypeError(f"{text!r} is not a number; give {what}") from None
         ok = math.isfinite(value) and (value >= low if inclusive else value > low)
         if not ok:
             raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low:g}, got {text}; give {what}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high:g}, got {text}; give {what}")
         return value
 
     return parse
+
+
+MAX_FWD_BWD_SECONDS = 600.0  # a synthetic forward/backward stands for one step's compute, not a wait
+
+
+def fractions_arg(text: str) -> list[float]:
+    """An argparse type: a comma-separated list of fractions, each within [0, 1]."""
+    parse = number_arg(float, "fractions within [0, 1], e.g. 0.5,0.75", inclusive=True, high=1.0)
+    values = [parse(part) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} holds no fraction; give fractions within [0, 1], e.g. 0.5,0.75")
+    return values
+
+
+def device_arg(text: str) -> torch.device:
+    """An argparse type: ``cpu`` or ``cuda[:N]`` (whether this machine has it is :func:`one_device`'s check,
+    at run time, so that a command line written for a GPU host still parses elsewhere)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device; use cpu or cuda") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text} is not supported; use cpu or cuda")
+    return device
+
+
+def dir_arg(text: str) -> str:
+    """An argparse type: the absolute path of a directory the bench may create files in, existing or to be
+    made, outside the system's trees (/proc, /sys, /dev, ...). Nothing is created here."""
+    from miles_plugins.optimizers.streaming.io.ownership import system_directory_reason
+
+    path = os.path.abspath(text)
+    for candidate in dict.fromkeys((path, os.path.realpath(path))):
+        reason = system_directory_reason(candidate, home="")
+        if reason is not None:
+            raise argparse.ArgumentTypeError(f"{text} cannot hold a bench's files: {candidate} {reason}; give a "
+                                             "directory on the disk under test")
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path} exists and is not a directory; give a directory (it is created "
+                                         "when missing)")
+    existing = path
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+        if os.path.lexists(existing) and not os.path.isdir(existing):
+            raise argparse.ArgumentTypeError(f"{path}: {existing} is not a directory; give a directory path")
+    try:
+        with tempfile.TemporaryFile(dir=existing):  # permission bits lie for root and on read-only mounts
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{path}: cannot create files in {existing} ({e.strerror or e}); give a "
+                                         "writable directory") from None
+    return path
 
 
 def median(xs):
@@ -60,9 +116,20 @@ def log_store_lines(quiet: bool) -> None:
 
 
 def one_device(device: torch.device) -> torch.device:
-    """`cuda` as the current CUDA device by index, so that memory stats and the name are of that one."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
+    """The device the bench runs on, refused (ArgumentError, before anything is created) when this machine
+    has no such device; `cuda` as the current CUDA device by index, so that memory stats and the name are
+    of that one."""
+    from miles.config.errors import ArgumentError
+
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ArgumentError(f"--device {device}, but torch sees no CUDA device on this machine.", ("--device",),
+                                "use --device cpu.")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ArgumentError(f"--device {device}, but this machine has {torch.cuda.device_count()} CUDA "
+                                "device(s).", ("--device",), "give an index below that, or cuda.")
+        if device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
     return device
 
 
@@ -122,4 +189,16 @@ def run_standalone(module, argv=None) -> int:
     parser = argparse.ArgumentParser(prog=f"miles bench {module.NAME}", description=describe(module),
                                      formatter_class=DefaultsHelpFormatter)
     module.add_arguments(parser)
-    return int(module.run(parser.parse_args(sys.argv[1:] if argv is None else list(argv))) or 0)
+    return run_checked(parser.prog, module.run, parser.parse_args(sys.argv[1:] if argv is None else list(argv)))
+
+
+def run_checked(prog: str, run, args) -> int:
+    """Run a benchmark; a value its own checks refuse (an ArgumentError, raised before it creates anything)
+    ends it as argparse ends a bad flag: one line, exit 2."""
+    from miles.config.errors import ArgumentError
+
+    try:
+        return int(run(args) or 0)
+    except ArgumentError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2

@@ -37,7 +37,10 @@ import time
 
 import torch
 
-from .common import Progress, median, run_standalone
+from miles.config.errors import ArgumentError
+from miles.models import RANDOM_MODEL_PRESETS
+
+from .common import Progress, dir_arg, median, number_arg, run_standalone
 
 NAME, HELP = "rl", "the colocated RL loop (generate, train, weights, sleep/wake) per phase against its floor"
 ARMS = {
@@ -53,14 +56,15 @@ ARM_MARKER = ".miles-bench-rl-arm"  # in each arm folder the bench made: a later
 def add_arguments(p: argparse.ArgumentParser) -> None:
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--hf-checkpoint", metavar="DIR", help="a HuggingFace model folder")
-    model.add_argument("--preset", help="a random-init model of scripts/make_random_model.py (e.g. llama-1b, "
-                                        "qwen3-moe-8e), written once under --dir")
-    p.add_argument("--dir", required=True, help="scratch folder (made if missing): each arm runs in arm-<name>/ "
+    model.add_argument("--preset", choices=sorted(RANDOM_MODEL_PRESETS),
+                       help="a random-init model of scripts/make_random_model.py, written once under --dir")
+    p.add_argument("--dir", type=dir_arg, required=True, help="scratch folder (made if missing): each arm runs in arm-<name>/ "
                                                 "there (its log and metrics stay; its disk folder is removed when "
                                                 "the arm ends; a later run replaces the folder)")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms, of {', '.join(ARMS)} "
                                                           "(default: %(default)s)")
-    p.add_argument("--rollouts", type=int, default=4, help="rollouts per arm; the first is not counted "
+    p.add_argument("--rollouts", type=number_arg(int, "a rollout count of at least 2 (the first is not counted)",
+                                                 low=2, inclusive=True), default=4, help="rollouts per arm; the first is not counted "
                                                            "(default: %(default)s)")
     p.add_argument("--train-backend", choices=("megatron", "torch"), default=None,
                    help="default: megatron on CUDA, torch otherwise")
@@ -70,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-arg", action="append", default=[], metavar="FLAG",
                    help="one more `miles train` flag for every arm, e.g. --train-arg=--micro-batch-size=16 "
                         "(repeatable)")
-    p.add_argument("--arm-timeout", type=float, default=900.0, help="seconds per arm (default: %(default)s)")
+    p.add_argument("--arm-timeout", type=number_arg(float, "seconds, e.g. 900"), default=900.0, help="seconds per arm (default: %(default)s)")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
 
 
@@ -226,15 +230,13 @@ def format_report(result: dict) -> str:
 
 def run(args) -> int:
     say = Progress()
-    if args.rollouts < 2:
-        raise SystemExit("miles bench rl: --rollouts must be >= 2 (the first rollout is not counted)")
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]
     if unknown or not arms:
-        raise SystemExit(f"miles bench rl: unknown arm(s) {unknown or arms}; choose from {', '.join(ARMS)}")
-    os.makedirs(args.dir, exist_ok=True)
-    for arm in arms:  # before anything runs
+        raise ArgumentError(f"--arms {args.arms!r}: unknown arm(s) {unknown or arms}; choose from {', '.join(ARMS)}")
+    for arm in arms:  # before anything is made or runs
         arm_dir_of(args.dir, arm)
+    os.makedirs(args.dir, exist_ok=True)
     cuda = torch.cuda.is_available()
     backend = args.train_backend or ("megatron" if cuda else "torch")
     model = args.hf_checkpoint

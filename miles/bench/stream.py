@@ -39,19 +39,19 @@ from miles.sizing.model_params import STAND_IN_TENSORS, stand_in_numels
 from miles_plugins.optimizers.streaming.config import DEFAULT_CHUNK_MB, DEFAULT_DEPTH, DEFAULT_IO_THREADS, MOMENT_DTYPES
 from miles_plugins.optimizers.streaming.units import GB, MiB
 
-from .common import (FwdBwd, Progress, log_store_lines, machine, median, number_arg, one_device, parse_count,
-                     run_standalone, sync_device, write_json)
+from .common import (MAX_FWD_BWD_SECONDS, FwdBwd, Progress, device_arg, dir_arg, fractions_arg, log_store_lines,
+                     machine, median, number_arg, one_device, parse_count, run_standalone, sync_device, write_json)
 from .floor import raw_floor
 
 
 # ---- arguments ----------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", default="100M", help="trained params (e.g. 100M, 1.5B); 12 B/param of state "
+    p.add_argument("--params", type=number_arg(parse_count, "a param count, e.g. 100M or 1.5B"), default="100M", help="trained params (e.g. 100M, 1.5B); 12 B/param of state "
                    "with fp32 moments")
     p.add_argument("--moment-dtype", default="fp32", choices=MOMENT_DTYPES,
                    help="storage of the Adam moments in the bucket files (the update math stays fp32)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--dir", default="miles-bench-stream", help="directory on the disk under test (created; "
+    p.add_argument("--device", type=device_arg, default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--dir", type=dir_arg, default="miles-bench-stream", help="directory on the disk under test (created; "
                    "the bench's files are removed at the end)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--buckets", type=number_arg(int, "a bucket count, e.g. 8"), default=None, help="sets bucket_numel to params / N (the store then cuts at "
@@ -68,12 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the pipelined engine")
     p.add_argument("--repeat", type=number_arg(int, "a round count, e.g. 3"), default=1, help="rounds of (floors, sync step, pipelined step) and "
                    "measured iterations per exposed-I/O mode; medians are reported")
-    p.add_argument("--fwd-bwd-seconds", type=number_arg(float, "seconds, e.g. 2.5", inclusive=True), default=None, help="synthetic forward/backward before each "
+    p.add_argument("--fwd-bwd-seconds", type=number_arg(float, "seconds, e.g. 2.5", inclusive=True, high=MAX_FWD_BWD_SECONDS),
+                   default=None, help="synthetic forward/backward before each "
                    "step of the exposed-I/O runs (default: the floor's time to read a step's bytes)")
     p.add_argument("--fwd-bwd", choices=["auto", "matmul", "sleep"], default="auto", help="what the synthetic "
                    "forward/backward does (auto: bf16 matmuls on CUDA, sleep on CPU, where it stands for device "
                    "compute that leaves the cores to the I/O threads)")
-    p.add_argument("--host-cache-fractions", default="0.5", help="host cache of run (c), as a fraction of the "
+    p.add_argument("--host-cache-fractions", type=fractions_arg, default="0.5", help="host cache of run (c), as a fraction of the "
                    "state; a comma-separated list runs (c) once per value (e.g. 0.5,0.75)")
     p.add_argument("--only-exposed", action="store_true", help="skip the floor, sync and pipelined tables "
                    "(give --fwd-bwd-seconds)")
@@ -122,9 +123,9 @@ FLOOR_ORDERS = (("concurrent", True), ("sequential", False))
 def run(args) -> int:
     log_store_lines(args.quiet)
     say = Progress()
-    device = one_device(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
-    total = parse_count(args.params)
-    root = os.path.abspath(args.dir)
+    device = one_device(args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    total = args.params
+    root = args.dir
     os.makedirs(root, exist_ok=True)
     results: dict = {"args": vars(args) | {"func": None}, "params": total} | machine(device) | {"dir": root}
     say(f"{total / 1e9:.3f}B params on {device} ({results['device']}), moments {args.moment_dtype}, in {root}; "
@@ -349,12 +350,12 @@ def measure_exposed(args, store, device: torch.device, resident: float, floors: 
     return exposed
 
 
-def exposed_modes(host_cache_fractions: str, files) -> list[tuple[str, str, dict, bool]]:
+def exposed_modes(host_cache_fractions: list[float], files) -> list[tuple[str, str, dict, bool]]:
     """(name, what, store.set_io arguments, whether to prefetch) of runs (a), (b) and each (c)."""
     modes = [("plain", "no read-ahead, write-back waited in the step", dict(write_behind=False, host_cache_mb=0),
               False),
              ("ahead+behind", "read-ahead (prefetch) + write-behind", dict(write_behind=True, host_cache_mb=0), True)]
-    for fraction in (float(x) for x in host_cache_fractions.split(",") if x.strip()):
+    for fraction in host_cache_fractions:
         # of the files' bytes (segments are 4 KiB aligned), so that 1 caches every bucket
         cache_mb = math.ceil(fraction * sum(f.nbytes for f in files) / MiB)
         modes.append((f"ahead+behind+cache{fraction:g}", f"+ host cache {cache_mb / 1024:.2f} GiB = {fraction:g} "

@@ -116,6 +116,10 @@ class RolloutConfig:
         None, "With --rollout-engine sglang: drive the sglang server already running at this URL "
         "(http://HOST:PORT) instead of starting an engine in the actor; its model and server args are its own.",
         metavar="URL")
+    sglang_request_timeout: float = knob(
+        600.0, "With --sglang-url: seconds one request to the server may take in all (connecting, sending, and "
+        "reading the whole answer), > 0; a server that answers slower fails the call with an error naming this "
+        "flag. The longest call is a generate of one rollout batch.", metavar="SECONDS")
     sglang_tp_size: int = knob(
         1, "With --rollout-engine sglang: tensor-parallel size of each sglang engine (with --sglang-url, the "
         "server's own, checked when the run connects).", metavar="N")
@@ -164,6 +168,11 @@ class TrainingConfig:
         1, "Expert parallelism of a MoE model (megatron backend): experts are split over this many train ranks; "
         "it must divide --num-train-ranks.", metavar="N")
     micro_batch_size: int = knob(4, "Samples per forward/backward on one rank (gradient accumulation over the rest).")
+    max_consecutive_skipped_steps: int = knob(
+        3, "Stop the run when this many rollouts in a row skipped their optimizer step. A step is skipped, "
+        "leaving weights and optimizer state untouched, when its grads are not finite or the rollout engine "
+        "returned samples that cannot be trained on (a log-prob that is NaN, infinite or > 0, a token id "
+        "outside the vocabulary); the rollout line and metrics record say which.", metavar="N")
     seed: int = knob(1234, "Seed of model initialization (tiny model) and training.")
     eps_clip: float = knob(0.2, "PPO-style clip range of the importance ratio against the rollout log-probs.")
 
@@ -211,8 +220,7 @@ class OptimizerConfig:
         f"run ends its use of them); after --load the tier is read back from disk while the first rollout "
         f"generates. '{HOST_CACHE_AUTO}': what the node has free when the store is built, less "
         f"a {DEFAULT_HOST_CACHE_RESERVE_MB // 1024} GiB reserve, shared by the train ranks on the node, at most the "
-        "state. 0 disables (docs/advanced/disk-offload.md: picking it; docs/benchmarks.md: with the whole "
-        "state in the tier an H200 step took 41% of the time of Megatron's CPU offload).",
+        "state. 0 disables (docs/advanced/disk-offload.md: picking it; docs/benchmarks.md: what it measured).",
         metavar="MB|auto", parse=int_or_text,
     )
     stream_optimizer_state_flush_at_sleep: bool = knob(
@@ -281,7 +289,9 @@ class CheckpointConfig:
 class LoggingConfig:
     """Metrics and logs."""
 
-    metrics_file: Optional[str] = knob(None, "Append one JSON object of metrics per rollout to this file. Default: "
+    metrics_file: Optional[str] = knob(None, "Append one JSON object of metrics per rollout to this file (records "
+                                       "of earlier runs are kept; a --load resume replaces only the resumed runs' "
+                                       "records of the rollouts it runs again). Default: "
                                        "<run dir>/metrics.jsonl, the run dir being --save when given, else "
                                        "./runs/<run id>.", metavar="PATH")
     tensorboard_dir: Optional[str] = knob(None, "Write TensorBoard scalars here. Default: tensorboard/ next to the metrics "
@@ -322,7 +332,7 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hints: dict[str, Any]) -> None:
     tp, optional = _unwrap_optional(hints[f.name])
     md = f.metadata
-    # argparse %-formats help texts: a literal % (e.g. "41%") must be doubled
+    # argparse %-formats help texts: a literal % (e.g. "50%") must be doubled
     kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": md["help"].replace("%", "%%")}
     if md.get("repeatable"):
         kwargs.update(action="append", type=str, default=None, metavar=md["metavar"])
@@ -357,16 +367,34 @@ class SuggestingParser(argparse.ArgumentParser):
         return [s for action in self._actions for s in action.option_strings]
 
 
+_LISTED_COMPLETIONS = 8
+
+
+def _flag_hint(name: str, known: Sequence[str]) -> Optional[str]:
+    """What ``name`` was probably meant as. A truncated flag (the start of known flags) names the main one of
+    them and lists them all; the main one is the flag the others extend (``--sav`` -> ``--save``, not
+    ``--save-interval``), else the first declared, which leads its group (``--stream-optimizer-state`` ->
+    ``--stream-optimizer-state-to-disk``). Otherwise the closest spelling."""
+    completions = [flag for flag in known if flag.startswith(name)] if len(name) > 2 else []
+    if len(completions) > 1:
+        extended_by = {flag: sum(other.startswith(flag + "-") for other in completions) for flag in completions}
+        main = max(completions, key=lambda flag: extended_by[flag])  # the first declared among equals
+        completions = [main] + [flag for flag in completions if flag != main]
+    if len(completions) == 1:
+        return f"{name}: did you mean {completions[0]}?"
+    if completions:
+        listed = ", ".join(completions[:_LISTED_COMPLETIONS])
+        more = f", ... ({len(completions)} in all)" if len(completions) > _LISTED_COMPLETIONS else ""
+        return f"{name}: did you mean {completions[0]}? {name} starts several flags: {listed}{more}"
+    close = difflib.get_close_matches(name, known, n=1)
+    return f"{name}: did you mean {close[0]}?" if close else None
+
+
 def unknown_arguments_message(unknown: Sequence[str], known: Sequence[str]) -> str:
     """``unrecognized arguments: --eps-clp 0 (--eps-clp: did you mean --eps-clip?)`` (flags only; ``--x=v``
     is matched by its name)."""
-    hints = []
-    for token in unknown:
-        name = token.split("=", 1)[0]
-        if name.startswith("-"):
-            close = difflib.get_close_matches(name, known, n=1)
-            if close:
-                hints.append(f"{name}: did you mean {close[0]}?")
+    hints = [hint for token in unknown if token.startswith("-")
+             for hint in [_flag_hint(token.split("=", 1)[0], known)] if hint]
     message = "unrecognized arguments: " + " ".join(unknown)
     return message + (" (" + "; ".join(hints) + ")" if hints else "")
 

@@ -14,7 +14,7 @@ import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 __all__ = ["Environment"]
 
@@ -74,9 +74,19 @@ def _filesystem_id(path: str) -> int:
     return os.stat(path).st_dev
 
 
-def _read_json(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
+def _read_json(path: str) -> Any:
+    """The JSON document in ``path``, read bounded (it is untrusted): ValueError when it is larger than any
+    config.json (:data:`miles.sizing.bounds.MAX_JSON_BYTES`), not JSON, or nested too deeply."""
+    from miles.sizing.bounds import MAX_JSON_BYTES
+
+    with open(path, "rb") as f:
+        data = f.read(MAX_JSON_BYTES + 1)
+    if len(data) > MAX_JSON_BYTES:
+        raise ValueError(f"larger than {MAX_JSON_BYTES >> 20} MiB, more than any config.json")
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def _ray_running_here() -> bool:
@@ -108,7 +118,7 @@ class Environment:
     dir_writable: Callable[[str], bool] = _dir_writable
     disk_free_bytes: Callable[[str], int] = _disk_free_bytes
     filesystem_id: Callable[[str], int] = _filesystem_id  # equal ids: the same filesystem
-    read_json: Callable[[str], dict] = _read_json  # --hf-checkpoint's config.json, for the model size
+    read_json: Callable[[str], Any] = _read_json  # --hf-checkpoint's config.json: checked, and the model size
     scratch_root: Optional[str] = None  # None: $SCRATCH or the system temp dir
     # the cluster to join; None: the run starts its own single-node Ray (miles.train)
     ray_address: Optional[str] = field(default_factory=lambda: os.environ.get("RAY_ADDRESS") or None)

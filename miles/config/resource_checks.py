@@ -1,7 +1,9 @@
 """Where a ``miles train`` run writes, and what this machine must hold: the checks of validation that look
 at disks and host resources (through the :class:`~miles.config.environment.Environment`, never directly).
 
-- every directory the run writes is a directory or can be created as one, and is writable;
+- every directory the run writes is a writable directory, or can be created as one below an existing
+  parent (one rule for --offload-train-disk-dir, --save, the metrics file's folder, --tensorboard-dir: the run
+  creates the directory a flag names, never its missing parents, and logs each it creates: RunConfig.creates);
 - each filesystem has the free space the run will write there (:mod:`miles.config.disk_budget`; joining a
   cluster, the driver node's share only: :mod:`miles.ray.node_disk` checks every node once Ray placed the ranks);
 - the root is the run's own (not ``/``, a system directory or the home directory), and no output lies in
@@ -48,20 +50,29 @@ def _label(flag: str, path: str, is_default: bool) -> str:
     return f"{path} (the default of {flag})" if is_default else f"{flag} {path}"
 
 
-def _check_directory(flag: str, path: str, env: Environment, is_default: bool = False) -> str:
-    """``path`` is a writable directory or can be created as one; returns its nearest existing part."""
-    where = _label(flag, path, is_default)
+def _check_directory(flag: str, path: str, env: Environment, is_default: bool = False,
+                     where: Optional[str] = None) -> tuple[str, bool]:
+    """The one rule of every directory the run writes: ``path`` is a writable directory, or its parent is one
+    and the run creates ``path`` itself, never the parents of what a flag names (a mistyped parent would
+    otherwise become a tree of its own). A default the run picks (``is_default``) may lack parents too.
+    Returns the nearest existing part of ``path`` and whether the run creates ``path``."""
+    where = where or _label(flag, path, is_default)
     if env.path_exists(path) and not env.is_dir(path):
         raise ArgumentError(f"{where} is a file, not a directory.", (flag,),
-                            f"pass a directory for {flag} (it is created when missing).")
+                            f"pass a directory for {flag} (it is created when missing, below an existing parent).")
     existing = _nearest_existing(path, env)
+    parent = os.path.dirname(path)
+    if not is_default and existing not in (path, parent) and env.is_dir(existing):
+        raise ArgumentError(f"{where} cannot be created: its parent {parent} does not exist, and the run creates "
+                            f"only the directory {flag} names.", (flag,),
+                            f"create the parent first (mkdir -p {parent}), or pass a {flag} whose parent exists.")
     if not env.is_dir(existing):
         raise ArgumentError(f"{where} cannot be created: {existing} is a file.", (flag,),
                             f"pass a directory for {flag} whose parents are directories.")
     if not env.dir_writable(existing):
         raise ArgumentError(f"{where} is not writable: files cannot be created in {existing}.", (flag,),
                             f"pass a directory on a writable local disk for {flag} (e.g. under $SCRATCH or /tmp).")
-    return existing
+    return existing, existing != path
 
 
 def _check_free(flag: str, where: str, existing: str, need: int, what: str, params: int, env: Environment,
@@ -102,20 +113,39 @@ def _model_tensors(a: argparse.Namespace, env: Environment, model_source: str):
     return model_tensors_of_run(model_source, hf_config)
 
 
-def check_disk(a: argparse.Namespace, env: Environment, model_source: str, root_is_default: bool) -> None:
-    """Every directory the run writes is usable, and its filesystem holds what the run will write there
-    (:mod:`miles.config.disk_budget`); ``a`` is resolved (absolute paths, offload_train set)."""
+def _check_output_directories(a: argparse.Namespace, env: Environment, root_is_default: bool,
+                              metrics_is_default: bool) -> tuple[Optional[str], Optional[str], tuple[str, ...]]:
+    """Every directory the run writes by :func:`_check_directory`'s one rule: the nearest existing parts of the
+    root (None when nothing writes there) and of --save, and the directories the run creates, named once each
+    as the flag gives them."""
     writes_root = (a.stream_optimizer_state_to_disk or a.colocate
                    or (a.offload_train and a.offload_train_target == "disk"))
-    root = _check_directory(_ROOT_FLAG, a.offload_train_disk_dir, env, root_is_default) if writes_root else None
-    save = _check_directory("--save", os.path.abspath(a.save), env) if a.save else None
-    _check_directory("--metrics-file", os.path.dirname(a.metrics_file), env)
+    metrics_dir = os.path.dirname(a.metrics_file)
+    checks = [(_ROOT_FLAG, a.offload_train_disk_dir, root_is_default, None)] if writes_root else []
+    if a.save:
+        checks.append(("--save", os.path.abspath(a.save), False, None))
+    metrics_where = ("the folder of " if metrics_is_default else "the folder of --metrics-file ") + a.metrics_file
+    checks.append(("--metrics-file", metrics_dir, metrics_is_default, f"{metrics_where} ({metrics_dir})"))
     if a.tensorboard_dir:
-        _check_directory("--tensorboard-dir", os.path.abspath(a.tensorboard_dir), env)
+        checks.append(("--tensorboard-dir", os.path.abspath(a.tensorboard_dir), False, None))
+    existing, creates = {}, {}
+    for flag, path, is_default, where in checks:
+        existing[flag], created = _check_directory(flag, path, env, is_default, where)
+        if created:
+            creates.setdefault(path, where or _label(flag, path, is_default))
+    return existing.get(_ROOT_FLAG), existing.get("--save"), tuple(creates.values())
+
+
+def check_disk(a: argparse.Namespace, env: Environment, model_source: str, root_is_default: bool,
+               metrics_is_default: bool) -> tuple[str, ...]:
+    """Every directory the run writes is usable, and its filesystem holds what the run will write there
+    (:mod:`miles.config.disk_budget`); ``a`` is resolved (absolute paths, offload_train set). Returns the
+    directories the run will create (:attr:`~miles.config.run_config.RunConfig.creates`)."""
+    root, save, creates = _check_output_directories(a, env, root_is_default, metrics_is_default)
 
     model = _model_tensors(a, env, model_source)
     if model is None:
-        return
+        return creates
     from miles.sizing.estimate import SizingError
     from miles.sizing.sharding import LayoutError
 
@@ -125,7 +155,7 @@ def check_disk(a: argparse.Namespace, env: Environment, model_source: str, root_
         budget = disk_budget(a, model, ranks_here=ranks_here, memory_available=memory)
     except (SizingError, LayoutError) as exc:  # the layout's own checks (here and in the backend) name it
         logger.warning("free-space check skipped: `miles plan` cannot size this run (%s)", exc)
-        return
+        return creates
     params = model.total()
     save_with_root = bool(root and save) and env.filesystem_id(save) == env.filesystem_id(root)
     if root:
@@ -134,6 +164,7 @@ def check_disk(a: argparse.Namespace, env: Environment, model_source: str, root_
                     budget.describe(save_with_root), params, env, scope)
     if save and not save_with_root:
         _check_free("--save", f"--save {a.save}", save, budget.checkpoint, "one checkpoint", params, env)
+    return creates
 
 
 # what each output flag would lose if the run's teardown removed the directory it lies in

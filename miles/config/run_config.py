@@ -40,6 +40,8 @@ class RunConfig:
     the run starts its own single-node Ray.
     ``run_id``: names this run in the ownership records of the directories it locks and makes
     (``<YYYYmmdd-HHMMSS>-<pid>`` of the driver, the same id as the default root's and run dir's name).
+    ``creates``: the output directories that did not exist when validated, which the run creates, each as
+    its flag names it (``--save /x/ckpt``); ``miles.train.run`` logs them.
     """
 
     cluster: ClusterConfig
@@ -54,6 +56,7 @@ class RunConfig:
     model_source: str
     run_id: str
     ray_address: Optional[str]
+    creates: tuple[str, ...]
 
     @property
     def uses_rank_dirs(self) -> bool:

@@ -10,11 +10,15 @@ starts nothing and creates nothing (writability is probed with an anonymous temp
 Besides flag combinations (the rules here) it rejects, before any actor starts (the disk and machine
 checks live in :mod:`miles.config.resource_checks`, the probes in :mod:`miles.config.environment`):
 
+- a ``--hf-checkpoint`` folder whose config.json (read bounded) is not a JSON object with a ``model_type`` and
+  the model's sizes as integers in range, or that has no tokenizer files (:func:`miles.models.check_hf_config`,
+  :func:`miles.models.check_tokenizer_files`): transformers would otherwise allocate its default sizes;
 - a flag that would change nothing in the chosen configuration, naming what would make it count
   (:mod:`miles.config.effective_flags`; "given" means "differs from the parser default");
 - a directory the run writes (``--offload-train-disk-dir`` when something writes there, ``--save``,
-  the metrics file's folder, ``--tensorboard-dir``) that is a file, sits under a file, or is not
-  writable;
+  the metrics file's folder, ``--tensorboard-dir``) that is a file, sits under a file, is not writable,
+  or whose parent does not exist (the run creates the directory a flag names, never its parents; the
+  defaults it picks may lack parents);
 - a root that is ``/``, a system directory (``/proc``, ``/etc``, ``/usr``, ``/var`` but ``/var/tmp``, ...)
   or the home directory itself: the run creates its folders there and removes them at its end;
 - a ``--save``, ``--load``, ``--metrics-file`` or ``--tensorboard-dir`` inside a directory the run creates
@@ -51,10 +55,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 
 from miles.config.arguments import CONFIG_GROUPS
-from miles.config.effective_flags import first_ineffective_flag
+from miles.config.effective_flags import PARSER_DEFAULTS, first_ineffective_flag
 from miles.config.environment import Environment
 from miles.config.errors import ArgumentError
 from miles.config.paths import RunPaths, default_root, new_run_id
@@ -91,7 +96,8 @@ def _check_ranges(a: argparse.Namespace) -> None:
 
     for n in ("num_train_ranks", "num_rollout_engines", "num_cpus_per_rank", "num_rollout",
               "rollout_batch_size", "rollout_max_response_len", "micro_batch_size",
-              "offload_train_disk_chunk_mb", "save_interval", "save_keep_latest", "weight_sync_bucket_mb"):
+              "offload_train_disk_chunk_mb", "save_interval", "save_keep_latest", "weight_sync_bucket_mb",
+              "max_consecutive_skipped_steps"):
         at_least(n, 1)
     if a.n_samples_per_prompt < 2:
         raise ArgumentError(
@@ -217,6 +223,29 @@ def _check_model(a: argparse.Namespace, env: Environment) -> None:
                 f"--hf-checkpoint {a.hf_checkpoint} is not a HuggingFace model folder (no config.json).",
                 ("--hf-checkpoint",),
                 "pass the folder that holds config.json and the weights.")
+        _check_model_folder(a.hf_checkpoint, env)
+
+
+def _check_model_folder(folder: str, env: Environment) -> None:
+    """config.json and the tokenizer files, before anything allocates the model (miles.models' checks)."""
+    from miles.models import ModelFolderError, check_hf_config, check_tokenizer_files
+
+    config_path = os.path.join(folder, "config.json")
+    try:
+        config = env.read_json(config_path)
+    except (OSError, ValueError) as e:
+        reason = " ".join(str(e).split())[:200]  # one line, short: the file is untrusted
+        raise ArgumentError(f"--hf-checkpoint {config_path} cannot be read as JSON: {reason}.",
+                            ("--hf-checkpoint",), "pass a folder whose config.json is the model's transformers "
+                            "config (a JSON object).") from None
+    try:
+        check_hf_config(config)
+    except ModelFolderError as e:
+        raise ArgumentError(f"--hf-checkpoint {config_path}: {e.problem}.", ("--hf-checkpoint",), f"{e.fix}.") from None
+    try:
+        check_tokenizer_files(folder, env.is_file, env.has_module)
+    except ModelFolderError as e:
+        raise ArgumentError(f"--hf-checkpoint {e.problem}.", ("--hf-checkpoint",), f"{e.fix}.") from None
 
 
 def _check_backend(a: argparse.Namespace, env: Environment) -> None:
@@ -285,6 +314,7 @@ def _check_megatron(a: argparse.Namespace, env: Environment) -> None:
 
 def _sglang_flags_given(a: argparse.Namespace) -> list[str]:
     given = [("--sglang-url", a.sglang_url is not None), ("--sglang-tp-size", a.sglang_tp_size != 1),
+             ("--sglang-request-timeout", a.sglang_request_timeout != PARSER_DEFAULTS["sglang_request_timeout"]),
              ("--sglang-mem-fraction-static", a.sglang_mem_fraction_static is not None),
              ("--sglang-server-arg", bool(a.sglang_server_arg))]
     return [flag for flag, is_given in given if is_given]
@@ -307,6 +337,10 @@ def _check_sglang(a: argparse.Namespace, env: Environment) -> None:
     if type(a.sglang_tp_size) is not int or a.sglang_tp_size < 1:
         raise ArgumentError(f"--sglang-tp-size must be an int >= 1 (got {a.sglang_tp_size!r}).", ("--sglang-tp-size",),
                             "pass the tensor-parallel size of each sglang engine, e.g. 1.")
+    timeout = a.sglang_request_timeout
+    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+        raise ArgumentError(f"--sglang-request-timeout must be a finite number of seconds > 0 (got {timeout!r}).",
+                            ("--sglang-request-timeout",), "pass e.g. --sglang-request-timeout 600, or drop the flag.")
     fraction = a.sglang_mem_fraction_static
     if fraction is not None and not 0 < fraction < 1:
         raise ArgumentError(f"--sglang-mem-fraction-static must be in (0, 1) (got {fraction}).",
@@ -330,6 +364,10 @@ def _check_sglang(a: argparse.Namespace, env: Environment) -> None:
                 ("--sglang-url", "--num-rollout-engines"),
                 "pass --num-rollout-engines 1.")
     else:
+        if "--sglang-request-timeout" in given:
+            raise ArgumentError("--sglang-request-timeout has no effect without --sglang-url: an in-process sglang "
+                                "engine is called directly, not over HTTP.", ("--sglang-request-timeout",),
+                                "add --sglang-url URL, or drop --sglang-request-timeout.")
         if a.sglang_tp_size > 1:
             raise ArgumentError(
                 f"--sglang-tp-size {a.sglang_tp_size}: an in-process sglang engine gets one GPU from Ray.",
@@ -449,10 +487,11 @@ def validate_args(args: argparse.Namespace, env: Environment | None = None) -> R
     run_dir = os.path.abspath(a.save or os.path.join("runs", run_id))
     metrics_is_default = a.metrics_file is None
     a.metrics_file = os.path.abspath(a.metrics_file or os.path.join(run_dir, "metrics.jsonl"))
-    check_disk(a, env, model_source, root_is_default)
-    check_root_is_the_runs_own(a, env, root_is_default)
     paths = RunPaths(root=a.offload_train_disk_dir, run_dir=run_dir, root_is_default=root_is_default)
-    check_outputs_outside_scratch(a, env, paths, metrics_is_default)
+    check_outputs_outside_scratch(a, env, paths, metrics_is_default)  # before the parent rule: the graver fault
+    creates = check_disk(a, env, model_source, root_is_default, metrics_is_default)
+    check_root_is_the_runs_own(a, env, root_is_default)
     check_fits_this_machine(a, env)
     groups = {title: _group(cls, a) for title, cls in CONFIG_GROUPS}
-    return RunConfig(**groups, paths=paths, model_source=model_source, run_id=run_id, ray_address=env.ray_address)
+    return RunConfig(**groups, paths=paths, model_source=model_source, run_id=run_id, ray_address=env.ray_address,
+                     creates=creates)

@@ -8,6 +8,7 @@ collective times out. Waiting with ``ray.get(all_refs)`` would then wait for the
 from __future__ import annotations
 
 import re
+import time
 from typing import Any, Optional, Sequence
 
 import ray
@@ -17,6 +18,10 @@ from .actor_logs import unwrap_replies
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# A wait inside Ray's C code holds off the driver's signal handlers until it returns: each wait returns at least
+# this often, so that SIGTERM / Ctrl-C is acted on at once, not when a long actor call ends.
+WAKE_S = 0.2
+_waiting_for: Optional[tuple[str, list[str]]] = None  # wait_all's call and the actors it still waits for
 
 
 class ActorFailure(RuntimeError):
@@ -44,19 +49,45 @@ def wait_all(refs: Sequence[Any], what: str, labels: Optional[Sequence[str]] = N
     refs = list(refs)
     labels = list(labels) if labels is not None else [f"actor {i}" for i in range(len(refs))]
     label_of = {ref: label for ref, label in zip(refs, labels)}
+    global _waiting_for
     results: dict[Any, Any] = {}
     pending = list(refs)
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
-        if not ready:
-            raise TimeoutError(f"{what}: no answer from {[label_of[r] for r in pending]} within {timeout} s")
-        for ref in ready:
-            try:
-                results[ref] = ray.get(ref)
-            except RayError as e:
-                unwrap_replies(list(results.values()))
-                raise ActorFailure(what, label_of[ref], e) from e
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while pending:
+            _waiting_for = (what, [label_of[r] for r in pending])
+            ready, pending = _wait(pending, 1, deadline)
+            if not ready:
+                raise TimeoutError(f"{what}: no answer from {[label_of[r] for r in pending]} within {timeout} s")
+            for ref in ready:
+                try:
+                    results[ref] = ray.get(ref)
+                except RayError as e:
+                    unwrap_replies(list(results.values()))
+                    raise ActorFailure(what, label_of[ref], e) from e
+    finally:
+        _waiting_for = None
     return unwrap_replies([results[r] for r in refs])
+
+
+def _wait(refs: list, num_returns: int, deadline: Optional[float]) -> tuple[list, list]:
+    """``ray.wait`` until ``num_returns`` of ``refs`` are ready or ``time.monotonic()`` passes ``deadline``
+    (None: no limit), back in Python every :data:`WAKE_S` so that a signal handler runs in time."""
+    while True:
+        left = WAKE_S if deadline is None else min(WAKE_S, max(0.0, deadline - time.monotonic()))
+        ready, pending = ray.wait(refs, num_returns=num_returns, timeout=left)
+        if len(ready) >= num_returns or (deadline is not None and time.monotonic() >= deadline):
+            return ready, pending
+
+
+def waiting_for() -> Optional[str]:
+    """What the driver's :func:`wait_all` is waiting for now ("train (rollout 3) on train actor cell0 rank 0
+    and 3 more"), for the line a signal handler logs; None outside one."""
+    if _waiting_for is None:
+        return None
+    what, labels = _waiting_for
+    more = f" and {len(labels) - 2} more" if len(labels) > 3 else ""
+    return f"{what} on {', '.join(labels[:2] if more else labels)}{more}"
 
 
 def close_then_kill(actors: Sequence[Any], method: str, timeout_s: float) -> None:
@@ -70,7 +101,7 @@ def close_then_kill(actors: Sequence[Any], method: str, timeout_s: float) -> Non
         except Exception:
             pass
     if refs:
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        ready, _ = _wait(refs, len(refs), time.monotonic() + timeout_s)
         replies = []
         for ref in ready:
             try:

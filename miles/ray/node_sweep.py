@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from miles.checkpoint import LATEST_FILE, META_FILE
-from miles_plugins.optimizers.streaming.io.ownership import Sweep, pid_alive, sweep
+from miles_plugins.optimizers.streaming.io.ownership import ProcessIdentity, Sweep, identity_alive, sweep
 
 SWEEP_TIMEOUT_S = 60.0  # a node that does not answer in this time is reported, not waited for
 
@@ -41,9 +41,11 @@ class NodeSweep:
 
 def wait_for_exit(pids: Sequence[int], timeout_s: float = 15.0) -> None:
     """Wait until these processes of this host are gone: a killed actor's directory locks end with its
-    process, and a sweep must not mistake a dying actor for another run holding a directory."""
+    process, and a sweep must not mistake a dying actor for another run holding a directory. Each is
+    known by its identity when the wait begins, so a pid reused meanwhile by a new process ends the wait."""
     deadline = time.monotonic() + timeout_s
-    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+    running = [ProcessIdentity.of(pid) or ProcessIdentity(pid) for pid in pids]  # pid only: no /proc here
+    while any(identity_alive(identity) for identity in running) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 

@@ -137,13 +137,17 @@ def push_weights(named_tensors: Iterable, *, ipc_engines: Sequence[Any] = (), gr
             if not feeds:  # a rank whose iteration only takes part in the expert gathers
                 continue
             shared = sharer.share(spec, flat) if ipc_engines else None
-            refs = [e.update_weights_from_tensor.remote([shared], load_format="flattened_bucket") for e in ipc_engines]
-            if group is not None and group_engines:
-                refs += [e.update_weights_from_distributed.remote([spec.to_dict()], GROUP_NAME) for e in group_engines]
-                group.broadcast(flat)
-            ray.get(refs)
-            if shared is not None:
-                shared.release()
+            try:
+                refs = [e.update_weights_from_tensor.remote([shared], load_format="flattened_bucket")
+                        for e in ipc_engines]
+                if group is not None and group_engines:
+                    refs += [e.update_weights_from_distributed.remote([spec.to_dict()], GROUP_NAME)
+                             for e in group_engines]
+                    group.broadcast(flat)
+                ray.get(refs)
+            finally:  # an engine that failed or died, or this actor interrupted: the file goes all the same
+                if shared is not None:
+                    shared.release()
             del flat
             buckets += 1
             nbytes += spec.nbytes

@@ -13,15 +13,43 @@ Public API::
                                          batch["loss_mask"], eps_clip=args.eps_clip,
                                          num_tokens=total_response_tokens)
     token_logprobs(logits, targets, temperature) -> [B, T]
+    problem = training_input_problem(samples, advantages, vocab_size)   # None, or why not to train on them
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["token_logprobs", "forward_logprobs", "collate_samples", "policy_gradient_loss"]
+__all__ = ["token_logprobs", "forward_logprobs", "collate_samples", "policy_gradient_loss",
+           "training_input_problem"]
+
+
+def training_input_problem(samples: Sequence[Any], advantages: Sequence[float], vocab_size: int) -> Optional[str]:
+    """Why these samples must not be trained on, or None when they may: a token id outside
+    ``[0, vocab_size)``, a rollout log-prob that is not a finite number <= 0 (a log-probability; an engine
+    or server can return NaN, -inf or garbage), a response whose log-probs do not match its tokens one to
+    one, or an advantage that is not finite. Any of these makes the loss and every grad NaN (or, for an id,
+    indexes outside the embedding); the first one found is named."""
+    for i, s in enumerate(samples):
+        for part in ("prompt_ids", "response_ids"):
+            ids = getattr(s, part)
+            if ids and not (all(type(t) is int for t in ids) and 0 <= min(ids) and max(ids) < vocab_size):
+                t, token = next((t, x) for t, x in enumerate(ids) if not (type(x) is int and 0 <= x < vocab_size))
+                return f"sample {i}: {part}[{t}] = {token!r} is not a token id of the vocabulary (0..{vocab_size - 1})"
+        logprobs = s.response_logprobs
+        if len(logprobs) != len(s.response_ids):
+            return (f"sample {i}: {len(logprobs)} rollout log-probs for {len(s.response_ids)} response tokens "
+                    "(one per token expected)")
+        if not all(isinstance(lp, (int, float)) and math.isfinite(lp) and lp <= 0.0 for lp in logprobs):
+            t, lp = next((t, x) for t, x in enumerate(logprobs)
+                         if not (isinstance(x, (int, float)) and math.isfinite(x) and x <= 0.0))
+            return f"sample {i}: rollout log-prob of response token {t} is {lp!r} (a finite number <= 0 expected)"
+        if not math.isfinite(advantages[i]):
+            return f"sample {i}: advantage is {advantages[i]!r} (finite expected; are the rewards finite?)"
+    return None
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

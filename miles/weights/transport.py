@@ -4,20 +4,26 @@
   consumer maps the producer's allocation; nothing is copied until the consumer copies out. CUDA IPC can
   export only memory from a plain ``cudaMalloc``: in a process running under torch_memory_saver
   (``LD_PRELOAD`` + ``TMS_INIT_ENABLE=1``) allocate the buckets inside ``torch_memory_saver.disable()``.
-- CPU flat: the bytes in a new file ``<shm_dir>/miles-weights-<pid>-<counter>`` (default ``/dev/shm``).
+- CPU flat: the bytes in a new file ``<shm_dir>/miles-weights-<pid>-<start>-<boot>-<pidns>-<counter>``
+  (default ``/dev/shm``), named by its maker: see :func:`sweep_dead_files`.
 
 Ownership: the producer keeps the :class:`SharedBucket` (it holds the flat, or owns the file) until the
-consumer acknowledged, then calls :meth:`SharedBucket.release`. torch counts the consumer's references to
-an IPC allocation; the producer's allocator frees it once both sides dropped it.
+consumer acknowledged, then calls :meth:`SharedBucket.release`, on every path (the push releases in a
+``finally``). torch counts the consumer's references to an IPC allocation; the producer's allocator frees
+it once both sides dropped it. A producer killed before its release (SIGKILL: nothing runs) leaves its file;
+the first share of the next process on the host removes it (:func:`sweep_dead_files`).
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import itertools
+import logging
 import mmap
 import os
 import pickle
+import re
 import stat
 import tempfile
 from dataclasses import dataclass, field
@@ -26,11 +32,21 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 import torch.multiprocessing  # noqa: F401  (registers torch's tensor reducers with ForkingPickler)
 
+from miles_plugins.optimizers.streaming.io.ownership import IDENTITY_TAG, ProcessIdentity, identity_alive
+
 from .buckets import BucketSpec
+
+logger = logging.getLogger(__name__)
 
 FILE_PREFIX = "miles-weights-"
 KINDS = ("cuda_ipc", "shm_file")
 _file_counter = itertools.count()
+# A file's name says who made it, so that a later process can tell whether its maker is gone: the pid; its
+# start time (clock ticks after boot, /proc/<pid>/stat field 22), since a pid is reused; the boot id of the
+# host; and the inode of the maker's pid namespace, since containers sharing one /dev/shm (--ipc=host) each
+# number their processes anew. Then a counter.
+_FILE_NAME = re.compile(re.escape(FILE_PREFIX) + rf"({IDENTITY_TAG})-(\d+)-\d+")
+_swept_dirs: set[str] = set()  # the directories this process swept at its first share there
 
 
 @dataclass
@@ -68,31 +84,89 @@ def default_shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+@functools.lru_cache(maxsize=None)
+def _maker(pid: int) -> tuple[ProcessIdentity, int] | None:
+    """Process ``pid`` (this one; keyed by pid for forked children) as the maker of bucket files: its identity
+    and its pid namespace's inode. None where /proc does not tell: its files are then named by pid alone and
+    it sweeps nothing."""
+    identity = ProcessIdentity.of(pid)
+    if identity is None or identity.boot_id is None:
+        return None
+    try:
+        return identity, os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def sweep_dead_files(directory: str) -> list[str]:
+    """Remove the bucket files in ``directory`` whose maker is gone (killed mid-handoff: nothing of it ran):
+    files named by a process of this boot and this pid namespace with no process of that pid and start time
+    now, regular files of this user. Every other entry stays: a live maker's file, another host's, boot's or
+    container's, a name of another form. Returns the paths removed (one log line names them)."""
+    mine = _maker(os.getpid())
+    if mine is None:
+        return []
+    me, my_namespace = mine
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as e:
+        logger.warning("cannot list %s to remove the weight bucket files of processes that are gone: %s",
+                       directory, e.strerror)
+        return []
+    removed = []
+    for name in names:
+        match = _FILE_NAME.fullmatch(name)
+        maker = ProcessIdentity.from_tag(match[1]) if match else None
+        if maker is None or maker.boot_id != me.boot_id or int(match[2]) != my_namespace:
+            continue  # another form, boot or container: not ours to judge
+        if identity_alive(maker):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            os.unlink(path)
+        except FileNotFoundError:
+            continue  # another sweep came first
+        removed.append(path)
+    if removed:
+        logger.info("removed %d weight bucket file(s) left by processes killed mid-handoff: %s", len(removed),
+                    ", ".join(removed))
+    return removed
+
+
 def share_bucket(spec: BucketSpec, flat: torch.Tensor, *, shm_dir: str | None = None) -> SharedBucket:
     """The payload that lets a process on this node open ``flat``. Keep the result until the consumer
     acknowledged, then ``release()`` it."""
     if flat.dtype != torch.uint8 or flat.dim() != 1 or not flat.is_contiguous() or flat.numel() != spec.nbytes:
         raise ValueError(f"bucket {spec.index}: share a contiguous 1-D uint8 flat of the spec's {spec.nbytes} "
                          f"bytes, got {flat.dtype} of shape {tuple(flat.shape)}")
+    directory = os.path.abspath(shm_dir or default_shm_dir())
+    if directory not in _swept_dirs:  # this process's first share there, CUDA too (its host fallback writes files)
+        _swept_dirs.add(directory)
+        sweep_dead_files(directory)
     if flat.is_cuda:
         shared = SharedBucket(spec=spec, kind="cuda_ipc", handle=bytes(ForkingPickler.dumps(flat)),
                               nbytes=spec.nbytes)
         shared._flat = flat
         return shared
-    path = _write_new_file(os.path.abspath(shm_dir or default_shm_dir()), flat)
+    path = _write_new_file(directory, flat)
     shared = SharedBucket(spec=spec, kind="shm_file", handle=path, nbytes=spec.nbytes)
     shared._created_file = path
     return shared
 
 
 def _write_new_file(directory: str, flat: torch.Tensor) -> str:
+    maker = _maker(os.getpid())
+    stem = f"{maker[0].tag()}-{maker[1]}" if maker is not None else str(os.getpid())
     while True:
-        path = os.path.join(directory, f"{FILE_PREFIX}{os.getpid()}-{next(_file_counter)}")
+        path = os.path.join(directory, f"{FILE_PREFIX}{stem}-{next(_file_counter)}")
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             break
         except FileExistsError:
-            continue  # left by an earlier process of the same pid: not ours, leave it
+            continue  # a file of this name that this process did not make (a reused pid): leave it
     try:
         view = memoryview(flat.numpy()).cast("B")
         while view:

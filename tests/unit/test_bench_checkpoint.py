@@ -81,8 +81,9 @@ def test_bad_arguments_say_which_value_and_what_to_give(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_dir_that_is_a_file_is_refused(tmp_path):
+def test_dir_that_is_a_file_is_refused(tmp_path, capsys):
     f = tmp_path / "f"
     f.write_text("")
-    with pytest.raises(SystemExit, match=f"--dir {f} exists and is not a directory"):
+    with pytest.raises(SystemExit) as e:
         bench.main(TINY + ["--dir", str(f)])
+    assert e.value.code == 2 and f"argument --dir: {f} exists and is not a directory" in capsys.readouterr().err

@@ -17,7 +17,9 @@ def _saved(tmp_path):
     model = torch.nn.Linear(4, 3)
     base = checkpoint.prepare(str(tmp_path / "ckpt"), 2)
     checkpoint.save_train_state(base, model=model, optimizer=None, store=None, rank=0, world_size=1)
-    checkpoint.write_meta(base, next_rollout_id=2, data_state={}, world_size=1)
+    # a streamed save: its optimizer state is the store's (which the fake store cannot map)
+    checkpoint.write_meta(base, next_rollout_id=2, data_state={}, world_size=1,
+                          extra={"streamed_optimizer_state": True})
     return base, model
 
 

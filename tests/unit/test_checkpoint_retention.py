@@ -58,7 +58,7 @@ def _save_and_publish(cfg, completed, summary, group=None):
 
 
 def _summary(**extra):
-    return {"checkpoints": [], "latest_checkpoint": None, **extra}
+    return {"checkpoints": [], "latest_checkpoint": None, "resumed_runs": [], **extra}  # as _resume leaves it
 
 
 def _entries(save):

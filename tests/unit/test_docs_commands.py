@@ -83,10 +83,12 @@ def _all_invocations() -> list[tuple[str, list[str]]]:
 
 INVOCATIONS = _all_invocations()
 
+LLAMA_TINY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "vocab_size": 128, "intermediate_size": 128}  # any --hf-checkpoint's config.json
 PRETEND_MACHINE = dict(
     cuda_available=lambda: False, has_module=lambda m: True, path_exists=lambda p: True, is_dir=lambda p: True,
     is_file=lambda p: True, check_prompt_data=lambda p: None, dir_writable=lambda p: True,
-    disk_free_bytes=lambda p: 1 << 60, filesystem_id=lambda p: 0, read_json=lambda p: {}, run_id="docs",
+    disk_free_bytes=lambda p: 1 << 60, filesystem_id=lambda p: 0, read_json=lambda p: LLAMA_TINY, run_id="docs",
     cpu_count=lambda: 1024, host_memory_available=lambda: 1 << 50,  # any machine's size
 )
 PRETEND_GPU = dict(PRETEND_MACHINE, cuda_available=lambda: True, python_version=(3, 12))

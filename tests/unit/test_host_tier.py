@@ -418,7 +418,7 @@ def test_auto_without_meminfo_is_no_tier(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(store_mod, "available_host_memory", lambda: None)
     params, opt, store = build("plain", tmp_path, shapes=SHAPES, bucket_numel=BUCKET_NUMEL, host_cache_mb="auto")
     assert store.stats.host_cache_bytes == 0
-    assert "MemAvailable cannot be read" in caplog.text
+    assert "available memory cannot be read" in caplog.text
 
 
 def test_the_run_flag_reaches_the_store_config():

@@ -15,6 +15,7 @@ import pytest
 
 from miles.config import ArgumentError, Environment, build_parser, validate_args
 from miles.sizing.cli import main as plan_main
+from miles.sizing.presets import QWEN3_30B_A3B
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 LAUNCHERS = sorted(SCRIPTS.glob("launch_*.sh"))
@@ -96,6 +97,8 @@ def gpu_machine() -> Environment:
                                has_module=lambda name: True, path_exists=lambda p: True, is_dir=lambda p: True,
                                is_file=lambda p: True, check_prompt_data=lambda p: None,
                                dir_writable=lambda p: True, disk_free_bytes=lambda p: 1 << 60,
+                               read_json=lambda p: QWEN3_30B_A3B,  # launch_qwen3_30b_a3b.sh's model
+                               filesystem_id=lambda p: 0,
                                cpu_count=lambda: 128, host_memory_available=lambda: 1 << 41)
 
 

@@ -1,11 +1,18 @@
 """Pure parts of multi-node placement (miles.ray.layout, miles.ray.node_disk): which rank sits on which bundle,
 where colocated engines go, what each node's disk must hold and the one line when a node is short."""
 
+import os
+
 import pytest
 
 from miles.config import Environment, parse_args, validate_args
 from miles.config.disk_budget import model_tensors_of_run
 from miles.ray import layout, node_disk
+
+# the root's parent /scratch exists on the pretended machine (validation refuses a root whose parent is missing)
+SCRATCH_EXISTS = dict(path_exists=lambda p: p == "/scratch" or os.path.exists(p),
+                      is_dir=lambda p: p == "/scratch" or os.path.isdir(p), dir_writable=lambda p: True,
+                      disk_free_bytes=lambda p: 1 << 50)
 
 
 def _cfg(*argv):
@@ -13,7 +20,7 @@ def _cfg(*argv):
             "--stream-optimizer-state-to-disk", "--offload-train-target", "disk",
             "--offload-train-disk-dir", "/scratch/run", "--metrics-file", "/scratch/m.jsonl",
             "--rollout-batch-size", "4"]
-    return validate_args(parse_args(base + list(argv)), Environment(has_module=lambda m: False,
+    return validate_args(parse_args(base + list(argv)), Environment(**SCRATCH_EXISTS, has_module=lambda m: False,
                                                                      cuda_available=lambda: False,
                                                                      cpu_count=lambda: 64))
 

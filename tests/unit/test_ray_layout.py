@@ -11,12 +11,17 @@ from miles.ray import layout
 
 STREAM_DISK = ("--stream-optimizer-state-to-disk", "--offload-train-target", "disk")
 
+# the root's parent /scratch exists on the pretended machine (validation refuses a root whose parent is missing)
+SCRATCH_EXISTS = dict(path_exists=lambda p: p == "/scratch" or os.path.exists(p),
+                      is_dir=lambda p: p == "/scratch" or os.path.isdir(p), dir_writable=lambda p: True,
+                      disk_free_bytes=lambda p: 1 << 50)
+
 
 def _cfg(*argv, colocate=True):
     disk_chunk = ["--offload-train-disk-chunk-mb", "64"] if "disk" in argv else []  # rejected where it changes nothing
     base = ["--num-train-ranks", "2", "--offload-train-disk-dir", "/scratch/run",
             *disk_chunk, "--metrics-file", "/scratch/m.jsonl"] + ["--colocate"] * colocate
-    return validate_args(parse_args(base + list(argv)), Environment(has_module=lambda m: False,
+    return validate_args(parse_args(base + list(argv)), Environment(**SCRATCH_EXISTS, has_module=lambda m: False,
                                                                      cuda_available=lambda: False,
                                                                      cpu_count=lambda: 64))
 

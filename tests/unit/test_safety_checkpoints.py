@@ -5,6 +5,7 @@ documented recovery on a poisoned store, and a dropped store that cleans up afte
 import gc
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -146,6 +147,14 @@ def test_a_crash_while_setting_the_old_checkpoint_aside_leaves_it_loadable(tmp_p
     assert sorted(os.listdir(save)) == [checkpoint.LATEST_FILE, "rollout_000002"]
 
 
+def _unfinished_by(path, pid):
+    """A checkpoint folder that a save of process ``pid`` (on this host) started and never finished."""
+    from miles_plugins.optimizers.streaming.io.ownership import CREATED_FILE
+    os.makedirs(path)
+    with open(os.path.join(path, CREATED_FILE), "w") as f:
+        json.dump({"host": socket.gethostname(), "pid": pid, "run_id": "dead-run", "since": 0.0}, f)
+
+
 def test_next_save_cleans_what_interrupted_saves_set_aside(tmp_path):
     from miles import checkpoint
     save = str(tmp_path / "save")
@@ -154,10 +163,10 @@ def test_next_save_cleans_what_interrupted_saves_set_aside(tmp_path):
     _complete_checkpoint(save, 1, "one")
     _complete_checkpoint(save, 2, "two")
     os.rename(os.path.join(save, "rollout_000001"), os.path.join(save, f"rollout_000001.prev-{dead.pid}"))
-    os.makedirs(os.path.join(save, "rollout_000001"))  # its replacement never completed
+    _unfinished_by(os.path.join(save, "rollout_000001"), dead.pid)  # its replacement never completed
     _complete_checkpoint(save, 3, "three")
     os.rename(os.path.join(save, "rollout_000003"), os.path.join(save, f"rollout_000003.prev-{dead.pid}"))
-    os.makedirs(os.path.join(save, "rollout_000003"))  # the replacement of 3 is incomplete, and ...
+    _unfinished_by(os.path.join(save, "rollout_000003"), dead.pid)  # the replacement of 3 is incomplete, and ...
     with open(os.path.join(save, checkpoint.LATEST_FILE), "w") as f:
         f.write(f"rollout_000003.prev-{dead.pid}\n")  # ... latest names the copy set aside
     os.makedirs(os.path.join(save, "rollout_000002.prev-notapid"))  # not our naming: never touched

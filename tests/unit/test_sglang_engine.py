@@ -290,8 +290,12 @@ def test_sessions_on_the_server_from_0_5_21(stub_sglang):
     _colocated_push(old, 4, named)
     assert not [c for c in fake_old.calls if c[0] in ("begin", "end")]
     assert old.get_weight_version() == new.get_weight_version() == 4
-    with pytest.raises(RuntimeError, match="outside a weight update; call begin_weight_update"):
-        old.update_weights_from_tensor([_shared_bucket(named)])  # the contract's session holds on every version
+    shared = _shared_bucket(named)
+    try:
+        with pytest.raises(RuntimeError, match="outside a weight update; call begin_weight_update"):
+            old.update_weights_from_tensor([shared])  # the contract's session holds on every version
+    finally:
+        shared.release()
 
 
 def test_update_weights_from_distributed_asks_for_sglangs_flattened_layout(http_engine):
@@ -347,7 +351,7 @@ def test_version_detected_and_tp_size_checked(http_engine):
     engine, fake = http_engine(version="0.5.23", tp_size=2)
     assert engine.sessions_on_server and "sglang 0.5.23" in engine.get_description()
     with pytest.raises(ValueError, match="runs with tp_size 2, and --sglang-tp-size is 1: pass --sglang-tp-size 2"):
-        SglangRolloutEngine(HttpSglang(engine.transport.url), tp_size=1)
+        SglangRolloutEngine(HttpSglang(engine.transport.url, timeout_s=30), tp_size=1)
 
 
 # ------------------------------------------------------------------------------------------ real sglang classes

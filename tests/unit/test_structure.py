@@ -53,9 +53,10 @@ FRAMEWORK_MAY_IMPORT = {
     f"{STREAMING_PKG}.errors": {"StoreConfigError"},
     # the run's own directories (run root, rank dirs, offload files, checkpoints) are owned, locked and
     # swept exactly as the store's
-    f"{STREAMING_PKG}.io.ownership": {"CREATED_FILE", "DirectoryInUseError", "DirectoryLock", "LockUnsupportedError",
-                                      "OwnerRecord", "Sweep", "claim_directory", "listing", "make_directory",
-                                      "path_within", "pid_alive", "process_run_id", "read_record", "remove_created",
+    f"{STREAMING_PKG}.io.ownership": {"CREATED_FILE", "DirectoryInUseError", "DirectoryLock", "IDENTITY_TAG",
+                                      "LockUnsupportedError", "OwnerRecord", "ProcessIdentity", "Sweep",
+                                      "claim_directory", "identity_alive", "listing", "make_directory",
+                                      "path_within", "process_run_id", "read_record", "remove_created",
                                       "sweep", "system_directory_reason"},
     # validation's and the node probe's host-memory reading; the raw-file primitives `miles bench` measures the disk floor with
     f"{STREAMING_PKG}.io.stager": {"available_host_memory", "HostMemory", "NO_DIRECT", "Stager", "align_up",

@@ -40,7 +40,7 @@ def test_disk_dir_that_is_a_file_fails_in_validation(tmp_path):
     f.write_text("x")
     assert error(tmp_path, *DEMO, "--offload-train-disk-dir", str(f)) == (
         f"--offload-train-disk-dir {f} is a file, not a directory. Fix: pass a directory for "
-        "--offload-train-disk-dir (it is created when missing).")
+        "--offload-train-disk-dir (it is created when missing, below an existing parent).")
 
 
 def test_disk_dir_under_a_file_fails(tmp_path):
@@ -63,9 +63,9 @@ def test_save_dir_that_is_a_file_fails(tmp_path):
 
 
 def test_missing_directories_are_fine_and_not_created(tmp_path):
-    root, save = tmp_path / "new" / "root", tmp_path / "new" / "ckpt"
+    root, save = tmp_path / "root", tmp_path / "ckpt"  # below existing parents (tests/unit/test_inputs_dirs.py)
     cfg = validate(tmp_path, *DEMO, "--tiny-model", "--offload-train-disk-dir", str(root), "--save", str(save))
-    assert cfg.paths.root == str(root) and not (tmp_path / "new").exists()
+    assert cfg.paths.root == str(root) and not root.exists() and not save.exists()
 
 
 def test_unwritable_directory_reported_by_the_injected_probe(tmp_path):
@@ -107,9 +107,10 @@ def test_checkpoint_copy_counts_on_the_same_filesystem_only(tmp_path):
 def test_hf_checkpoint_size_comes_from_its_config_json(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
-    cfg = {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
-           "intermediate_size": 4096, "vocab_size": 32000, "tie_word_embeddings": False}
+    cfg = {"model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
+           "num_key_value_heads": 16, "intermediate_size": 4096, "vocab_size": 32000, "tie_word_embeddings": False}
     (model / "config.json").write_text(json.dumps(cfg))
+    (model / "tokenizer.json").write_text("{}")
     params = model_tensors_of_run("hf_checkpoint", cfg).total()
     assert 300e6 < params < 500e6
     msg = error(tmp_path, *DEMO, "--hf-checkpoint", str(model), disk_free_bytes=lambda p: GIB)

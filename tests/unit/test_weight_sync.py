@@ -197,14 +197,15 @@ def test_a_resumed_run_replaces_the_records_it_writes_again(tmp_path):
     from miles.metrics import MetricsSink
 
     path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps({"rollout_id": i, "reward_mean": i}) + "\n" for i in range(4)) + "not json\n")
-    sink = MetricsSink(str(path), None, start_rollout=2)
+    path.write_text("".join(json.dumps({"rollout_id": i, "reward_mean": i, "run_id": "first"}) + "\n"
+                            for i in range(4)) + "not json\n")
+    sink = MetricsSink(str(path), None, "second", superseded_runs=["first"], start_rollout=2)
     sink.write({"rollout_id": 2, "reward_mean": 20})
     sink.close()
     lines = path.read_text().splitlines()
     records = [json.loads(line) for line in lines if line.startswith("{")]
-    assert [r["rollout_id"] for r in records] == [0, 1, 2] and records[-1]["reward_mean"] == 20
-    assert "not json" in lines
+    assert [(r["rollout_id"], r["run_id"]) for r in records] == [(0, "first"), (1, "first"), (2, "second")]
+    assert records[-1]["reward_mean"] == 20 and "not json" in lines
 
 
 def test_the_first_steps_disk_writes_are_its_own(tmp_path):

@@ -196,6 +196,18 @@ class MegatronTrainer(TrainBackend):
     def finish_backward(self) -> None:
         self.ddp.finish_grad_sync()  # DDP averages over ranks: the sum of the ranks' token means is the mean
 
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @torch.no_grad()
+    def local_grads_finite(self) -> bool:
+        """Over the DDP grad buffers, every param's grad (native-fp32 ones too): Megatron's step checks
+        for inf/NaN only with an fp16 loss scaler, and with bf16 would apply them."""
+        finite = torch.ones((), dtype=torch.bool, device=self.device)
+        for buffer in self.ddp.buffers + self.ddp.expert_parallel_buffers:
+            finite &= torch.isfinite(buffer.grad_data).all()
+        return bool(finite)
+
     def optimizer_step(self, rollout_id: int) -> float:
         ok, grad_norm, _ = self.optimizer.step()  # clips by config.clip_grad over dense + expert grads
         if not ok:

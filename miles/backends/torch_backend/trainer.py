@@ -95,6 +95,17 @@ class TorchTrainer(TrainBackend):
     def logprobs(self, batch, temperature):
         return forward_logprobs(self.model, batch["input_ids"], batch["attention_mask"], temperature)
 
+    def vocab_size(self) -> int:
+        return self.model.get_input_embeddings().num_embeddings
+
+    @torch.no_grad()
+    def local_grads_finite(self) -> bool:
+        finite = torch.ones((), dtype=torch.bool, device=self.device)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                finite &= torch.isfinite(p.grad).all()
+        return bool(finite)
+
     def optimizer_step(self, rollout_id: int) -> float:
         with torch.no_grad():
             norm = self._clipped_step()

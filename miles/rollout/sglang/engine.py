@@ -76,6 +76,19 @@ def _bad_output(index: int, problem: str) -> SglangCallError:
     return SglangCallError("generate", f"output {index}: {problem}")
 
 
+_SHOWN_KEYS = 12
+
+
+def _shape(out: Any) -> str:
+    """What an output is, for an error: its type, and for a dict its keys and the type of its meta_info."""
+    if not isinstance(out, dict):
+        return f"a {type(out).__name__}"
+    keys = sorted(str(key)[:40] for key in out)  # a server's keys are untrusted: short and few
+    shown = ", ".join(keys[:_SHOWN_KEYS]) + (f", ... ({len(keys)} keys)" if len(keys) > _SHOWN_KEYS else "")
+    meta = f", meta_info a {type(out['meta_info']).__name__}" if "meta_info" in out else ", no meta_info"
+    return f"a dict with keys [{shown}]{meta}"
+
+
 def _finish_reason(index: int, meta: dict) -> str:
     reason = meta.get("finish_reason")
     kind = reason.get("type") if isinstance(reason, dict) else reason
@@ -89,7 +102,7 @@ def _finish_reason(index: int, meta: dict) -> str:
 def _sample(index: int, prompt_index: int, prompt: list[int], out: Any, return_logprob: bool,
             weight_version: int) -> Sample:
     if not isinstance(out, dict) or not isinstance(out.get("meta_info"), dict):
-        raise _bad_output(index, f"expected a dict with meta_info, got {type(out).__name__}")
+        raise _bad_output(index, f"expected a dict with a meta_info dict; got {_shape(out)}")
     meta = out["meta_info"]
     ids = out.get("output_ids")
     logprobs: list[float] = []
@@ -163,7 +176,8 @@ class SglangRolloutEngine:
         """A client of the server at ``--sglang-url``, or an in-process ``sglang.Engine`` of the policy's folder."""
         rollout = config.rollout
         if rollout.sglang_url:
-            return cls(HttpSglang(rollout.sglang_url), tp_size=rollout.sglang_tp_size, engine_id=engine_id)
+            return cls(HttpSglang(rollout.sglang_url, timeout_s=rollout.sglang_request_timeout),
+                       tp_size=rollout.sglang_tp_size, engine_id=engine_id)
         from miles.models import resolve_policy_source
 
         source = resolve_policy_source(config)

@@ -5,14 +5,19 @@ Both take the same requests, named by sglang's HTTP endpoints (``generate``, ``r
 ``sglang.Engine`` method of that name with the body as keywords. Results keep sglang's shapes; failures
 sglang reports in them (``(False, message)``, ``{"success": false, ...}``, ``{"error": {"message": ...}}``,
 an HTTP error status) raise :class:`SglangCallError` naming the call (:func:`raise_for_failure`).
-HTTP uses only the standard library (``urllib``).
+HTTP uses only the standard library (``http.client``): each call ends by the deadline
+``--sglang-request-timeout`` (connect, send and the whole answer), and a redirect is an error naming where it
+points, never followed.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
-import urllib.error
-import urllib.request
+import socket
+import threading
+import time
+import urllib.parse
 from typing import Any, Optional
 
 __all__ = ["SglangCallError", "raise_for_failure", "InProcessSglang", "HttpSglang", "MAX_RESPONSE_BYTES"]
@@ -20,6 +25,7 @@ __all__ = ["SglangCallError", "raise_for_failure", "InProcessSglang", "HttpSglan
 # A generate answer of a large batch with log-probs is tens of MiB; more than this is not an sglang answer.
 MAX_RESPONSE_BYTES = 512 * 1024 * 1024
 _MESSAGE_CHARS = 2000
+_READ_CHUNK = 1024 * 1024
 
 
 class SglangCallError(RuntimeError):
@@ -85,9 +91,10 @@ class InProcessSglang:
 
 class HttpSglang:
     """A running sglang server at ``url`` (checked by :func:`miles.rollout.sglang.check_url`). The version and
-    tensor-parallel size come from its ``/server_info``."""
+    tensor-parallel size come from its ``/server_info``. Each call ends within ``timeout_s`` seconds
+    (``--sglang-request-timeout``)."""
 
-    def __init__(self, url: str, timeout_s: float = 600.0):
+    def __init__(self, url: str, timeout_s: float):
         from miles.rollout.sglang import check_url
 
         self.url = check_url(url)
@@ -114,20 +121,14 @@ class HttpSglang:
 
     def _send(self, endpoint: str, body: Optional[dict]) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(f"{self.url}/{endpoint}", data=data, method="GET" if data is None else "POST",
-                                         headers={"Content-Type": "application/json"} if data is not None else {})
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                raw = response.read(MAX_RESPONSE_BYTES + 1)
-        except urllib.error.HTTPError as e:
-            text = e.read(_MESSAGE_CHARS * 4).decode(errors="replace")
-            raise SglangCallError(endpoint, f"HTTP {e.code}: {_short(_error_text(text))}", self.where) from None
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise SglangCallError(endpoint, f"cannot reach the server ({reason}); is it running at {self.url}?",
-                                  self.where) from None
-        if len(raw) > MAX_RESPONSE_BYTES:
-            raise SglangCallError(endpoint, f"the answer exceeds {MAX_RESPONSE_BYTES} bytes: refused", self.where)
+        status, location, raw = _exchange(self.url, endpoint, data, self.timeout_s, self.where)
+        if 300 <= status < 400:
+            raise SglangCallError(endpoint, f"HTTP {status}: the server redirects to {_short(location)!r}, and "
+                                  "redirects are not followed; pass the server's own address as --sglang-url",
+                                  self.where)
+        if status >= 400:
+            text = raw[:_MESSAGE_CHARS * 4].decode(errors="replace")
+            raise SglangCallError(endpoint, f"HTTP {status}: {_short(_error_text(text))}", self.where)
         if not raw.strip():
             return None
         try:
@@ -149,6 +150,67 @@ class HttpSglang:
 
     def shutdown(self) -> None:
         self.closed = True  # the server is not ours: it keeps running
+
+
+def _exchange(url: str, endpoint: str, data: Optional[bytes], timeout_s: float, where: str) -> tuple[int, str, bytes]:
+    """One request, ``(status, Location header, body)``, ended by the deadline ``timeout_s`` from now whatever
+    the server does: a socket timeout bounds the connect, and a timer cuts the connection at the deadline
+    (a server trickling bytes resets every per-read timeout). The body is read in chunks up to
+    :data:`MAX_RESPONSE_BYTES`. ``http.client`` follows no redirects: a 3xx comes back as its status."""
+    parsed = urllib.parse.urlsplit(url)
+    connection_class = http.client.HTTPSConnection if parsed.scheme == "https" else http.client.HTTPConnection
+    connection = connection_class(parsed.hostname, parsed.port, timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    cut = threading.Event()
+    connected: list[socket.socket] = []  # the connection drops its socket once an answer says it will close
+
+    def cut_at_deadline() -> None:
+        cut.set()
+        for sock in connected:
+            try:  # the plain socket's shutdown (also under TLS) wakes a read blocked in another thread
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    timer = threading.Timer(timeout_s, cut_at_deadline)
+    timer.daemon = True
+    timer.start()
+    try:
+        connection.connect()
+        connected.append(connection.sock)
+        if cut.is_set():  # the timer fired before the connection had a socket to cut
+            raise TimeoutError("connected after the deadline")
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        connection.request("GET" if data is None else "POST", f"/{endpoint}", body=data, headers=headers)
+        response = connection.getresponse()
+        limit = MAX_RESPONSE_BYTES if response.status < 300 else _MESSAGE_CHARS * 4
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = response.read(min(_READ_CHUNK, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        status, location = response.status, response.getheader("Location", "")
+    except (OSError, http.client.HTTPException) as e:
+        if cut.is_set() or time.monotonic() >= deadline:  # the connect's own timeout ends at the deadline too
+            raise _past_deadline(endpoint, timeout_s, where) from None
+        raise SglangCallError(endpoint, f"cannot reach the server ({type(e).__name__}: {_short(e)}); is it running "
+                              f"at {url}?", where) from None
+    finally:
+        timer.cancel()
+        connection.close()
+    if cut.is_set():  # the cut may end an answer of unknown length as if it were complete
+        raise _past_deadline(endpoint, timeout_s, where)
+    if size > MAX_RESPONSE_BYTES:
+        raise SglangCallError(endpoint, f"the answer exceeds {MAX_RESPONSE_BYTES} bytes: refused", where)
+    return status, location, b"".join(chunks)
+
+
+def _past_deadline(endpoint: str, timeout_s: float, where: str) -> SglangCallError:
+    return SglangCallError(endpoint, f"no complete answer within --sglang-request-timeout {timeout_s:g} s (connect, "
+                           "send and the whole answer); the call was cut. Raise --sglang-request-timeout if the "
+                           "server is busy but well, e.g. for a large generate batch", where)
 
 
 def _error_text(text: str) -> str:

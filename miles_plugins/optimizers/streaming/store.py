@@ -226,14 +226,14 @@ class NVMeOptimizerStateStore:
             return config.host_cache_mb * MiB
         available = available_host_memory()
         if available is None:
-            logger.warning("host_cache_mb='auto': this host's MemAvailable cannot be read (/proc/meminfo): no host "
+            logger.warning("host_cache_mb='auto': this host's available memory cannot be read (/proc/meminfo): no host "
                            "tier; pass host_cache_mb in MiB instead")
             return 0
         reserve, rank_reserve = config.host_cache_reserve_mb * MiB, config.host_cache_rank_reserve_mb * MiB
         run_reserve = config.host_cache_run_reserve_mb * MiB
         size = fit_host_cache(available, self.stats.state_bytes, config.host_cache_ranks_per_node,
                               reserve + run_reserve, rank_reserve)
-        logger.info("host tier (host_cache_mb='auto'): %.3f GB = min(state %.3f GB, (MemAvailable %.3f GB - node "
+        logger.info("host tier (host_cache_mb='auto'): %.3f GB = min(state %.3f GB, (available %.3f GB - node "
                     "reserve %.3f GB - the run's other host memory %.3f GB) / %d ranks on the node - rank reserve "
                     "%.3f GB), at least 0",
                     size / GB, self.stats.state_bytes / GB, available / GB, reserve / GB, run_reserve / GB,

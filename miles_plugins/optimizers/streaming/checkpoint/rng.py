@@ -69,12 +69,29 @@ def _target_device(key, device: torch.device) -> torch.device | None:
     return device if saved.type == device.type else None
 
 
-def parse(data: bytes, next_order, store) -> tuple[dict[str, dict[torch.device, torch.Tensor]], bool | None]:
-    """codec_rng.pt's bytes and the manifest's "next_bucket_order" -> ({segment: {device: state}},
-    next step descending or None when not recorded). Each state is tried on a scratch generator, so
-    restoring cannot fail half way. Raises RngRecordError saying what is wrong."""
+def parse_order(next_order) -> bool | None:
+    """The manifest's "next_bucket_order" -> the next step walks the buckets descending, or None when the
+    checkpoint predates the record. Raises RngRecordError for any other value."""
     if next_order not in (None, "ascending", "descending"):
         raise RngRecordError(f"next_bucket_order is {next_order!r}, expected 'ascending' or 'descending'")
+    return None if next_order is None else next_order == "descending"
+
+
+def parse(data: bytes | None, descending: bool | None,
+          store) -> tuple[dict[str, dict[torch.device, torch.Tensor]], bool | None] | None:
+    """codec_rng.pt's bytes (None: the manifest lists no such file) and the next step's order (from
+    `parse_order`) -> ({segment: {device: state}}, descending), or None when the checkpoint records
+    neither (it predates them). Without the file a store whose codecs draw noise has nothing to continue
+    from, so its order alone is refused as inconsistent. Each state is tried on a scratch generator, so
+    restoring cannot fail half way. Raises RngRecordError saying what is wrong."""
+    noisy = _noisy_segments(store)
+    if data is None:
+        if descending is None:
+            return None
+        if noisy:
+            raise RngRecordError(f"next_bucket_order is recorded without the generator states, and the codecs of "
+                                 f"this store draw noise for {noisy}")
+        return {}, descending
     try:
         record = torch.load(BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:
@@ -82,7 +99,6 @@ def parse(data: bytes, next_order, store) -> tuple[dict[str, dict[torch.device, 
     if not isinstance(record, dict) or record.get("version") != VERSION or not isinstance(record.get("segments"), dict):
         what = sorted(map(str, record)) if isinstance(record, dict) else type(record).__name__
         raise RngRecordError(f"not a version-{VERSION} record of generator states (holds {what})")
-    noisy = _noisy_segments(store)
     if sorted(record["segments"]) != sorted(noisy):
         raise RngRecordError(f"it holds generators of segments {sorted(record['segments'])}, the codecs of this "
                              f"store draw noise for {noisy}")
@@ -108,7 +124,7 @@ def parse(data: bytes, next_order, store) -> tuple[dict[str, dict[torch.device, 
                 raise RngRecordError(f"segment {name}, device {key}: invalid generator state "
                                      f"({len(state)} bytes): {e}") from None
             out[name][device] = state
-    return out, None if next_order is None else next_order == "descending"
+    return out, descending
 
 
 def restore(store, record: tuple | None, why_not: str = "") -> None:

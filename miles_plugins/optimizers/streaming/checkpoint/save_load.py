@@ -128,7 +128,7 @@ class SaveJob:
     def __init__(self, store, base: str):
         t0 = time.perf_counter()
         self.store, self.final = store, os.path.join(os.path.abspath(base), STREAMED_DIR, store.relative_dir)
-        self.tmp = f"{self.final}.tmp-{os.getpid()}"
+        self.tmp = f"{self.final}.tmp-{io.ProcessIdentity.current().tag()}"
         store.stager.write_back()  # write-behind and dirty host images must be in the files we copy
         self.manifest = build_manifest(store)
         self.resident = None  # the small always-resident Adam (native-fp32 params) is in memory: snapshot it now
@@ -231,9 +231,9 @@ def _remove_abandoned_temporaries(final: str) -> None:
     """Remove `<final>.tmp-<pid>` folders of saves whose process is dead on this host (killed mid-save);
     a live pid's folder is a save in progress (another process) and stays."""
     for stale in io.glob_paths(f"{final}.tmp-*"):
-        suffix = stale.rsplit(".tmp-", 1)[1]
-        if suffix.isdigit() and int(suffix) != os.getpid() and io.pid_alive(int(suffix)):
-            logger.info("leaving %s: process %s is alive and may still be saving there", stale, suffix)
+        saver = io.ProcessIdentity.from_tag(stale.rsplit(".tmp-", 1)[1])
+        if saver is not None and not saver.is_current() and io.identity_alive(saver):
+            logger.info("leaving %s: process %s is alive and may still be saving there", stale, saver.pid)
             continue
         logger.info("removing %s, left by an interrupted save", stale)
         io.remove_tree(stale)
@@ -401,15 +401,20 @@ def _read_verified(directory: str, meta: dict, limit: int) -> bytes:
 
 
 def _rng_record(directory: str, m: dict, store):
-    """The saved stochastic-rounding generators, verified; None where the checkpoint has no record."""
-    if m.get("codec_rng") is None:
-        return None
-    data = _read_verified(directory, m["codec_rng"], RNG_RECORD_MAX_BYTES)
+    """The saved next bucket order and stochastic-rounding generators (every codec: fp32 moments have an
+    order and no generators), verified; None where the checkpoint records neither."""
     try:
-        return codec_rng.parse(data, m.get("next_bucket_order"), store)
+        descending = codec_rng.parse_order(m.get("next_bucket_order"))
     except codec_rng.RngRecordError as e:
-        raise CheckpointError(f"{os.path.join(directory, m['codec_rng']['file'])}: the record of the "
-                              f"stochastic-rounding generators is corrupt or does not fit this store ({e}); "
+        raise CheckpointError(f"{os.path.join(directory, MANIFEST)}: {e}; the manifest is corrupt or was edited: "
+                              "resume from another checkpoint, or without this optimizer state") from None
+    listed = m.get("codec_rng")
+    data = None if listed is None else _read_verified(directory, listed, RNG_RECORD_MAX_BYTES)
+    try:
+        return codec_rng.parse(data, descending, store)
+    except codec_rng.RngRecordError as e:
+        raise CheckpointError(f"{os.path.join(directory, listed['file'] if listed else MANIFEST)}: the record of "
+                              f"the stochastic-rounding generators is corrupt or does not fit this store ({e}); "
                               "resume from another checkpoint, or without this optimizer state") from None
 
 

@@ -12,8 +12,10 @@ a teardown that removes "whatever is there" deletes other people's data. So:
   run, and otherwise leaves it and reports why. Teardown deletes nothing it did not create. A run root
   is created only when its parent exists: nothing above it is ever made (or left behind marked).
 - `sweep(root, run_id)` is a run's last cleanup of a whole tree: it removes every directory this run
-  made (and what the run wrote in them) and reports everything else it found, so one warning can list it
-  (`listing` keeps that warning short).
+  made (and what the run wrote in them), enters no other directory, and reports everything else it found,
+  so one warning can list it (`listing` keeps that warning short).
+- `ProcessIdentity` names a process by pid, start time and boot id, and `identity_alive` says whether it
+  still runs: records and temporary names carry it, so a reused pid does not keep a dead run's leftovers.
 - `remove_own_entries(directory, is_own)` empties a locked directory of what its owner made, and
   refuses, removing nothing, when anything else is there.
 - `system_directory_reason(path, home)` says why `path` may not be a root a run creates things in;
@@ -27,6 +29,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import time
@@ -54,27 +57,145 @@ class LockUnsupportedError(OSError):
 _NO_LOCKS = (errno.ENOLCK, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS)
 
 
+_PROC = "/proc"
+_STAT_MAX_BYTES = 4096  # /proc/<pid>/stat is one line of ~300 bytes (comm is at most 16)
+_BOOT_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+# a tag as ProcessIdentity.tag() writes it into a file name: "<pid>-<start ticks>-<boot id>", or a bare pid
+# (names written before identities were recorded)
+IDENTITY_TAG = rf"\d+(?:-\d+-{_BOOT_ID.pattern})?"
+_IDENTITY_TAG = re.compile(rf"(\d+)(?:-(\d+)-({_BOOT_ID.pattern}))?")
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """One process of one boot of a host. A pid alone is reused once its process dies, so a record naming
+    only a pid can make a dead run look alive forever; the start time (clock ticks after boot,
+    /proc/<pid>/stat field 22) and the boot id (/proc/sys/kernel/random/boot_id) tell the reuse apart.
+    `start_ticks` and `boot_id` are None when unknown (a record from before they were kept, or no /proc)."""
+
+    pid: int
+    start_ticks: int | None = None
+    boot_id: str | None = None
+
+    @classmethod
+    def current(cls) -> "ProcessIdentity":
+        return cls.of(os.getpid()) or cls(os.getpid())
+
+    @classmethod
+    def of(cls, pid: int, proc: str = _PROC) -> "ProcessIdentity | None":
+        """The identity of the live process `pid` (None when /proc shows none), read from `proc`."""
+        ticks = _start_ticks(pid, proc)
+        return None if ticks is None else cls(pid, ticks, _boot_id(proc))
+
+    def tag(self) -> str:
+        """This identity in a file name (IDENTITY_TAG's form): the pid alone when the rest is unknown."""
+        if self.start_ticks is None or self.boot_id is None:
+            return str(self.pid)
+        return f"{self.pid}-{self.start_ticks}-{self.boot_id}"
+
+    @classmethod
+    def from_tag(cls, text: str) -> "ProcessIdentity | None":
+        """The identity a file name's tag spells (a bare pid: pid only), None when it is no tag."""
+        match = _IDENTITY_TAG.fullmatch(text)
+        if match is None:
+            return None
+        pid, ticks, boot = match.groups()
+        return cls(int(pid), None if ticks is None else int(ticks), boot)
+
+    def is_current(self) -> bool:
+        """This process (by pid alone when the identity does not know more)."""
+        if self.pid != os.getpid():
+            return False
+        return self.start_ticks is None or self.boot_id is None or self == ProcessIdentity.current()
+
+
+def _read_small(path: str, limit: int) -> bytes | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, limit)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _boot_id(proc: str = _PROC) -> str | None:
+    raw = _read_small(os.path.join(proc, "sys/kernel/random/boot_id"), 64)
+    text = raw.decode("ascii", "replace").strip() if raw else ""
+    return text if _BOOT_ID.fullmatch(text) else None
+
+
+def _start_ticks(pid: int, proc: str = _PROC) -> int | None:
+    """Field 22 of /proc/<pid>/stat (None: no such process visible, or not a stat line). The command name
+    (field 2) may hold spaces and parentheses: fields are counted after its last ')'."""
+    if pid <= 0:
+        return None
+    raw = _read_small(os.path.join(proc, str(pid), "stat"), _STAT_MAX_BYTES)
+    if not raw or b")" not in raw:
+        return None
+    fields = raw.rsplit(b")", 1)[1].split()
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
+
+
+def identity_alive(identity: ProcessIdentity, proc: str = _PROC) -> bool:
+    """True while the process `identity` names may still run on this host: a process with its pid exists
+    and, when the identity knows them, it started at the same tick of the same boot.
+
+    A pid-only identity (older records and names) counts alive whenever its pid exists, as before: a
+    reused pid then keeps a leftover, but a live run's directory is never taken for a dead one's. A pid
+    that /proc does not show but that signals reach (/proc mounted with hidepid) cannot be told apart, and
+    counts alive for the same reason."""
+    if identity.start_ticks is None or identity.boot_id is None:
+        return pid_alive(identity.pid)
+    boot = _boot_id(proc)
+    if boot is None:
+        return pid_alive(identity.pid)
+    if boot != identity.boot_id:
+        return False  # the host rebooted since: every process of that boot is gone
+    ticks = _start_ticks(identity.pid, proc)
+    if ticks is None:
+        return pid_alive(identity.pid)
+    return ticks == identity.start_ticks
+
+
 @dataclass(frozen=True)
 class OwnerRecord:
     host: str
     pid: int
     run_id: str
     since: float  # time.time() when the lock was taken or the directory made
+    start_ticks: int | None = None  # with boot_id: which process `pid` was (ProcessIdentity); None in older records
+    boot_id: str | None = None
 
     @classmethod
     def mine(cls, run_id: str) -> "OwnerRecord":
-        return cls(socket.gethostname(), os.getpid(), run_id, time.time())
+        me = ProcessIdentity.current()
+        return cls(socket.gethostname(), me.pid, run_id, time.time(), me.start_ticks, me.boot_id)
+
+    def identity(self) -> ProcessIdentity:
+        return ProcessIdentity(self.pid, self.start_ticks, self.boot_id)
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
         return f"pid {self.pid} on host {self.host} (run {self.run_id}, since {when})"
 
 
+def _optional_int(value) -> int | None:
+    return None if value is None else int(value)
+
+
 def _parse_record(raw: bytes) -> OwnerRecord | None:
     try:
         data = json.loads(raw.decode())
-        return OwnerRecord(str(data["host"]), int(data["pid"]), str(data["run_id"]), float(data["since"]))
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        boot = data.get("boot_id")
+        if boot is not None and not (isinstance(boot, str) and _BOOT_ID.fullmatch(boot)):
+            return None
+        return OwnerRecord(str(data["host"]), int(data["pid"]), str(data["run_id"]), float(data["since"]),
+                           _optional_int(data.get("start_ticks")), boot)
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
         return None
 
 
@@ -279,7 +400,7 @@ def claim_directory(path: str, run_id: str, what: str = "directory", parents: in
 
 def _sweep_dead_maker(path: str, what: str, keep: Keep | None) -> None:
     made = read_record(os.path.join(path, CREATED_FILE))
-    if (made is None or made.host != socket.gethostname() or pid_alive(made.pid)
+    if (made is None or made.host != socket.gethostname() or identity_alive(made.identity())
             or _lock_is_held(os.path.join(path, LOCK_FILE))):
         return  # ours to keep, someone else's, or not decidable from this host
     result = sweep(path, made.run_id, keep)
@@ -314,9 +435,11 @@ def sweep(root: str, run_id: str, keep: Keep | None = None) -> Sweep:
     """Remove what run `run_id` made under `root` (root included), leave and report everything else.
 
     A directory is this run's when its marker names the run, or when it has no marker and lies inside
-    one of the run's directories (folders a run makes with plain makedirs). A directory marked by another
-    run, or locked by another run, or one `keep` gives a reason for (a checkpoint), is left whole and
-    reported as one entry; in a directory that existed before the run, each file is left and reported."""
+    one of the run's directories (folders a run makes with plain makedirs). Only `root` and the run's own
+    directories are looked into: any other directory (marked or locked by another run, one `keep` gives a
+    reason for, such as a checkpoint, or one that existed before the run) is left whole, unentered, and
+    reported as one entry; in a directory that existed before the run, each file is left and reported. An
+    entry that cannot be read or removed is reported too, and the sweep goes on."""
     result = Sweep([], [])
     if os.path.isdir(root) and not os.path.islink(root):
         _sweep(os.path.abspath(root), run_id, inside_ours=False, result=result, keep=keep)
@@ -354,28 +477,53 @@ def _lock_is_held(lock_file: str) -> bool:
 
 
 def _sweep(path: str, run_id: str, inside_ours: bool, result: Sweep, keep: Keep | None) -> bool:
-    """Sweep one directory; True when it is gone."""
+    """Sweep one directory; True when it is gone. Only the root and directories of this run are listed:
+    any other directory is reported whole and never entered (it may be unreadable, or huge, and is not
+    ours to look through). An entry that cannot be read or removed is reported and skipped."""
     foreign = _foreign_reason(path, run_id, keep)
     if foreign is not None:
         result.left.append(foreign)
         return False
     ours = created_by(path, run_id) or (inside_ours and not os.path.exists(os.path.join(path, CREATED_FILE)))
-    for entry in sorted(os.scandir(path), key=lambda e: e.name):
-        if entry.name in _BOOKKEEPING:
-            continue
-        if entry.is_dir(follow_symlinks=False):
-            _sweep(entry.path, run_id, ours, result, keep)
-        elif ours:
-            os.unlink(entry.path)
-        else:
-            result.left.append(entry.path)
+    entries = _entries(path, result)
+    if entries is None:
+        return False
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                if ours or created_by(entry.path, run_id):
+                    _sweep(entry.path, run_id, ours, result, keep)
+                else:
+                    reason = _foreign_reason(entry.path, run_id, keep)
+                    result.left.append(reason or f"{entry.path} (not made by this run)")
+            elif ours:
+                os.unlink(entry.path)
+            else:
+                result.left.append(entry.path)
+        except OSError as e:
+            result.left.append(f"{entry.path} (cannot be swept: {e.strerror or e})")
     if not ours:
         return False
-    if any(e.name not in _BOOKKEEPING for e in os.scandir(path)):
+    remaining = _entries(path, result)
+    if remaining is None or remaining:
         return False  # something foreign inside (already reported): the directory stays
-    shutil.rmtree(path)
+    try:
+        shutil.rmtree(path)
+    except OSError as e:
+        result.left.append(f"{path} (cannot be removed: {e.strerror or e})")
+        return False
     result.removed.append(path)
     return True
+
+
+def _entries(path: str, result: Sweep) -> list[os.DirEntry] | None:
+    """The entries of `path` but the bookkeeping files, sorted by name; None (reported) when it cannot be read."""
+    try:
+        with os.scandir(path) as scan:
+            return sorted((e for e in scan if e.name not in _BOOKKEEPING), key=lambda e: e.name)
+    except OSError as e:
+        result.left.append(f"{path} (cannot be read: {e.strerror or e})")
+        return None
 
 
 def remove_own_entries(directory: str, is_own: Callable[[str], bool], what: str) -> None:

@@ -32,7 +32,8 @@ from .fileops import (  # noqa: F401 - checkpoint/ uses them through the stager
     read_at, write_at, write_file_durable, fsync_dir, make_dirs, publish_dir, remove_tree, glob_paths)
 from .hostio import (  # noqa: F401 - requantize.py moves bytes, miles/bench/floor.py times the disk, through them
     NO_DIRECT, HostMemory, as_bytes, drop_page_cache, host_buffer, open_direct, pread_into, pwrite_all)
-from .ownership import LOCK_FILE, DirectoryInUseError, DirectoryLock, pid_alive  # noqa: F401 - store, checkpoint/
+from .ownership import (  # noqa: F401 - store, checkpoint/
+    LOCK_FILE, DirectoryInUseError, DirectoryLock, ProcessIdentity, identity_alive)
 from .tickets import IOCounters, Ticket  # noqa: F401
 from .verify import FileChecksums
 
@@ -41,16 +42,81 @@ logger = logging.getLogger(__name__)
 _NO_FALLOCATE = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
 
 
-def available_host_memory() -> int | None:
-    """MemAvailable of this host in bytes (Linux), None where it cannot be read."""
+_PROC_FILE_MAX_BYTES = 64 << 10  # /proc/meminfo and /proc/self/cgroup are a few KiB; a cgroup value, a line
+
+
+def available_host_memory(root: str = "/") -> int | None:
+    """Bytes of memory this process can still take: the host's MemAvailable, or less when the process's
+    cgroup (a SLURM job, a container) has a memory limit with less left under it; None where neither can
+    be read. `root` is where the filesystem is (a test passes a fake one)."""
+    readings = [r for r in (_meminfo_available(root), _cgroup_memory_left(root)) if r is not None]
+    return min(readings) if readings else None
+
+
+def _read_text(root: str, path: str) -> str | None:
+    """The start of a small system file under `root`, None when it cannot be read."""
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+        fd = os.open(os.path.join(root, path.lstrip("/")), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, _PROC_FILE_MAX_BYTES).decode("ascii", "replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _meminfo_available(root: str) -> int | None:
+    for line in (_read_text(root, "proc/meminfo") or "").splitlines():
+        fields = line.split()
+        if len(fields) >= 2 and fields[0] == "MemAvailable:" and fields[1].isdigit():
+            return int(fields[1]) * 1024
     return None
+
+
+# (mount point, limit file, usage file) of the memory controller: cgroup v2, then v1 where v2 has none
+_CGROUP_MEMORY = (("sys/fs/cgroup", "memory.max", "memory.current"),
+                  ("sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes"))
+
+
+def _cgroup_memory_left(root: str) -> int | None:
+    """The least memory left under a limit of this process's cgroup or one above it (a limit may be set on
+    a job and its processes sit in a step below), None when no limit applies or none can be read.
+    "max" (v2) is no limit; v1 writes no limit as a huge number, which the host's reading then undercuts."""
+    paths = _own_cgroups(_read_text(root, "proc/self/cgroup") or "")
+    for (mount, limit_file, usage_file), path in zip(_CGROUP_MEMORY, (paths.get("v2"), paths.get("v1"))):
+        if path is None:
+            continue
+        left = []
+        while True:
+            directory = os.path.join(mount, path.lstrip("/"))
+            limit = _read_text(root, os.path.join(directory, limit_file))
+            usage = _read_text(root, os.path.join(directory, usage_file))
+            if limit is not None and usage is not None and limit.strip().isdigit() and usage.strip().isdigit():
+                left.append(max(0, int(limit.strip()) - int(usage.strip())))
+            if path == "/":
+                break
+            path = os.path.dirname(path)
+        if left:
+            return min(left)
+    return None
+
+
+def _own_cgroups(text: str) -> dict[str, str]:
+    """From /proc/self/cgroup: the unified (v2, ``0::<path>``) and the v1 memory controller's cgroup paths.
+    A path that is not absolute or climbs with ``..`` is not a kernel's and is ignored."""
+    found = {}
+    for line in text.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if not path.startswith("/") or ".." in path.split("/"):
+            continue
+        if hierarchy == "0" and controllers == "":
+            found["v2"] = os.path.normpath(path)
+        elif "memory" in controllers.split(","):
+            found["v1"] = os.path.normpath(path)
+    return found
 
 
 def check_host_cache_budget(budget_bytes: int, available_bytes: int | None) -> None:
