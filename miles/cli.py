@@ -103,11 +103,11 @@ def train_main(argv: Sequence[str]) -> int:
         print("miles train: the training loop (miles.train) is not part of this build", file=sys.stderr)
         return 1
     try:
-        ret = train_mod.run(config)
+        train_mod.run(config)
     except train_mod.RunError as e:  # the actor's traceback is already in the log: one line here
         print(f"miles train: {e}", file=sys.stderr)
         return 1
-    return int(ret) if isinstance(ret, int) else 0
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -10,6 +10,7 @@ import statistics
 from typing import Any, Optional, Sequence
 
 from miles.config import RunConfig
+from miles.run_lifecycle import RunState
 from miles_plugins.optimizers.streaming.units import GB
 
 logger = logging.getLogger("miles.train")
@@ -221,11 +222,11 @@ def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
-def log_summary(config: RunConfig, summary: dict[str, Any]) -> None:
-    recs = summary["records"]
+def log_summary(config: RunConfig, state: RunState) -> None:
+    recs = state.records
     ckpt = config.checkpoint
     lines = ["run finished in %.1f s: %d rollout(s) (%s)" % (
-        summary["seconds"], len(recs),
+        state.seconds, len(recs),
         f"rollouts {recs[0]['rollout_id']}..{recs[-1]['rollout_id']}" if recs else "nothing left to do")]
     if recs:
         lines.append("  reward: first %.3f, last %.3f; mean step %.2f s" % (
@@ -234,13 +235,13 @@ def log_summary(config: RunConfig, summary: dict[str, Any]) -> None:
             lines.append("  streamed optimizer state: %.3f GB read, %.3f GB written in total, last step %.2f GB/s" % (
                 sum(r["stream_read_gb"] for r in recs), sum(r["stream_written_gb"] for r in recs),
                 recs[-1]["stream_gbps"]))
-    if summary["checkpoints"]:
-        lines.append(f"  checkpoints: {', '.join(summary['checkpoints'])}")
-        lines.append(f"  latest checkpoint: {summary['latest_checkpoint']} (resume with --load {ckpt.save})")
+    if state.checkpoints:
+        lines.append(f"  checkpoints: {', '.join(state.checkpoints)}")
+        lines.append(f"  latest checkpoint: {state.latest_checkpoint} (resume with --load {ckpt.save})")
     elif ckpt.save:
         lines.append(f"  no checkpoint written (--save {ckpt.save}, --save-interval {ckpt.save_interval})")
     else:
         lines.append("  no checkpoints (--save not given)")
-    lines.append(f"  metrics: {summary['metrics_file']}" +
-                 (f", TensorBoard: {summary['tensorboard_dir']}" if summary.get("tensorboard_dir") else ""))
+    lines.append(f"  metrics: {state.metrics_file}" +
+                 (f", TensorBoard: {state.tensorboard_dir}" if state.tensorboard_dir else ""))
     logger.info("\n".join(lines))

@@ -40,8 +40,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-if TYPE_CHECKING:  # annotations only: miles.config asks this module which model to load (no import cycle)
-    from miles.config import RunConfig
+if TYPE_CHECKING:  # annotations only, from the leaf that defines it: miles.config's validation imports this module
+    from miles.config.run_config import RunConfig
 from miles.sizing.bounds import HIDDEN, LAYERS, WIDTH, Bound, shown
 from miles.sizing.presets import LLAMA_9B_RANDOM
 

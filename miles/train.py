@@ -21,13 +21,8 @@ installed, and a summary at the end that says where the checkpoints are. A faili
 the run: its traceback is logged once, and :class:`RunError` carries one line naming the actor and the
 exception it raised; temporary directories are removed either way.
 
-Ownership of the disk: the driver locks the run root before Ray starts and holds it to the end (a
-second run on the same root stops at once with exit code 2, naming the first); every directory the
-run makes is marked as made by its run id, and teardown removes only those, on the driver's node and on
-every other node that hosted the run's actors (:mod:`miles.ray.node_sweep`; one warning lists what else
-it found under the root, and on which node). SIGTERM and SIGINT stop the loop at once (one line says so),
-run the same teardown (at most 25 s), print one line and exit with 128 + the signal number; a second
-signal, or teardown running past its limit, exits at once (:class:`_StopOnSignal`).
+The run's root lock, its answer to SIGTERM/SIGINT, its teardown and its state (:class:`RunState`, what
+``run`` returns) live in :mod:`miles.run_lifecycle`; this module is the loop and its setup.
 """
 
 from __future__ import annotations
@@ -35,26 +30,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
-import sys
-import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from miles import checkpoint
 from miles.config import RunConfig
 from miles.logging_setup import configure_logging, progress_bar, set_driver_env
 from miles.metrics import MetricsSink, format_rollout_line, log_summary, rollout_record
-from miles.ray.node_sweep import (NodeSweep, checkpoint_reason, left_entries, removed_line, sweep_nodes,
-                                  sweep_run_root, wait_for_exit)
-from miles_plugins.optimizers.streaming.io.ownership import (
-    DirectoryInUseError,
-    DirectoryLock,
-    LockUnsupportedError,
-    claim_directory,
-    listing,
-    make_directory,
-)
+from miles.run_lifecycle import Actors, RunState, StopOnSignal, hold_root_and_run, tear_down
 from miles_plugins.optimizers.streaming.units import GB
 
 logger = logging.getLogger("miles.train")
@@ -68,85 +51,6 @@ class RunError(RuntimeError):
 class SkippedStepsError(RuntimeError):
     """--max-consecutive-skipped-steps rollouts in a row could not be trained on (non-finite grads, or
     engine output that is not valid training input): the run stops instead of going on without learning."""
-
-
-class RunInterrupted(BaseException):
-    """SIGTERM or SIGINT arrived: the loop stops, teardown runs, the process exits 128 + signum.
-
-    A BaseException (like KeyboardInterrupt) so that no ``except Exception`` on the way swallows it."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-class _StopOnSignal:
-    """While installed, the first SIGTERM/SIGINT logs one line at once (what the run was waiting for) and
-    raises :class:`RunInterrupted` in the main thread; the driver's waits return to Python every
-    :data:`miles.ray.errors.WAKE_S` for it, however long the actor call. Teardown then has
-    ``teardown_limit_s``. A second signal, or the limit passing, stops the process at once: one line, then
-    ``os._exit(128 + signum)``; Ray ends the actors of a driver that is gone, and the next run on the same
-    root removes what they left. ``ray.init`` replaces the driver's SIGTERM handler: call :meth:`install`
-    again after it."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-    TEARDOWN_LIMIT_S = 25.0  # schedulers send SIGKILL about 30 s after SIGTERM: stop first, with a line
-
-    def __init__(self, teardown_limit_s: float = TEARDOWN_LIMIT_S):
-        self.received: Optional[int] = None
-        self.teardown_limit_s = teardown_limit_s
-        self._previous = {}
-        self._deadline: Optional[threading.Timer] = None
-
-    def install(self) -> None:
-        for signum in self.SIGNALS:
-            previous = signal.signal(signum, self._handle)
-            self._previous.setdefault(signum, previous)
-
-    def restore(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
-        self._previous.clear()
-
-    def _handle(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.received is not None:
-            self._stop_now(signum, f"second signal ({name}) during teardown")
-        self.received = signum
-        # the module is loaded by the first actor call; importing Ray here would hold the line back
-        errors = sys.modules.get("miles.ray.errors")
-        pending = errors.waiting_for() if errors is not None else None
-        logger.warning("%s received: stopping the run%s; teardown gets at most %.0f s (a second signal stops at "
-                       "once)", name, f", which was waiting for {pending}" if pending else "", self.teardown_limit_s)
-        self._deadline = threading.Timer(self.teardown_limit_s, self._stop_now,
-                                         (signum, f"teardown still running {self.teardown_limit_s:.0f} s after {name}"))
-        self._deadline.daemon = True
-        self._deadline.start()
-        raise RunInterrupted(signum)
-
-    @staticmethod
-    def _stop_now(signum: int, why: str) -> None:
-        logger.error("%s: stopping at once (exit %d); the actors end with this process, the next run removes what "
-                     "they left", why, 128 + signum)
-        os._exit(128 + signum)
-
-
-def claim_run_root(config: RunConfig) -> DirectoryLock:
-    """Lock the run root for this run (made if missing, when its parent exists) and make the mechanisms'
-    folders under it.
-
-    Raises :class:`DirectoryInUseError` naming the run that holds the root, FileNotFoundError when the
-    root's parent does not exist (nothing is created). The folders are made here, marked with this run's
-    id, so that teardown knows them as this run's and removes them. What a killed run left under the root
-    is swept first, its checkpoints excepted (:func:`~miles.ray.node_sweep.checkpoint_reason`)."""
-    paths = config.paths
-    lock = claim_directory(paths.root, config.run_id, "run root (--offload-train-disk-dir)", parents=0,
-                           keep=checkpoint_reason)
-    for folder in (paths.trainer, paths.optimizer_state, paths.rollout):
-        make_directory(folder, config.run_id)
-    return lock
 
 
 # ---- small helpers ----------------------------------------------------------------------------------
@@ -211,106 +115,47 @@ def _init_ray(config: RunConfig) -> bool:
 
 
 # ---- the loop -----------------------------------------------------------------------------------------
-def run(config: RunConfig) -> dict[str, Any]:
-    """Run the RL loop; returns a summary dict (also logged). Raises :class:`RunError` when an actor fails.
+def run(config: RunConfig) -> RunState:
+    """Run the RL loop; returns what the run did (also logged). Raises :class:`RunError` when an actor fails.
 
-    Exits the process (``SystemExit``) in two cases, each with one line on stderr: the run root is held by
-    another run, its filesystem has no file locks, or its parent does not exist (exit code 2, nothing started), or SIGTERM/SIGINT arrived (128 + the signal number, after
-    teardown)."""
+    Exits the process (``SystemExit``) with one line on stderr when the run root cannot be held (exit code
+    2, nothing started) or SIGTERM/SIGINT arrived (128 + the signal number, after teardown):
+    :func:`miles.run_lifecycle.hold_root_and_run`."""
     configure_logging(config.logging.log_level)
-    try:
-        root_lock = claim_run_root(config)
-    except (DirectoryInUseError, LockUnsupportedError, FileNotFoundError) as e:
-        print(f"miles train: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    for directory in config.creates:
-        logger.info("%s does not exist: this run creates it", directory)
-    stop = _StopOnSignal()
-    stop.install()
-    summary: dict[str, Any] = {"run_dir": config.paths.run_dir, "metrics_file": config.logging.metrics_file,
-                               "checkpoints": [], "latest_checkpoint": None, "records": [], "node_sweeps": []}
-    try:
-        checkpoint.remove_interrupted_saves(config.checkpoint.save)
-        return _run_holding_root(config, stop, summary)
-    except RunInterrupted as e:
-        signum = e.signum
-    except SystemError:
-        # The handler's RunInterrupted, raised while the main thread was inside a C extension (Ray's
-        # CoreWorker.wait), comes back out of it as a SystemError: still the signal.
-        if stop.received is None:
-            raise
-        signum = stop.received
-    finally:
-        try:
-            removed = remove_run_directories(config, summary["node_sweeps"])
-            removed += len(checkpoint.remove_unpublished_saves(config.checkpoint.save))  # the ranks are gone
-            root_lock.release()
-        finally:
-            stop.restore()  # only now: a second signal during this cleanup still stops at once
-    print(interrupted_line(signum, summary, removed), file=sys.stderr)
-    raise SystemExit(128 + signum) from None
+    return hold_root_and_run(config, _run_holding_root)
 
 
-def remove_run_directories(config: RunConfig, others: Sequence[NodeSweep] = ()) -> int:
-    """The driver's backstop, after the actors are gone: remove every directory under the run root that
-    this run made (what an actor that crashed or was killed could not), the root included when the run
-    made it; log it with ``others``, the sweeps of the other nodes that hosted actors, and warn once about
-    everything else found there or on them. Returns how many directories were removed on all nodes."""
-    root = config.paths.root
-    here = sweep_run_root(root, config.run_id)
-    removed = removed_line(root, here, others)
-    if removed:
-        logger.info("%s", removed)
-    left = left_entries(here, others)
-    if left:
-        logger.warning("left under %s what this run did not make (or another run holds): %s", root, listing(left))
-    return len(here.removed) + sum(len(n.removed) for n in others)
-
-
-def interrupted_line(signum: int, summary: dict[str, Any], removed: int) -> str:
-    """The one line an interrupted run prints: which signal, how far it got, what is safe to resume from."""
-    records = summary["records"]
-    # rollouts are counted from 1 here, as in the per-rollout log line ("rollout 3/10")
-    progress = f"after rollout {records[-1]['rollout_id'] + 1}" if records else "before the first rollout completed"
-    latest = summary["latest_checkpoint"] or summary.get("loaded_checkpoint")
-    resume = f"checkpoint {latest} is the last complete one" if latest else "no checkpoint was saved"
-    return (f"miles train: interrupted by {signal.Signals(signum).name} {progress}; removed {removed} "
-            f"director{'y' if removed == 1 else 'ies'}, {resume}")
-
-
-def _run_holding_root(config: RunConfig, stop: _StopOnSignal, summary: dict[str, Any]) -> dict[str, Any]:
+def _run_holding_root(config: RunConfig, stop: StopOnSignal, state: RunState) -> RunState:
     import ray
 
     from miles.models import load_tokenizer, prepare_policy
     from miles.ray.errors import ActorFailure
     from miles.ray.node_disk import NodeDiskError
-    from miles.ray.placement_group import remove
-    from miles.weights.transport import default_shm_dir, sweep_dead_files
 
     t_run = time.perf_counter()
     source = prepare_policy(config)  # one-time model conversion happens here, not in every actor
     tokenizer = load_tokenizer(config)
     started_ray = _init_ray(config)
     stop.install()  # ray.init replaced the SIGTERM handler
-    run = _Actors()
+    actors = Actors()
     sink = None
     failure: Optional[BaseException] = None
     try:
-        _start_actors(config, run, summary, source)
-        start_rollout, cursor = _resume(config, run.train_group, summary)
+        _start_actors(config, actors, state, source)
+        start_rollout, cursor = _resume(config, actors.train_group, state)
         # engines start from the trainer's weights (matters after --load or with a pretrained model)
         from miles.ray.weight_sync import WeightSync
 
-        weight_sync = WeightSync(config, run.train_group, run.rollout, summary["train_ranks"],
-                                 summary["rollout_engines"], run.use_gpu)
+        weight_sync = WeightSync(config, actors.train_group, actors.rollout, state.train_ranks, state.rollout_engines,
+                                 actors.use_gpu)
         weight_sync.push(start_rollout)
         if config.offload.offload_train:
-            run.train_group.sleep()
+            actors.train_group.sleep()
         sink = MetricsSink(config.logging.metrics_file, config.logging.tensorboard_dir, config.run_id,
-                           summary["resumed_runs"], start_rollout)
-        summary["tensorboard_dir"] = sink.tb_dir if sink.tb is not None else None
-        loop = _Loop(config, cursor, tokenizer, run.train_group, run.rollout, weight_sync, sink, summary)
-        summary["last_record"] = loop.run(range(start_rollout, config.rollout.num_rollout))
+                           state.resumed_runs, start_rollout)
+        state.tensorboard_dir = sink.tb_dir if sink.tb is not None else None
+        _Loop(config, cursor, tokenizer, actors.train_group, actors.rollout, weight_sync, sink, state).run(
+            range(start_rollout, config.rollout.num_rollout))
     except ActorFailure as e:
         failure = e
         logger.error("%s failed on %s. The actor's traceback:\n%s", e.what, e.actor, e.remote_traceback)
@@ -321,31 +166,19 @@ def _run_holding_root(config: RunConfig, stop: _StopOnSignal, summary: dict[str,
         failure = e
         raise
     finally:
-        _teardown(run.train_group, run.rollout, run.pg, sink, failed=failure is not None, remove_pg=remove)
-        summary["node_sweeps"] = _sweep_actor_nodes(config, run.actor_nodes, _actor_pids_by_node(summary))
-        # an actor killed in the middle of a weight handoff ran no cleanup: its host-memory bucket is a file
-        sweep_dead_files(default_shm_dir())
+        tear_down(config, actors, state, sink, failed=failure is not None)
         if started_ray:  # after the sweeps: they are Ray tasks
             ray.shutdown()
-    summary["seconds"] = time.perf_counter() - t_run
+    state.seconds = time.perf_counter() - t_run
     if failure is not None:
         # the traceback was logged once above; the error itself is the one-line cause
         cause = failure.summary if isinstance(failure, ActorFailure) else str(failure)
         raise RunError(f"run stopped: {cause}") from None
-    log_summary(config, summary)
-    return summary
+    log_summary(config, state)
+    return state
 
 
-class _Actors:
-    """What a run started on the cluster (None until started), for its teardown."""
-
-    def __init__(self):
-        self.pg = self.train_group = self.rollout = None
-        self.use_gpu = False
-        self.actor_nodes: list[str] = []
-
-
-def _start_actors(config: RunConfig, run: _Actors, summary: dict[str, Any], source) -> None:
+def _start_actors(config: RunConfig, actors: Actors, state: RunState, source) -> None:
     """Placement group, the per-node disk check, the train actors and the rollout engines, initialized;
     one line on what runs where."""
     from miles.ray.node_disk import check_node_disks
@@ -353,17 +186,18 @@ def _start_actors(config: RunConfig, run: _Actors, summary: dict[str, Any], sour
     from miles.ray.rollout_manager import RolloutManager
     from miles.ray.train_group import RayTrainGroup
 
-    run.pg, run.use_gpu, _ = create_placement_group(config)
-    run.actor_nodes = list(dict.fromkeys(bundle_nodes(run.pg)))  # every node an actor can run on, in bundle order
+    actors.pg, actors.use_gpu, _ = create_placement_group(config)
+    actors.actor_nodes = list(dict.fromkeys(bundle_nodes(actors.pg)))  # every node an actor can run on, in bundle order
     # every node's disk against what its ranks will write, before any actor starts
-    summary["nodes"] = [vars(n) for n in check_node_disks(config, run.pg)]
-    run.train_group = RayTrainGroup(config, run.pg, run.use_gpu)
-    run.rollout = RolloutManager(config, run.pg, run.use_gpu)
+    state.nodes = [vars(n) for n in check_node_disks(config, actors.pg)]
+    actors.train_group = RayTrainGroup(config, actors.pg, actors.use_gpu)
+    actors.rollout = RolloutManager(config, actors.pg, actors.use_gpu)
     logger.info("starting %d train actor(s) and %d rollout engine(s) (each imports torch and builds the "
-                "model: this takes a while on a small machine)", len(run.train_group.actors), len(run.rollout.engines))
-    infos = run.train_group.init()
-    engine_infos = run.rollout.init()
-    summary["train_ranks"], summary["rollout_engines"] = infos, engine_infos
+                "model: this takes a while on a small machine)", len(actors.train_group.actors),
+                len(actors.rollout.engines))
+    infos = actors.train_group.init()
+    engine_infos = actors.rollout.init()
+    state.train_ranks, state.rollout_engines = infos, engine_infos
     info0 = infos[0]
     logger.info("policy: %s | %.2fM params, %s on %s | %d train ranks (%s), %d rollout engine(s)%s",
                 source.description, info0["num_params"] / 1e6, info0["dtype"], info0["device"], len(infos),
@@ -377,7 +211,7 @@ def _start_actors(config: RunConfig, run: _Actors, summary: dict[str, Any], sour
                     f", per-rank directories under {config.paths.trainer}" if config.uses_rank_dirs else "")
 
 
-def _resume(config: RunConfig, train_group, summary: dict[str, Any]) -> tuple[int, "_DataCursor"]:
+def _resume(config: RunConfig, train_group, state: RunState) -> tuple[int, "_DataCursor"]:
     """With --load: the checkpoint's model (and optimizer state) into every rank; the rollout to start at
     and the prompt stream's position (both 0 on a fresh start or with --finetune)."""
     from miles.rl import make_prompt_source
@@ -400,9 +234,9 @@ def _resume(config: RunConfig, train_group, summary: dict[str, Any]) -> tuple[in
             logger.info("loaded %s: model%s; resuming at rollout %d, prompt %d", base,
                         f", optimizer ({loaded[0]['optimizer']})" if load_optim else " only (optimizer skipped)",
                         start_rollout, data_position)
-            summary["loaded_checkpoint"] = base
-            summary["load_info"] = loaded
-    summary["start_rollout"], summary["resumed_runs"] = start_rollout, resumed_runs
+            state.loaded_checkpoint = base
+            state.load_info = loaded
+    state.start_rollout, state.resumed_runs = start_rollout, resumed_runs
     return start_rollout, _DataCursor(make_prompt_source(config), data_position)
 
 
@@ -410,27 +244,26 @@ class _Loop:
     """The rollouts of a run: each one generates, scores, trains, saves when due, hands the weights over
     and puts the trainer to sleep (the module docstring has the order), then writes its record."""
 
-    def __init__(self, config: RunConfig, cursor, tokenizer, train_group, rollout, weight_sync, sink, summary):
+    def __init__(self, config: RunConfig, cursor, tokenizer, train_group, rollout, weight_sync, sink,
+                 state: RunState):
         self.config, self.cursor, self.tokenizer = config, cursor, tokenizer
         self.train_group, self.rollout, self.weight_sync = train_group, rollout, weight_sync
-        self.sink, self.summary = sink, summary
+        self.sink, self.state = sink, state
         self.pending = None  # a checkpoint whose streamed optimizer state is still being copied
         self.skipped_in_a_row = 0  # rollouts since the last applied optimizer step
 
-    def run(self, rollout_ids) -> Optional[dict]:
-        record = None
+    def run(self, rollout_ids) -> None:
         num_rollout = self.config.rollout.num_rollout
         with progress_bar(rollout_ids, total=num_rollout, initial=rollout_ids.start) as bar:
             for rollout_id in bar:
                 record = self.rollout_step(rollout_id)
                 self.sink.write(record)
-                self.summary["records"].append(record)
+                self.state.records.append(record)
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:+.3g}")
                 logger.info(format_rollout_line(record, num_rollout))
                 self.count_skipped_step(record)
         if self.pending is not None:
-            _publish(self.config, self.train_group, self.pending, self.summary)
-        return record
+            _publish(self.config, self.train_group, self.pending, self.state)
 
     def count_skipped_step(self, record: dict[str, Any]) -> None:
         """A skipped optimizer step is logged in full; --max-consecutive-skipped-steps of them in a row stop
@@ -471,7 +304,7 @@ class _Loop:
         overlap with) is waited for at once."""
         config = self.config
         if self.pending is not None:  # the previous checkpoint's streamed state copied during this step
-            _publish(config, self.train_group, self.pending, self.summary)
+            _publish(config, self.train_group, self.pending, self.state)
             self.pending = None
         if not _should_save(config, completed):
             return None
@@ -480,7 +313,7 @@ class _Loop:
         if background:
             self.pending = pending
         else:
-            _publish(config, self.train_group, pending, self.summary, waited=True)
+            _publish(config, self.train_group, pending, self.state, waited=True)
         return pending["base"]
 
     def rollout_step(self, rollout_id: int) -> dict[str, Any]:
@@ -528,54 +361,22 @@ def _save(config: RunConfig, train_group, completed: int, cursor: _DataCursor, w
     return {"base": base, "completed": completed, "data_state": cursor.state()}
 
 
-def _publish(config: RunConfig, train_group, pending: dict[str, Any], summary: dict[str, Any],
+def _publish(config: RunConfig, train_group, pending: dict[str, Any], state: RunState,
              waited: bool = False) -> None:
     """Every rank's part is on disk: write the meta, then point ``latest`` at the checkpoint."""
     if not waited:
         train_group.finish_save()
     base = pending["base"]
     checkpoint.write_meta(base, next_rollout_id=pending["completed"], data_state=pending["data_state"],
-                          world_size=train_group.world_size, runs=[*summary["resumed_runs"], config.run_id],
+                          world_size=train_group.world_size, runs=[*state.resumed_runs, config.run_id],
                           extra={"streamed_optimizer_state": config.optimizer.stream_optimizer_state_to_disk})
     checkpoint.publish(config.checkpoint.save, base)
-    summary["checkpoints"].append(base)
-    summary["latest_checkpoint"] = base
+    state.checkpoints.append(base)
+    state.latest_checkpoint = base
     keep_latest = config.checkpoint.save_keep_latest
     if keep_latest is not None:
-        loaded = summary.get("loaded_checkpoint")  # set only when this run resumed from a checkpoint
+        loaded = state.loaded_checkpoint  # set only when this run resumed from a checkpoint
         removed = checkpoint.remove_beyond_latest(config.checkpoint.save, keep_latest, [loaded] if loaded else [])
-        summary["checkpoints"] = [c for c in summary["checkpoints"] if c not in removed]
+        state.checkpoints = [c for c in state.checkpoints if c not in removed]
     logger.info("checkpoint complete: %s%s", base,
                 "" if waited else " (optimizer state copied in the background during the next rollout)")
-
-
-def _actor_pids_by_node(summary: dict[str, Any]) -> dict[str, list[int]]:
-    """``{node: [pids of the run's actors there]}``, from the actors' infos (none when init did not finish)."""
-    out: dict[str, list[int]] = {}
-    for info in summary.get("train_ranks", []) + summary.get("rollout_engines", []):
-        out.setdefault(info["node_id"], []).append(info["pid"])
-    return out
-
-
-def _sweep_actor_nodes(config: RunConfig, actor_nodes: list[str],
-                       pids_by_node: dict[str, list[int]]) -> list[NodeSweep]:
-    """Wait for the actors of the driver's node to exit (that node is swept later, in :func:`run`), and sweep
-    the run root on every other node that hosted actors, while Ray is still up (none on one node)."""
-    import ray
-
-    here = ray.get_runtime_context().get_node_id()
-    wait_for_exit(pids_by_node.get(here, []))  # a pid means something only on its own host
-    others = [node for node in actor_nodes if node != here]
-    return sweep_nodes(others, config.paths.root, config.run_id, pids_by_node)
-
-
-def _teardown(train_group, rollout, pg, sink, failed, remove_pg) -> None:
-    grace = 5.0 if failed else 60.0  # a failed run may have ranks stuck in a collective: do not wait long
-    if train_group is not None:
-        train_group.shutdown(timeout_s=grace)
-    if rollout is not None:
-        rollout.shutdown(timeout_s=grace)
-    if pg is not None:
-        remove_pg(pg)
-    if sink is not None:
-        sink.close()

@@ -1,4 +1,5 @@
 """Training backends: `torch` (transformers + ZeRO-1, runs on CPU) and `megatron` (GPU only).
 
-The interface and the registry are in :mod:`miles.backends.base` (``TrainBackend``, ``BACKENDS``).
+The interface is :class:`miles.backends.base.TrainBackend`; the registry by ``--train-backend`` value is
+:data:`miles.config.backends.BACKENDS`.
 """

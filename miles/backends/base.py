@@ -6,9 +6,9 @@ counts all-reduced, grads zeroed, the store's read-ahead, the policy gradient ov
 optimizer step, the step's metrics), sleep/wake around the offloader, the checkpoint calls and shutdown.
 A backend fills in only its own part, the hooks below ``# ---- hooks``: how it joins the process group,
 builds the model and optimizer, computes log-probs, steps the optimizer, what it offloads, how it hands
-its weights over. :data:`BACKENDS` names the backends by ``--train-backend`` value as ``"module:Class"``
-strings, so choosing a backend imports nothing until an actor builds it (megatron-core, for one, imports
-only on GPU machines that have it).
+its weights over. :data:`miles.config.backends.BACKENDS` names the backends by ``--train-backend`` value
+as ``"module:Class"`` strings, so choosing a backend imports nothing until an actor builds it
+(megatron-core, for one, imports only on GPU machines that have it).
 
 Lifecycle, as :class:`miles.ray.train_actor.TrainActor` calls it::
 
@@ -16,7 +16,7 @@ Lifecycle, as :class:`miles.ray.train_actor.TrainActor` calls it::
     info = trainer.init("127.0.0.1:29500")      # process group at host:port, model, optimizer, store, offloader
     metrics = trainer.train(rollout_id, samples, advantages)              # one optimizer step
     trainer.join_weight_group(spec)             # the source of the weight-update group (engines elsewhere)
-    stats = trainer.push_weights(ipc_engines, group_engines)   # weights to the engines, by reference
+    stats = trainer.push_weights(ipc_engines, group_engines, payload, tp_size)   # as the engines consume them
     trainer.save(base, wait); trainer.finish_save(); trainer.load(base, load_optimizer)
     trainer.sleep(); trainer.wake()             # idempotent; dicts of offload stats
     trainer.shutdown()                          # closes files, removes rank_dir; idempotent
@@ -42,24 +42,20 @@ import torch
 import torch.distributed as dist
 
 from miles import checkpoint
-from miles.config import RunConfig
+from miles.config import RunConfig, store_config
 from miles.models import torch_dtype
 from miles.offload import make_offloader
 from miles.process_memory import peak_rss_bytes
 from miles.rl.loss import accumulate_policy_gradient, training_input_problem
-from miles_plugins.optimizers.nvme_stream import StepStats, StoreGroup, StreamConfig, stream_optimizer_state
+from miles_plugins.optimizers.nvme_stream import StepStats, StoreGroup, stream_optimizer_state
 from miles_plugins.optimizers.streaming.io.ownership import DirectoryLock, claim_directory, remove_created
 
 logger = logging.getLogger(__name__)
 
-BACKENDS: dict[str, str] = {
-    "torch": "miles.backends.torch_backend.trainer:TorchTrainer",
-    "megatron": "miles.backends.megatron_backend.trainer:MegatronTrainer",
-}
-
 
 def resolve_backend(spec: str) -> type["TrainBackend"]:
-    """The class named by a ``"module:Class"`` spec (a value of :data:`BACKENDS`), imported now."""
+    """The class named by a ``"module:Class"`` spec (a value of :data:`miles.config.backends.BACKENDS`),
+    imported now."""
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
         raise ValueError(f"backend spec {spec!r} is not of the form 'module:Class'")
@@ -78,26 +74,6 @@ def offload_stats(stats) -> dict[str, Any]:
 def loss_arguments(config: RunConfig) -> dict[str, float]:
     """The policy-gradient loss's knobs from the config, exactly as given (``--eps-clip 0`` is 0)."""
     return {"eps_clip": config.training.eps_clip, "temperature": config.rollout.rollout_temperature}
-
-
-def store_config(config: RunConfig, rank: int, ranks_on_node: int) -> StreamConfig:
-    """The store's :class:`StreamConfig` from the run's config (the store's own defaults for the rest).
-    Flags not given (None) leave the choice to the store: the bucket size and depth it fits to the device
-    budget, the budget one default bucket's worth.
-
-    A host tier of "auto" is shared by the ranks of a node: ``ranks_on_node``, the train ranks the actor
-    factory placed on this rank's node (rank_nodes of the placement group). No rank reserve: streaming requires
-    --offload-train-target=disk (validation), so a sleeping trainer keeps no cpu backup in host RAM (its
-    disk offload stages through chunk buffers, which the node reserve covers). No run reserve either: the
-    colocated rollout engines keep no host copy of their weights while released (the loop pushes new ones)."""
-    opt = config.optimizer
-    return StreamConfig(dir=config.paths.optimizer_state, chunk_mb=opt.stream_optimizer_state_chunk_mb,
-                        moment_dtype=opt.stream_optimizer_state_moment_dtype,
-                        bucket_numel=opt.stream_optimizer_state_bucket_numel,  # None: the store chooses
-                        device_budget_mb=opt.stream_optimizer_state_device_budget_mb,
-                        host_cache_mb=opt.stream_optimizer_state_host_cache_mb,
-                        host_cache_ranks_per_node=ranks_on_node,
-                        verify=opt.stream_optimizer_state_verify, rank=rank)
 
 
 def store_info(stores: list) -> dict[str, Any]:
@@ -212,7 +188,7 @@ class TrainBackend(abc.ABC):
         offload = self.config.offload
         if not offload.offload_train:
             return None
-        if offload.offload_train_target == "disk" and self.rank_dir is None:
+        if self.config.trainer_offload_to_disk and self.rank_dir is None:
             raise RuntimeError("--offload-train-target=disk needs the rank directory: build the trainer with "
                                "rank_dir=config.paths.rank_dir(cell, rank)")
         return make_offloader(offload.offload_train_target, self.rank_dir, offload.offload_train_disk_chunk_mb,
@@ -324,22 +300,22 @@ class TrainBackend(abc.ABC):
 
     def join_weight_group(self, spec: dict[str, Any]) -> None:
         """Join the weight-update group as its source, rank 0 (``spec``: ``master_address``, ``master_port``,
-        ``world_size``, ``backend``), while the engines join it at ranks 1..n."""
-        from miles.ray.weight_sync import GROUP_NAME
+        ``world_size``, ``backend``, ``group_name``), while the engines join it at ranks 1..n."""
         from miles.weights import WeightUpdateGroup
 
-        self.weight_group = WeightUpdateGroup(rank=0, group_name=GROUP_NAME, **spec)
+        self.weight_group = WeightUpdateGroup(rank=0, **spec)
 
-    def push_weights(self, ipc_engines: list, group_engines: list) -> dict[str, Any]:
-        """Hand the weights to the rollout engines (:func:`miles.ray.weight_sync.push_weights`): by
-        reference to ``ipc_engines``, by broadcast over the weight-update group to ``group_engines``.
-        Every rank calls it (see :meth:`hf_weights`); an engine's session is opened and closed by the driver."""
-        from miles.ray.weight_sync import push_weights
+    def push_weights(self, ipc_engines: list, group_engines: list, payload: str, tp_size: int) -> dict[str, Any]:
+        """Hand the weights to the rollout engines as the ``payload`` they consume
+        (:func:`miles.weights.push.push_weights`): by reference to ``ipc_engines``, by broadcast over the
+        weight-update group to ``group_engines``. Every rank calls it (see :meth:`hf_weights`); an engine's
+        session is opened and closed by the driver."""
+        from miles.weights.push import push_weights
 
         mb = self.config.rollout.weight_sync_bucket_mb
         with self.awake():
-            stats = push_weights(self.hf_weights(), ipc_engines=ipc_engines, group=self.weight_group,
-                                 group_engines=group_engines, max_bucket_bytes=mb * 2**20)
+            stats = push_weights(self.hf_weights(), payload=payload, tp_size=tp_size, ipc_engines=ipc_engines,
+                                 group=self.weight_group, group_engines=group_engines, max_bucket_bytes=mb * 2**20)
         return {"rank": self.rank, **stats}
 
     # ---- checkpoints --------------------------------------------------------------------------

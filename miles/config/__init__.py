@@ -20,7 +20,7 @@ from miles.config.arguments import (  # noqa: F401
     parse_args,
 )
 from miles.config.paths import RunPaths  # noqa: F401
-from miles.config.run_config import RunConfig  # noqa: F401
+from miles.config.run_config import RunConfig, store_config  # noqa: F401
 from miles.config.environment import Environment  # noqa: F401
 from miles.config.errors import ArgumentError  # noqa: F401
 from miles.config.validation import validate_args  # noqa: F401

@@ -18,10 +18,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
+from miles.config.backends import BACKENDS
 from miles_plugins.optimizers.streaming.config import (DEFAULT_BUCKET_NUMEL, DEFAULT_CHUNK_MB,
                                                        DEFAULT_HOST_CACHE_RESERVE_MB, HOST_CACHE_AUTO, MOMENT_DTYPES)
 
@@ -39,15 +41,73 @@ __all__ = [
     "build_parser",
     "parse_args",
     "flag_name",
+    "Range",
+    "range_problem",
+    "GROUP_OF",
+    "STREAM_FLAG",
 ]
 
 
+@dataclass(frozen=True)
+class Range:
+    """A numeric field's allowed values, checked by validation's one loop over the fields
+    (:func:`range_problem`): ``>= at_least`` or ``> above``, and ``<= at_most`` or ``< below``; ``finite``
+    refuses inf and NaN. ``what`` names the kind of value in the message ("an int >= 1"), ``why`` says why
+    the bound is what it is, ``fix`` replaces the default "pass ..." advice."""
+
+    at_least: Optional[float] = None
+    above: Optional[float] = None
+    at_most: Optional[float] = None
+    below: Optional[float] = None
+    finite: bool = False
+    what: str = ""
+    why: str = ""
+    fix: str = ""
+
+    def holds(self, value: float) -> bool:
+        if self.finite and not math.isfinite(value):
+            return False
+        return ((self.at_least is None or value >= self.at_least) and (self.above is None or value > self.above)
+                and (self.at_most is None or value <= self.at_most) and (self.below is None or value < self.below))
+
+    def text(self) -> str:
+        """``>= 1``, ``> 0``, ``in (0, 1]``."""
+        closed_low = self.at_least is not None
+        low = self.at_least if closed_low else self.above
+        if self.at_most is None and self.below is None:
+            return f"{self.what} {'>=' if closed_low else '>'} {low:g}".strip()
+        closed_high = self.at_most is not None
+        high = self.at_most if closed_high else self.below
+        return f"in {'[' if closed_low else '('}{low:g}, {high:g}{']' if closed_high else ')'}"
+
+    def advice(self, flag: str) -> str:
+        if self.fix:
+            return self.fix
+        if self.at_most is not None or self.below is not None:
+            return f"pass a value {self.text()}"
+        if self.above == 0:
+            return f"pass a positive {flag}"
+        return f"pass {flag} {self.text()}"
+
+
+def range_problem(field_name: str, value: Any, bounds: Range) -> Optional[tuple[str, str]]:
+    """``(message, fix)`` when ``value`` (None: not given, nothing to check) is outside ``bounds``."""
+    if value is None or bounds.holds(value):
+        return None
+    flag = flag_name(field_name)
+    why = f": {bounds.why}" if bounds.why else ""
+    return f"{flag} must be {bounds.text()} (got {value}){why}.", f"{bounds.advice(flag)}."
+
+
 def knob(default: Any, help: str, *, choices: Sequence[Any] | None = None, metavar: str | None = None,
-         parse: Callable[[str], Any] | None = None, repeatable: bool = False):
+         parse: Callable[[str], Any] | None = None, repeatable: bool = False, at_least: float | None = None,
+         above: float | None = None, at_most: float | None = None, below: float | None = None,
+         **range_words: Any):
     """A config field: ``default`` plus argparse metadata (``help``, optional ``choices``, and ``parse``:
     the flag's value from its text, for a field whose type is not one callable, e.g. int or "auto").
     ``repeatable``: a tuple of strings, one per use of the flag (parsed as a list, None when never given;
-    validation makes it a tuple)."""
+    validation makes it a tuple). ``at_least`` / ``above`` / ``at_most`` / ``below`` (and :class:`Range`'s
+    ``finite``, ``what``, ``why``, ``fix``): the field's :class:`Range`, which validation checks."""
     md: dict[str, Any] = {"help": help}
     if repeatable:
         md["repeatable"] = True
@@ -57,6 +117,8 @@ def knob(default: Any, help: str, *, choices: Sequence[Any] | None = None, metav
         md["metavar"] = metavar
     if parse is not None:
         md["parse"] = parse
+    if at_least is not None or above is not None:
+        md["range"] = Range(at_least=at_least, above=above, at_most=at_most, below=below, **range_words)
     return field(default=default, metadata=md)
 
 
@@ -75,14 +137,15 @@ def int_or_text(text: str) -> int | str:
 class ClusterConfig:
     """Where the actors run."""
 
-    num_train_ranks: int = knob(1, "Number of training (data-parallel) ranks, one Ray actor each.")
-    num_rollout_engines: int = knob(1, "Number of rollout engine actors.")
+    num_train_ranks: int = knob(1, "Number of training (data-parallel) ranks, one Ray actor each.", at_least=1)
+    num_rollout_engines: int = knob(1, "Number of rollout engine actors.", at_least=1)
     colocate: bool = knob(
         False,
         "Train actors and rollout engines share the same devices; the trainer sleeps while the "
         "engine generates (turns --offload-train on unless --no-offload-train).",
     )
-    num_cpus_per_rank: int = knob(1, "CPUs reserved per train rank / rollout engine (Ray bundle size).")
+    num_cpus_per_rank: int = knob(1, "CPUs reserved per train rank / rollout engine (Ray bundle size).",
+                                   at_least=1)
 
 
 @dataclass(frozen=True)
@@ -99,7 +162,8 @@ class ModelConfig:
     model_dtype: Optional[str] = knob(
         None, "Parameter dtype of the policy (default: fp32 on CPU, bf16 on CUDA).", choices=("fp32", "bf16")
     )
-    fp8_param: bool = knob(False, "Keep parameters in fp8 (megatron backend only; incompatible with streaming).")
+    fp8_param: bool = knob(False, "Keep parameters in fp8 (Megatron's flag): refused, with the reason, since no "
+                           "backend here builds fp8 params.")
 
 
 @dataclass(frozen=True)
@@ -119,13 +183,16 @@ class RolloutConfig:
     sglang_request_timeout: float = knob(
         600.0, "With --sglang-url: seconds one request to the server may take in all (connecting, sending, and "
         "reading the whole answer), > 0; a server that answers slower fails the call with an error naming this "
-        "flag. The longest call is a generate of one rollout batch.", metavar="SECONDS")
+        "flag. The longest call is a generate of one rollout batch.", metavar="SECONDS", above=0, finite=True,
+        what="a finite number of seconds", fix="pass e.g. --sglang-request-timeout 600, or drop the flag")
     sglang_tp_size: int = knob(
         1, "With --rollout-engine sglang: tensor-parallel size of each sglang engine (with --sglang-url, the "
-        "server's own, checked when the run connects).", metavar="N")
+        "server's own, checked when the run connects).", metavar="N", at_least=1, what="an int",
+        fix="pass the tensor-parallel size of each sglang engine, e.g. 1")
     sglang_mem_fraction_static: Optional[float] = knob(
         None, "With --rollout-engine sglang: fraction of the GPU sglang takes for weights and KV cache, in (0, 1). "
-        "Unset: sglang's own default.", metavar="X")
+        "Unset: sglang's own default.", metavar="X", above=0, below=1,
+        fix="pass a fraction such as 0.5, or drop the flag")
     sglang_server_arg: tuple[str, ...] = knob(
         (), "With --rollout-engine sglang: one more sglang.Engine argument as KEY=VALUE (a ServerArgs field name, "
         "e.g. attention_backend=triton or disable_cuda_graph=true; JSON values are parsed, anything else is a "
@@ -136,12 +203,15 @@ class RolloutConfig:
         "arithmetic task.",
         metavar="PATH",
     )
-    num_rollout: int = knob(8, "Number of rollout -> train iterations.")
-    rollout_batch_size: int = knob(8, "Prompts per rollout.")
-    n_samples_per_prompt: int = knob(4, "Samples per prompt (the GRPO group size, >= 2).")
-    rollout_max_response_len: int = knob(16, "Maximum new tokens per response.")
-    rollout_temperature: float = knob(1.0, "Sampling temperature (> 0).")
-    rollout_top_p: float = knob(1.0, "Nucleus sampling threshold in (0, 1].")
+    num_rollout: int = knob(8, "Number of rollout -> train iterations.", at_least=1)
+    rollout_batch_size: int = knob(8, "Prompts per rollout.", at_least=1)
+    n_samples_per_prompt: int = knob(
+        4, "Samples per prompt (the GRPO group size, >= 2).", at_least=2,
+        why="GRPO normalizes rewards within the group of samples of one prompt",
+        fix="pass --n-samples-per-prompt 2 or more")
+    rollout_max_response_len: int = knob(16, "Maximum new tokens per response.", at_least=1)
+    rollout_temperature: float = knob(1.0, "Sampling temperature (> 0).", above=0)
+    rollout_top_p: float = knob(1.0, "Nucleus sampling threshold in (0, 1].", above=0, at_most=1)
     rollout_seed: int = knob(42, "Seed of prompt order and sampling (rollout i samples with seed + i).")
     weight_sync: str = knob(
         "auto", "How trained weights reach the rollout engines, never through Ray's object store: ipc hands "
@@ -151,7 +221,8 @@ class RolloutConfig:
         "ipc when every engine can take it, else distributed.", choices=("auto", "ipc", "distributed"))
     weight_sync_bucket_mb: int = knob(
         512, "Largest flattened weight bucket of the handoff (MiB): the trainer's device holds about one bucket "
-        "beyond the model while it hands the weights over (a tensor larger than this is a bucket of its own).")
+        "beyond the model while it hands the weights over (a tensor larger than this is a bucket of its own).",
+        at_least=1)
 
 
 @dataclass(frozen=True)
@@ -162,19 +233,21 @@ class TrainingConfig:
         "torch", "Training backend: torch (transformers model, data parallel with a ZeRO-1 sharded optimizer; "
         "CPU or GPU) or megatron (megatron-core GPTModel with DDP and the distributed optimizer; CUDA, Python "
         ">= 3.12, the megatron extra; see docs/advanced/megatron.md).",
-        choices=("torch", "megatron"),
+        choices=tuple(BACKENDS),
     )
     expert_model_parallel_size: int = knob(
         1, "Expert parallelism of a MoE model (megatron backend): experts are split over this many train ranks; "
         "it must divide --num-train-ranks.", metavar="N")
-    micro_batch_size: int = knob(4, "Samples per forward/backward on one rank (gradient accumulation over the rest).")
+    micro_batch_size: int = knob(4, "Samples per forward/backward on one rank (gradient accumulation over the rest).",
+                                at_least=1)
     max_consecutive_skipped_steps: int = knob(
         3, "Stop the run when this many rollouts in a row skipped their optimizer step. A step is skipped, "
         "leaving weights and optimizer state untouched, when its grads are not finite or the rollout engine "
         "returned samples that cannot be trained on (a log-prob that is NaN, infinite or > 0, a token id "
-        "outside the vocabulary); the rollout line and metrics record say which.", metavar="N")
+        "outside the vocabulary); the rollout line and metrics record say which.", metavar="N", at_least=1)
     seed: int = knob(1234, "Seed of model initialization (tiny model) and training.")
-    eps_clip: float = knob(0.2, "PPO-style clip range of the importance ratio against the rollout log-probs.")
+    eps_clip: float = knob(0.2, "PPO-style clip range of the importance ratio against the rollout log-probs.",
+                           at_least=0)
 
 
 @dataclass(frozen=True)
@@ -184,13 +257,13 @@ class OptimizerConfig:
     optimizer: str = knob("adam", "Optimizer (adam means AdamW with --weight-decay).", choices=("adam", "sgd"))
     lr: Optional[float] = knob(
         None, "Learning rate (default, tuned for a visible rise within a few rollouts: 5e-5 for a pretrained "
-        "model, 1e-2 for the tiny random model)."
+        "model, 1e-2 for the tiny random model).", above=0
     )
-    weight_decay: float = knob(0.0, "Decoupled weight decay.")
-    adam_beta1: float = knob(0.9, "Adam beta1.")
-    adam_beta2: float = knob(0.999, "Adam beta2.")
-    adam_eps: float = knob(1e-8, "Adam epsilon.")
-    clip_grad: float = knob(1.0, "Gradient clipping by global norm (0 disables).")
+    weight_decay: float = knob(0.0, "Decoupled weight decay.", at_least=0)
+    adam_beta1: float = knob(0.9, "Adam beta1.", at_least=0, below=1)
+    adam_beta2: float = knob(0.999, "Adam beta2.", at_least=0, below=1)
+    adam_eps: float = knob(1e-8, "Adam epsilon.", above=0)
+    clip_grad: float = knob(1.0, "Gradient clipping by global norm (0 disables).", at_least=0)
     stream_optimizer_state_to_disk: bool = knob(
         False,
         "Keep the optimizer state (fp32 mains + moments) on node-local disk and stream it bucket by "
@@ -266,8 +339,19 @@ class OffloadConfig:
     offload_train_disk_chunk_mb: int = knob(
         DEFAULT_CHUNK_MB, "Chunk size of the trainer offload's disk transfers (torch_memory_saver's "
         "TMS_DISK_BACKUP_CHUNK_MB on GPU), MiB. The streamed optimizer state has its own "
-        "--stream-optimizer-state-chunk-mb.", metavar="MB"
+        "--stream-optimizer-state-chunk-mb.", metavar="MB", at_least=1
     )
+
+    @property
+    def target(self) -> str:
+        """Where trainer offload puts its memory: ``--offload-train-target``, ``cpu`` when not given."""
+        return self.offload_train_target or "cpu"
+
+    @property
+    def target_is_disk(self) -> bool:
+        """The one test of "trainer offload goes to disk" (whether offload is on is the RunConfig's
+        :attr:`~miles.config.run_config.RunConfig.trainer_offload_to_disk`)."""
+        return self.target == "disk"
 
 
 @dataclass(frozen=True)
@@ -276,11 +360,12 @@ class CheckpointConfig:
 
     save: Optional[str] = knob(None, "Checkpoint directory to save to.", metavar="DIR")
     load: Optional[str] = knob(None, "Checkpoint directory to resume from (must exist).", metavar="DIR")
-    save_interval: Optional[int] = knob(None, "Save every N rollouts (and at the end); needs --save.", metavar="N")
+    save_interval: Optional[int] = knob(None, "Save every N rollouts (and at the end); needs --save.", metavar="N",
+                                         at_least=1)
     save_keep_latest: Optional[int] = knob(
         None, "After each checkpoint, remove the complete checkpoints under --save beyond the newest N (by rollout "
         "number); the latest and the one --load resumed from always stay. Default: keep every checkpoint.",
-        metavar="N")
+        metavar="N", at_least=1)
     no_load_optim: bool = knob(False, "With --load: load weights but not the optimizer state.")
     finetune: bool = knob(False, "With --load: load weights only and restart the rollout count at 0.")
 
@@ -311,6 +396,9 @@ CONFIG_GROUPS: tuple[tuple[str, type], ...] = (
     ("logging", LoggingConfig),
 )
 
+# the group (RunConfig attribute) each field lives in, for rules written over field names
+GROUP_OF: dict[str, str] = {f.name: title for title, cls in CONFIG_GROUPS for f in dataclasses.fields(cls)}
+
 
 
 # --------------------------------------------------------------------------------------- parser
@@ -319,6 +407,10 @@ CONFIG_GROUPS: tuple[tuple[str, type], ...] = (
 def flag_name(field_name: str) -> str:
     """``stream_optimizer_state_to_disk`` -> ``--stream-optimizer-state-to-disk``."""
     return "--" + field_name.replace("_", "-")
+
+
+# the flag most rules of the streamed optimizer state name
+STREAM_FLAG = flag_name("stream_optimizer_state_to_disk")
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:

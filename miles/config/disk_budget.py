@@ -18,9 +18,10 @@ once Ray has placed the ranks, for every node.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from typing import Optional, Union
+
+from miles.config.run_config import RunConfig
 
 GIB = 2**30
 FP32_BYTES = 4
@@ -124,48 +125,46 @@ def host_tier_bytes(host_cache_mb: Union[int, str, None], state_bytes: int, rank
     return int(host_cache_mb) * MiB
 
 
-def rank_disk_need(model, *, num_train_ranks: int, expert_parallel: int, model_dtype: str, stream: bool,
-                   moment_dtype: str, bucket_numel: Optional[int], device_budget_mb: Optional[float],
-                   offload_to_disk: bool, host_cache_mb: Union[int, str, None], ranks_on_node: int,
-                   memory_available: Optional[int]) -> RankDisk:
-    """What one train rank writes to its node's disk (:class:`RankDisk`), from `miles plan`'s estimate of this
-    run's stores. Raises the planner's SizingError / LayoutError where it cannot size the run."""
+def rank_disk_need(cfg: RunConfig, model, ranks_on_node: int, memory_available: Optional[int]) -> RankDisk:
+    """What one train rank of the resolved ``cfg`` writes to its node's disk (:class:`RankDisk`), from `miles
+    plan`'s estimate of this run's stores for the policy's tensors ``model``; ``ranks_on_node`` ranks share the
+    node's ``memory_available`` for an ``auto`` host tier (None: unknown, no tier counted). Raises the
+    planner's SizingError / LayoutError where it cannot size the run."""
     from miles.sizing.estimate import Hardware, Training, disk_bytes_per_rank, estimate
     from miles.sizing.sharding import Parallelism
 
-    training = Training(moment_dtype=moment_dtype, bucket_numel=bucket_numel, weight_dtype=model_dtype,
-                        offload_train_to_disk=offload_to_disk, stream_optimizer_state=stream, checkpoint_copies=0)
-    plan = estimate(model, Parallelism(dp=num_train_ranks, ep=expert_parallel),
-                    Hardware(nodes=1, gpus_per_node=num_train_ranks, device_budget_mb=device_budget_mb), training)
+    opt, n = cfg.optimizer, cfg.cluster.num_train_ranks
+    stream = opt.stream_optimizer_state_to_disk
+    training = Training(moment_dtype=opt.stream_optimizer_state_moment_dtype,
+                        bucket_numel=opt.stream_optimizer_state_bucket_numel, weight_dtype=cfg.model.model_dtype,
+                        offload_train_to_disk=cfg.trainer_offload_to_disk, stream_optimizer_state=stream,
+                        checkpoint_copies=0)
+    plan = estimate(model, Parallelism(dp=n, ep=cfg.training.expert_model_parallel_size),
+                    Hardware(nodes=1, gpus_per_node=n, device_budget_mb=opt.stream_optimizer_state_device_budget_mb),
+                    training)
     stage = plan.binding
     state = stage.streamed_state_bytes if stream else 0
-    tier = host_tier_bytes(host_cache_mb, state, ranks_on_node, memory_available) if stream else 0
+    tier = host_tier_bytes(opt.stream_optimizer_state_host_cache_mb, state, ranks_on_node,
+                           memory_available) if stream else 0
     need = disk_bytes_per_rank(stage, training, tier)
     return RankDisk(state_files=need["streamed_state"], trainer_offload=need["trainer_offload"],
                     state_in_ram=state - need["streamed_state"])
 
 
-def disk_budget(a: argparse.Namespace, model, ranks_here: int | None = None,
+def disk_budget(cfg: RunConfig, model, ranks_here: int | None = None,
                 memory_available: Optional[int] = None) -> DiskBudget:
-    """The run's :class:`DiskBudget` on the driver's filesystems for the resolved flags ``a`` (offload_train
-    and model_dtype set) and the policy's tensors ``model``.
+    """The run's :class:`DiskBudget` on the driver's filesystems for the resolved ``cfg`` and the policy's
+    tensors ``model``.
 
     ``ranks_here``: the train ranks whose scratch lands on the checked filesystem (None: all of them, the
     single-node case); they share this host's ``memory_available`` for an ``auto`` host tier."""
-    n = a.num_train_ranks
-    ranks = n if ranks_here is None else ranks_here
-    streaming = a.stream_optimizer_state_to_disk
-    rank = rank_disk_need(model, num_train_ranks=n, expert_parallel=a.expert_model_parallel_size,
-                          model_dtype=a.model_dtype, stream=streaming,
-                          moment_dtype=a.stream_optimizer_state_moment_dtype,
-                          bucket_numel=a.stream_optimizer_state_bucket_numel,
-                          device_budget_mb=a.stream_optimizer_state_device_budget_mb,
-                          offload_to_disk=a.offload_train and a.offload_train_target == "disk",
-                          host_cache_mb=a.stream_optimizer_state_host_cache_mb, ranks_on_node=ranks,
-                          memory_available=memory_available)
+    opt = cfg.optimizer
+    ranks = cfg.cluster.num_train_ranks if ranks_here is None else ranks_here
+    rank = rank_disk_need(cfg, model, ranks, memory_available)
     params = model.total()
-    optimizer_state = (streamed_state_bytes(params, a.stream_optimizer_state_moment_dtype) if streaming
-                       else RESIDENT_ADAM_BYTES * params)
+    optimizer_state = (streamed_state_bytes(params, opt.stream_optimizer_state_moment_dtype)
+                       if opt.stream_optimizer_state_to_disk else RESIDENT_ADAM_BYTES * params)
     return DiskBudget(state=rank.state_files * ranks, trainer_offload=rank.trainer_offload * ranks,
-                      checkpoint=params * DTYPE_BYTES[a.model_dtype] + optimizer_state if a.save else 0,
+                      checkpoint=params * DTYPE_BYTES[cfg.model.model_dtype] + optimizer_state
+                      if cfg.checkpoint.save else 0,
                       state_in_ram=rank.state_in_ram * ranks)

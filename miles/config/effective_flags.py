@@ -12,32 +12,23 @@ scripts set it once for every configuration), not how the run behaves.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from miles.config.arguments import CONFIG_GROUPS, flag_name
+from miles.config.arguments import CONFIG_GROUPS, STREAM_FLAG, flag_name
+from miles.config.run_config import STORE_FIELD_FLAGS, RunConfig, field_value
 
 PARSER_DEFAULTS = {f.name: f.default for _, cls in CONFIG_GROUPS for f in dataclasses.fields(cls)}
 
-_STREAM = "--stream-optimizer-state-to-disk"
+
+def is_given(d: RunConfig, name: str) -> bool:
+    """Field ``name`` differs from its parser default (the module doc: what "given" means)."""
+    return field_value(d, name) != PARSER_DEFAULTS[name]
 
 
-def trainer_offload_on(a: argparse.Namespace) -> bool:
-    """Trainer offload as validation resolves it: explicit --offload-train/--no-offload-train, else on under
-    --colocate or with --offload-train-target=disk."""
-    if a.offload_train is not None:
-        return a.offload_train
-    return bool(a.colocate or a.offload_train_target == "disk")
-
-
-def _disk_offload_on(a: argparse.Namespace) -> bool:
-    return trainer_offload_on(a) and a.offload_train_target == "disk"
-
-
-def _offload_off(a: argparse.Namespace) -> tuple[str, str]:
-    if a.offload_train is False:
+def _offload_off(d: RunConfig) -> tuple[str, str]:
+    if d.offload.offload_train is False:
         return "--no-offload-train turns trainer offload off", "drop --no-offload-train"
     return ("trainer offload is off (it is on under --colocate, with --offload-train or "
             "--offload-train-target=disk)"), "add --colocate or --offload-train"
@@ -45,28 +36,26 @@ def _offload_off(a: argparse.Namespace) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class EffectRule:
-    """``field`` changes the run only when ``counts(args)``; otherwise ``why_not(args)`` gives (why it
-    changes nothing, what would make it count)."""
+    """``field`` changes the run only when ``counts(draft)``; otherwise ``why_not(draft)`` gives (why it
+    changes nothing, what would make it count). ``draft``: the RunConfig validation checks (tri-states
+    unresolved)."""
 
     field: str
-    counts: Callable[[argparse.Namespace], bool]
-    why_not: Callable[[argparse.Namespace], tuple[str, str]]
+    counts: Callable[[RunConfig], bool]
+    why_not: Callable[[RunConfig], tuple[str, str]]
 
 
-_NEEDS_STREAMING = (f"{_STREAM} is off", f"add {_STREAM} --offload-train-target=disk")
+_NEEDS_STREAMING = (f"{STREAM_FLAG} is off", f"add {STREAM_FLAG} --offload-train-target=disk")
 
 RULES: tuple[EffectRule, ...] = (
-    *(EffectRule(name, lambda a: a.stream_optimizer_state_to_disk, lambda a: _NEEDS_STREAMING)
-      for name in ("stream_optimizer_state_moment_dtype", "stream_optimizer_state_bucket_numel",
-                   "stream_optimizer_state_chunk_mb", "stream_optimizer_state_host_cache_mb",
-                   "stream_optimizer_state_device_budget_mb",
-                   "stream_optimizer_state_verify", "stream_optimizer_state_flush_at_sleep")),
-    EffectRule("offload_train_disk_chunk_mb", _disk_offload_on,
-               lambda a: ("trainer offload does not go to disk (the streamed state's chunk is "
+    *(EffectRule(name, lambda d: d.optimizer.stream_optimizer_state_to_disk, lambda d: _NEEDS_STREAMING)
+      for name in (*STORE_FIELD_FLAGS.values(), "stream_optimizer_state_flush_at_sleep")),
+    EffectRule("offload_train_disk_chunk_mb", lambda d: d.trainer_offload_to_disk,
+               lambda d: ("trainer offload does not go to disk (the streamed state's chunk is "
                           "--stream-optimizer-state-chunk-mb)", "add --offload-train-target=disk")),
-    EffectRule("offload_train_target", trainer_offload_on, _offload_off),
-    *(EffectRule(name, lambda a: a.optimizer == "adam", lambda a: (f"--optimizer {a.optimizer} has no Adam terms",
-                                                                   "use --optimizer adam"))
+    EffectRule("offload_train_target", lambda d: d.trainer_offload, _offload_off),
+    *(EffectRule(name, lambda d: d.optimizer.optimizer == "adam",
+                 lambda d: (f"--optimizer {d.optimizer.optimizer} has no Adam terms", "use --optimizer adam"))
       for name in ("adam_beta1", "adam_beta2", "adam_eps")),
 )
 
@@ -75,16 +64,16 @@ def _shown(value) -> str:
     return "" if isinstance(value, bool) else f" {value}"
 
 
-def first_ineffective_flag(a: argparse.Namespace, has_tensorboard: bool) -> Optional[tuple[str, str, str]]:
-    """``(flag, message, fix)`` for the first flag given that would change nothing, else None."""
+def first_ineffective_flag(d: RunConfig, has_tensorboard: bool) -> Optional[tuple[str, str, str]]:
+    """``(flag, message, fix)`` for the first flag given in the draft ``d`` that would change nothing, else None."""
     for rule in RULES:
-        value = getattr(a, rule.field)
-        if value != PARSER_DEFAULTS[rule.field] and not rule.counts(a):
+        if is_given(d, rule.field) and not rule.counts(d):
             flag = flag_name(rule.field)
-            why, fix = rule.why_not(a)
-            return flag, f"{flag}{_shown(value)} has no effect: {why}.", f"{fix}, or drop {flag}."
-    if a.tensorboard_dir and not has_tensorboard:
-        return ("--tensorboard-dir", f"--tensorboard-dir {a.tensorboard_dir} has no effect: TensorBoard is not "
+            why, fix = rule.why_not(d)
+            return flag, f"{flag}{_shown(field_value(d, rule.field))} has no effect: {why}.", f"{fix}, or drop {flag}."
+    tensorboard_dir = d.logging.tensorboard_dir
+    if tensorboard_dir and not has_tensorboard:
+        return ("--tensorboard-dir", f"--tensorboard-dir {tensorboard_dir} has no effect: TensorBoard is not "
                 "installed.", "pip install tensorboard, or drop --tensorboard-dir (metrics still go to "
                 "--metrics-file).")
     return None

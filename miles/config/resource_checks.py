@@ -12,20 +12,20 @@ at disks and host resources (through the :class:`~miles.config.environment.Envir
   the train ranks, and the train ranks' host tiers fit the memory available here.
 
 :func:`miles.config.validation.validate_args` calls them once the arguments are resolved (absolute
-paths, ``offload_train`` set); each raises one :class:`~miles.config.errors.ArgumentError`.
+paths, ``offload_train`` set): the resolved :class:`~miles.config.run_config.RunConfig`; each raises one :class:`~miles.config.errors.ArgumentError`.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 from typing import Optional
 
 from miles.config.disk_budget import GIB, disk_budget, model_tensors_of_run, ranks_on_driver_node
+from miles.config.arguments import ClusterConfig
 from miles.config.environment import Environment
 from miles.config.errors import ArgumentError
-from miles.config.paths import RunPaths
+from miles.config.run_config import RunConfig, field_value
 from miles_plugins.optimizers.streaming.config import HOST_CACHE_AUTO
 from miles_plugins.optimizers.streaming.io.ownership import path_within, system_directory_reason
 from miles_plugins.optimizers.streaming.units import MiB
@@ -86,48 +86,48 @@ def _check_free(flag: str, where: str, existing: str, need: int, what: str, para
                             "--stream-optimizer-state-moment-dtype fp8e4m3); `miles plan` sizes a run.")
 
 
-def driver_node_slots(a: argparse.Namespace, env: Environment) -> int:
+def driver_node_slots(cluster: ClusterConfig, env: Environment) -> int:
     """Bundles the driver's machine can hold: one per GPU, or per --num-cpus-per-rank CPUs without CUDA."""
-    return env.gpu_count() if env.cuda_available() else env.cpu_count() // a.num_cpus_per_rank
+    return env.gpu_count() if env.cuda_available() else env.cpu_count() // cluster.num_cpus_per_rank
 
 
-def _ranks_checked_here(a: argparse.Namespace, env: Environment) -> tuple[Optional[int], str]:
+def _ranks_checked_here(cfg: RunConfig, env: Environment) -> tuple[Optional[int], str]:
     """The train ranks whose scratch the root's filesystem must hold (None: all, the run's own single-node
     Ray) and how the error message says so. Joining a cluster, only the driver's node's share lands on this
     disk; the other nodes' disks are checked by the per-node probe once Ray has placed the ranks."""
     if env.ray_address is None:
         return None, ""
-    ranks = ranks_on_driver_node(a.num_train_ranks, driver_node_slots(a, env))
-    return ranks, (f"; at most {ranks} of the {a.num_train_ranks} train ranks can run on this node of the "
+    ranks = ranks_on_driver_node(cfg.cluster.num_train_ranks, driver_node_slots(cfg.cluster, env))
+    return ranks, (f"; at most {ranks} of the {cfg.cluster.num_train_ranks} train ranks can run on this node of the "
                    f"cluster at {env.ray_address}, each other node's disk is checked when Ray places the ranks")
 
 
-def _model_tensors(a: argparse.Namespace, env: Environment, model_source: str):
+def _model_tensors(cfg: RunConfig, env: Environment):
     """The policy's tensors as `miles plan` counts them; None when they cannot be known here."""
     hf_config = None
-    if model_source == "hf_checkpoint":
+    if cfg.model_source == "hf_checkpoint":
         try:
-            hf_config = env.read_json(os.path.join(a.hf_checkpoint, "config.json"))
+            hf_config = env.read_json(os.path.join(cfg.model.hf_checkpoint, "config.json"))
         except (OSError, ValueError):
             return None  # the model loader reports an unreadable config.json with its own words
-    return model_tensors_of_run(model_source, hf_config)
+    return model_tensors_of_run(cfg.model_source, hf_config)
 
 
-def _check_output_directories(a: argparse.Namespace, env: Environment, root_is_default: bool,
+def _check_output_directories(cfg: RunConfig, env: Environment,
                               metrics_is_default: bool) -> tuple[Optional[str], Optional[str], tuple[str, ...]]:
     """Every directory the run writes by :func:`_check_directory`'s one rule: the nearest existing parts of the
     root (None when nothing writes there) and of --save, and the directories the run creates, named once each
     as the flag gives them."""
-    writes_root = (a.stream_optimizer_state_to_disk or a.colocate
-                   or (a.offload_train and a.offload_train_target == "disk"))
-    metrics_dir = os.path.dirname(a.metrics_file)
-    checks = [(_ROOT_FLAG, a.offload_train_disk_dir, root_is_default, None)] if writes_root else []
-    if a.save:
-        checks.append(("--save", os.path.abspath(a.save), False, None))
-    metrics_where = ("the folder of " if metrics_is_default else "the folder of --metrics-file ") + a.metrics_file
+    writes_root = cfg.optimizer.stream_optimizer_state_to_disk or cfg.cluster.colocate or cfg.trainer_offload_to_disk
+    metrics_file = cfg.logging.metrics_file
+    metrics_dir = os.path.dirname(metrics_file)
+    checks = [(_ROOT_FLAG, cfg.paths.root, cfg.paths.root_is_default, None)] if writes_root else []
+    if cfg.checkpoint.save:
+        checks.append(("--save", os.path.abspath(cfg.checkpoint.save), False, None))
+    metrics_where = ("the folder of " if metrics_is_default else "the folder of --metrics-file ") + metrics_file
     checks.append(("--metrics-file", metrics_dir, metrics_is_default, f"{metrics_where} ({metrics_dir})"))
-    if a.tensorboard_dir:
-        checks.append(("--tensorboard-dir", os.path.abspath(a.tensorboard_dir), False, None))
+    if cfg.logging.tensorboard_dir:
+        checks.append(("--tensorboard-dir", os.path.abspath(cfg.logging.tensorboard_dir), False, None))
     existing, creates = {}, {}
     for flag, path, is_default, where in checks:
         existing[flag], created = _check_directory(flag, path, env, is_default, where)
@@ -136,23 +136,23 @@ def _check_output_directories(a: argparse.Namespace, env: Environment, root_is_d
     return existing.get(_ROOT_FLAG), existing.get("--save"), tuple(creates.values())
 
 
-def check_disk(a: argparse.Namespace, env: Environment, model_source: str, root_is_default: bool,
-               metrics_is_default: bool) -> tuple[str, ...]:
+def check_disk(cfg: RunConfig, env: Environment, metrics_is_default: bool) -> tuple[str, ...]:
     """Every directory the run writes is usable, and its filesystem holds what the run will write there
     (:mod:`miles.config.disk_budget`); ``a`` is resolved (absolute paths, offload_train set). Returns the
     directories the run will create (:attr:`~miles.config.run_config.RunConfig.creates`)."""
-    root, save, creates = _check_output_directories(a, env, root_is_default, metrics_is_default)
+    root, save, creates = _check_output_directories(cfg, env, metrics_is_default)
 
-    model = _model_tensors(a, env, model_source)
+    model = _model_tensors(cfg, env)
     if model is None:
         return creates
     from miles.sizing.estimate import SizingError
     from miles.sizing.sharding import LayoutError
 
-    ranks_here, scope = _ranks_checked_here(a, env) if root else (None, "")
-    memory = env.host_memory_available() if a.stream_optimizer_state_host_cache_mb == HOST_CACHE_AUTO else None
+    ranks_here, scope = _ranks_checked_here(cfg, env) if root else (None, "")
+    auto_tier = cfg.optimizer.stream_optimizer_state_host_cache_mb == HOST_CACHE_AUTO
+    memory = env.host_memory_available() if auto_tier else None
     try:
-        budget = disk_budget(a, model, ranks_here=ranks_here, memory_available=memory)
+        budget = disk_budget(cfg, model, ranks_here=ranks_here, memory_available=memory)
     except (SizingError, LayoutError) as exc:  # the layout's own checks (here and in the backend) name it
         logger.warning("free-space check skipped: `miles plan` cannot size this run (%s)", exc)
         return creates
@@ -160,10 +160,10 @@ def check_disk(a: argparse.Namespace, env: Environment, model_source: str, root_
     save_with_root = bool(root and save) and env.filesystem_id(save) == env.filesystem_id(root)
     if root:
         need = budget.scratch + (budget.checkpoint if save_with_root else 0)
-        _check_free(_ROOT_FLAG, _label(_ROOT_FLAG, a.offload_train_disk_dir, root_is_default), root, need,
+        _check_free(_ROOT_FLAG, _label(_ROOT_FLAG, cfg.paths.root, cfg.paths.root_is_default), root, need,
                     budget.describe(save_with_root), params, env, scope)
     if save and not save_with_root:
-        _check_free("--save", f"--save {a.save}", save, budget.checkpoint, "one checkpoint", params, env)
+        _check_free("--save", f"--save {cfg.checkpoint.save}", save, budget.checkpoint, "one checkpoint", params, env)
     return creates
 
 
@@ -173,27 +173,26 @@ _OUTPUTS = (("save", "--save", "its checkpoints and metrics"), ("load", "--load"
                                                                   "the TensorBoard logs"))
 
 
-def check_root_is_the_runs_own(a: argparse.Namespace, env: Environment, root_is_default: bool) -> None:
+def check_root_is_the_runs_own(cfg: RunConfig, env: Environment) -> None:
     """The root is not ``/``, a system directory or the home directory itself (as given and resolved)."""
-    root = a.offload_train_disk_dir
+    root = cfg.paths.root
     for candidate in dict.fromkeys((root, env.real_path(root))):
         why = system_directory_reason(candidate, env.home)
         if why is not None:
             raise ArgumentError(
-                f"{_label(_ROOT_FLAG, root, root_is_default)} cannot be the run's root: {why}, and the run "
+                f"{_label(_ROOT_FLAG, root, cfg.paths.root_is_default)} cannot be the run's root: {why}, and the run "
                 "creates its folders there and removes them when it ends.",
                 (_ROOT_FLAG,),
                 f"pass a directory of its own for {_ROOT_FLAG}, on a node-local disk (e.g. under $SCRATCH "
                 "or /tmp).")
 
 
-def check_outputs_outside_scratch(a: argparse.Namespace, env: Environment, paths: RunPaths,
-                                   metrics_is_default: bool) -> None:
+def check_outputs_outside_scratch(cfg: RunConfig, env: Environment, metrics_is_default: bool) -> None:
     """No output of the run lies inside (or is) a directory its teardown removes."""
-    root = paths.root
-    removed = paths.removed_at_exit(root_exists=env.path_exists(root))
+    root = cfg.paths.root
+    removed = cfg.paths.removed_at_exit(root_exists=env.path_exists(root))
     for attr, flag, loses in _OUTPUTS:
-        given = getattr(a, attr)
+        given = field_value(cfg, attr)
         if not given:
             continue
         path = os.path.abspath(given)
@@ -213,10 +212,10 @@ def check_outputs_outside_scratch(a: argparse.Namespace, env: Environment, paths
 
 
 
-def _bundles(a: argparse.Namespace) -> int:
+def _bundles(cfg: RunConfig) -> int:
     """The placement group's bundles (miles.ray.layout.bundle_specs): one per train rank, and one per
     rollout engine unless the engines share the train ranks' bundles (--colocate)."""
-    return a.num_train_ranks + (0 if a.colocate else a.num_rollout_engines)
+    return cfg.cluster.num_train_ranks + (0 if cfg.cluster.colocate else cfg.cluster.num_rollout_engines)
 
 
 def _starts_own_ray(env: Environment) -> bool:
@@ -224,46 +223,47 @@ def _starts_own_ray(env: Environment) -> bool:
     return env.ray_address is None and not env.ray_running()
 
 
-def check_fits_this_machine(a: argparse.Namespace, env: Environment) -> None:
+def check_fits_this_machine(cfg: RunConfig, env: Environment) -> None:
     """What Ray would only find out after its placement group timed out, or the store once the actors are
     up: checked here against this machine's CPUs and available memory."""
-    if a.colocate and a.num_rollout_engines > a.num_train_ranks:
+    if cfg.cluster.colocate and cfg.cluster.num_rollout_engines > cfg.cluster.num_train_ranks:
         raise ArgumentError(
             f"--colocate places each rollout engine on a train rank's bundle, and --num-rollout-engines "
-            f"{a.num_rollout_engines} is more than --num-train-ranks {a.num_train_ranks}.",
+            f"{cfg.cluster.num_rollout_engines} is more than --num-train-ranks {cfg.cluster.num_train_ranks}.",
             ("--colocate", "--num-rollout-engines", "--num-train-ranks"),
-            f"pass --num-rollout-engines {a.num_train_ranks} or fewer, or drop --colocate.")
+            f"pass --num-rollout-engines {cfg.cluster.num_train_ranks} or fewer, or drop --colocate.")
     if _starts_own_ray(env):
-        _check_fits_own_ray(a, env)
-    _check_host_tier_fits(a, env)
+        _check_fits_own_ray(cfg, env)
+    _check_host_tier_fits(cfg, env)
 
 
-def _check_fits_own_ray(a: argparse.Namespace, env: Environment) -> None:
+def _check_fits_own_ray(cfg: RunConfig, env: Environment) -> None:
     """The placement group fits the CPUs of the single-node Ray cluster the run starts (Ray gives it the
     machine's CPUs); otherwise Ray would wait for it until its timeout."""
-    bundles = _bundles(a)
-    spelled = (f"--num-train-ranks {a.num_train_ranks}" if a.colocate else
-               f"--num-train-ranks {a.num_train_ranks} + --num-rollout-engines {a.num_rollout_engines} (not colocated)")
+    bundles, cluster = _bundles(cfg), cfg.cluster
+    spelled = (f"--num-train-ranks {cluster.num_train_ranks}" if cluster.colocate else
+               f"--num-train-ranks {cluster.num_train_ranks} + --num-rollout-engines {cluster.num_rollout_engines} "
+               "(not colocated)")
     fix = ("lower --num-train-ranks, --num-rollout-engines or --num-cpus-per-rank"
-           + ("" if a.colocate else ", add --colocate (the engines then share the train ranks' bundles)")
+           + ("" if cluster.colocate else ", add --colocate (the engines then share the train ranks' bundles)")
            + ", or run on a larger machine (RAY_ADDRESS joins an existing cluster).")
-    cpus, need = env.cpu_count(), bundles * a.num_cpus_per_rank
+    cpus, need = env.cpu_count(), bundles * cluster.num_cpus_per_rank
     if need > cpus:
         raise ArgumentError(
-            f"{spelled} = {bundles} bundles x --num-cpus-per-rank {a.num_cpus_per_rank} = {need} CPUs, and "
+            f"{spelled} = {bundles} bundles x --num-cpus-per-rank {cfg.cluster.num_cpus_per_rank} = {need} CPUs, and "
             f"this machine has {cpus} for the Ray cluster the run starts.",
             ("--num-train-ranks", "--num-rollout-engines", "--num-cpus-per-rank"),
             fix)
 
 
-def _check_host_tier_fits(a: argparse.Namespace, env: Environment) -> None:
+def _check_host_tier_fits(cfg: RunConfig, env: Environment) -> None:
     """Every train rank on this machine takes a host tier of its own, and together they must fit the memory
     the host has available (the store refuses one rank's tier larger than that, once the actors are up)."""
-    per_rank = a.stream_optimizer_state_host_cache_mb
-    if not a.stream_optimizer_state_to_disk or per_rank == HOST_CACHE_AUTO or not per_rank:
+    per_rank = cfg.optimizer.stream_optimizer_state_host_cache_mb
+    if not cfg.optimizer.stream_optimizer_state_to_disk or per_rank == HOST_CACHE_AUTO or not per_rank:
         return
-    ranks = a.num_train_ranks if _starts_own_ray(env) else ranks_on_driver_node(
-        a.num_train_ranks, driver_node_slots(a, env))
+    ranks = cfg.cluster.num_train_ranks if _starts_own_ray(env) else ranks_on_driver_node(
+        cfg.cluster.num_train_ranks, driver_node_slots(cfg.cluster, env))
     available = env.host_memory_available()
     if available is None or not ranks or ranks * per_rank * MiB <= available:
         return

@@ -13,9 +13,10 @@ object; Ray pickles it to the actors (frozen dataclasses pickle as plain values)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from miles.config.arguments import (
+    GROUP_OF,
     CheckpointConfig,
     ClusterConfig,
     LoggingConfig,
@@ -26,6 +27,7 @@ from miles.config.arguments import (
     TrainingConfig,
 )
 from miles.config.paths import RunPaths
+from miles_plugins.optimizers.streaming.config import StreamConfig
 
 MODEL_SOURCES = ("hf_checkpoint", "smollm2", "tiny")
 
@@ -59,7 +61,52 @@ class RunConfig:
     creates: tuple[str, ...]
 
     @property
+    def trainer_offload(self) -> bool:
+        """Trainer offload on: ``--offload-train`` / ``--no-offload-train`` when given, else on under
+        ``--colocate`` or with ``--offload-train-target=disk`` (validation's draft has it unresolved; the
+        resolved config carries the value this gives)."""
+        if self.offload.offload_train is not None:
+            return self.offload.offload_train
+        return self.cluster.colocate or self.offload.target_is_disk
+
+    @property
+    def trainer_offload_to_disk(self) -> bool:
+        """Trainer offload is on and puts the trainer's memory on disk (in the rank's directory)."""
+        return self.trainer_offload and self.offload.target_is_disk
+
+    @property
     def uses_rank_dirs(self) -> bool:
         """True when a disk mechanism is on, i.e. each train actor needs its ``cell<i>_rank<j>`` directory."""
-        disk_offload = self.offload.offload_train and self.offload.offload_train_target == "disk"
-        return disk_offload or self.optimizer.stream_optimizer_state_to_disk
+        return self.trainer_offload_to_disk or self.optimizer.stream_optimizer_state_to_disk
+
+
+def field_value(config: RunConfig, name: str) -> Any:
+    """The value of the config field ``name`` (a flag's field name), for rules written over field names."""
+    return getattr(getattr(config, GROUP_OF[name]), name)
+
+
+# The --stream-optimizer-state-* fields that are StreamConfig fields, by StreamConfig field: the one map
+# from the flags to the store's settings (validation words a StoreConfigError with it, for the flag).
+STORE_FIELD_FLAGS = {"chunk_mb": "stream_optimizer_state_chunk_mb",
+                     "moment_dtype": "stream_optimizer_state_moment_dtype",
+                     "bucket_numel": "stream_optimizer_state_bucket_numel",
+                     "device_budget_mb": "stream_optimizer_state_device_budget_mb",
+                     "host_cache_mb": "stream_optimizer_state_host_cache_mb",
+                     "verify": "stream_optimizer_state_verify"}
+
+
+def store_config(config: RunConfig, rank: int, ranks_on_node: int, directory: Optional[str] = None) -> StreamConfig:
+    """The store's :class:`StreamConfig` for train rank ``rank`` (the store's own defaults for the rest);
+    building it checks it by the store's rules (StoreConfigError). Flags not given (None) leave the choice
+    to the store: the bucket size and depth it fits to the device budget, the budget one default bucket's
+    worth. ``directory``: the store's ``dir``, by default ``config.paths.optimizer_state``.
+
+    A host tier of "auto" is shared by the ranks of a node: ``ranks_on_node``, the train ranks the actor
+    factory placed on this rank's node (rank_nodes of the placement group). No rank reserve: streaming requires
+    --offload-train-target=disk (validation), so a sleeping trainer keeps no cpu backup in host RAM (its
+    disk offload stages through chunk buffers, which the node reserve covers). No run reserve either: the
+    colocated rollout engines keep no host copy of their weights while released (the loop pushes new ones)."""
+    opt = config.optimizer
+    settings = {store_field: getattr(opt, name) for store_field, name in STORE_FIELD_FLAGS.items()}
+    return StreamConfig(dir=directory or config.paths.optimizer_state, host_cache_ranks_per_node=ranks_on_node,
+                        rank=rank, **settings)

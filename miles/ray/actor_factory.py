@@ -4,7 +4,7 @@ Every train actor gets a ``runtime_env`` of its own (:func:`miles.ray.layout.ran
 trainer offload, torch_memory_saver's ``LD_PRELOAD`` hook and ``TMS_*`` variables) and its
 ``cell<i>_rank<j>`` directory as a constructor argument. The actor makes and locks its directory when
 it starts and removes it when it exits, if this run made it; the driver's backstop
-(``miles.train``) removes what an actor that died left, and only what this run made.
+(``miles.run_lifecycle``) removes what an actor that died left, and only what this run made.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import os
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from miles.backends.base import BACKENDS
 from miles.config import RunConfig
+from miles.config.backends import BACKENDS
 
 from . import layout, placement_group
 from .train_actor import TrainActor

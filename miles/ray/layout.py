@@ -70,7 +70,7 @@ def rank_env(cfg: RunConfig, cell: int, rank: int, *, use_gpu: bool,
     if use_gpu and offload.offload_train and tms_library:
         env["LD_PRELOAD"] = tms_library
         env["TMS_INIT_ENABLE"] = "1"
-        if offload.offload_train_target == "disk":
+        if cfg.trainer_offload_to_disk:
             env["TMS_INIT_ENABLE_DISK_BACKUP"] = "1"
             env["TMS_DISK_BACKUP_CHUNK_MB"] = str(offload.offload_train_disk_chunk_mb)
         else:

@@ -71,15 +71,7 @@ def per_rank_disk_bytes(cfg: RunConfig, model: ModelTensors, ranks_on_node: int 
     ``memory_available`` (for an ``auto`` host tier; None: unknown, no tier counted)."""
     if not cfg.uses_rank_dirs:
         return 0
-    opt, offload = cfg.optimizer, cfg.offload
-    return rank_disk_need(model, num_train_ranks=cfg.cluster.num_train_ranks,
-                          expert_parallel=cfg.training.expert_model_parallel_size, model_dtype=cfg.model.model_dtype,
-                          stream=opt.stream_optimizer_state_to_disk, moment_dtype=opt.stream_optimizer_state_moment_dtype,
-                          bucket_numel=opt.stream_optimizer_state_bucket_numel,
-                          device_budget_mb=opt.stream_optimizer_state_device_budget_mb,
-                          offload_to_disk=offload.offload_train and offload.offload_train_target == "disk",
-                          host_cache_mb=opt.stream_optimizer_state_host_cache_mb, ranks_on_node=ranks_on_node,
-                          memory_available=memory_available).total
+    return rank_disk_need(cfg, model, ranks_on_node, memory_available).total
 
 
 def node_needs(ranks: dict[str, list[int]], per_rank: Callable[[str, int], int]) -> dict[str, int]:

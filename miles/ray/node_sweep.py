@@ -3,7 +3,7 @@
 Each node writes its ranks' directories under the same root path on its own disk, and an actor there makes
 the missing folders on the way (the root, ``trainer/``, ``optimizer_state/``, ``rollout/``), each marked as
 this run's. An actor removes its own directory when it exits, not those parents, and an actor that crashed
-removes nothing; the driver's backstop (:func:`miles.train.remove_run_directories`) sees only the driver's
+removes nothing; the driver's backstop (:func:`miles.run_lifecycle.remove_run_directories`) sees only the driver's
 filesystem. So once the actors are gone, one task pinned to each other node runs the same
 :func:`~miles_plugins.optimizers.streaming.io.ownership.sweep` there (only what this run's markers name is
 removed) and reports what it removed and what it left; the driver logs that with its own result, in one

@@ -54,7 +54,8 @@ class RolloutEngineActor:
     @reports_logs
     def info(self) -> dict[str, Any]:
         return {"engine": self.engine_id, "pid": os.getpid(), "node_id": node_id(), "description": self.engine.get_description(),
-                "device": str(self.engine.device), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+                "device": str(self.engine.device), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "weight_payload": self.engine.weight_payload, "tp_size": self.engine.tp_size}
 
     # The rollout-engine contract (miles.rollout.contract.RolloutEngine), one Ray method each: the driver
     # calls the memory and session methods (their replies carry the engine's log lines), the train ranks
@@ -149,14 +150,14 @@ class RolloutManager:
     def end_weight_update(self, version: int) -> list[dict]:
         return self._all("end_weight_update", version)
 
-    def join_weight_group(self, spec: dict[str, Any], engine_ids) -> list:
-        """Refs of the given engines joining the weight-update group at ranks 1.. (the train source is 0);
-        the caller waits for them together with the source's join (the rendezvous needs both sides)."""
-        from .weight_sync import GROUP_NAME
-
-        return [self.engines[i].init_weights_update_group.remote(spec["master_address"], spec["master_port"], 1 + k,
-                                                                 spec["world_size"], GROUP_NAME, spec["backend"])
-                for k, i in enumerate(engine_ids)]
+    def join_weight_group(self, spec: dict[str, Any], engine_ids, rank_offsets) -> list:
+        """Refs of the given engines joining the weight-update group ``spec`` (the train source is rank 0),
+        engine ``engine_ids[k]`` from rank ``rank_offsets[k]`` on; the caller waits for them together with the
+        source's join (the rendezvous needs both sides)."""
+        return [self.engines[i].init_weights_update_group.remote(spec["master_address"], spec["master_port"], offset,
+                                                                 spec["world_size"], spec["group_name"],
+                                                                 spec["backend"])
+                for i, offset in zip(engine_ids, rank_offsets)]
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         close_then_kill(self.engines, "close", timeout_s)

@@ -2,7 +2,7 @@
 
 Started by :mod:`miles.ray.actor_factory` with its own environment (``TMS_DISK_BACKUP_DIR`` and the
 torch_memory_saver variables on GPU) and its ``cell<i>_rank<j>`` directory as a constructor argument.
-``backend`` is a ``"module:Class"`` spec (a value of :data:`miles.backends.base.BACKENDS`) imported
+``backend`` is a ``"module:Class"`` spec (a value of :data:`miles.config.backends.BACKENDS`) imported
 only in :meth:`init`, inside the actor. Every method the driver calls returns its log lines with its
 result (:mod:`miles.ray.actor_logs`).
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 from typing import Any, Optional
 
 from miles.config import RunConfig
@@ -55,10 +54,10 @@ class TrainActor:
         port that is free there now (rank 0 listens on it)."""
         import ray
 
+        from miles.weights.group import free_port
+
         host = ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            return f"{host}:{s.getsockname()[1]}"
+        return f"{host}:{free_port(host)}"
 
     @reports_logs
     def init(self, rendezvous: str) -> dict[str, Any]:
@@ -78,8 +77,8 @@ class TrainActor:
         self.trainer.join_weight_group(spec)
 
     @reports_logs
-    def push_weights(self, ipc_engines: list, group_engines: list) -> dict[str, Any]:
-        return self.trainer.push_weights(ipc_engines, group_engines)
+    def push_weights(self, ipc_engines: list, group_engines: list, payload: str, tp_size: int) -> dict[str, Any]:
+        return self.trainer.push_weights(ipc_engines, group_engines, payload, tp_size)
 
     @reports_logs
     def save(self, base: str, wait: bool = True) -> dict[str, Any]:

@@ -53,12 +53,13 @@ class RayTrainGroup:
         refs = [a.train.remote(rollout_id, samples, adv) for a, (samples, adv) in zip(self.actors, shards)]
         return wait_all(refs, f"train (rollout {rollout_id})", self.labels)
 
-    def push_weights(self, routes, engines: list) -> list[dict[str, Any]]:
-        """Every rank hands its weights to the engines ``routes`` give it (:mod:`miles.ray.weight_sync`):
-        by reference to ``routes.ipc[rank]``, and rank 0 by broadcast to ``routes.broadcast``. Every rank is
-        called: with expert parallelism the weights' iteration gathers experts (a collective)."""
+    def push_weights(self, routes, engines: list, payload: str, tp_size: int) -> list[dict[str, Any]]:
+        """Every rank hands its weights, as the ``payload`` the engines consume (each ``tp_size`` ranks), to the
+        engines ``routes`` give it (:mod:`miles.ray.weight_sync`): by reference to ``routes.ipc[rank]``, and
+        rank 0 by broadcast to ``routes.broadcast``. Every rank is called: with expert parallelism the weights'
+        iteration gathers experts (a collective)."""
         refs = [a.push_weights.remote([engines[i] for i in routes.ipc.get(r, ())],
-                                      [engines[i] for i in routes.broadcast] if r == 0 else [])
+                                      [engines[i] for i in routes.broadcast] if r == 0 else [], payload, tp_size)
                 for r, a in enumerate(self.actors)]
         return wait_all(refs, "push_weights", self.labels)
 

@@ -1,9 +1,10 @@
-"""Trained weights to the rollout engines, by reference: the routes (planned by the driver) and the push
-(run inside each train actor). Nothing of the weights travels through Ray's object store.
+"""Trained weights to the rollout engines: the driver's side (routes, the weight-update group, versioned
+sessions). The push itself runs inside each train actor (:mod:`miles.weights.push`). Nothing of the weights
+travels through Ray's object store.
 
-    routes = plan_routes(config.rollout.weight_sync, engine_ranks=[...], engine_shares_rank=[...], num_ranks=n)
-    # driver: opens each engine's session (begin_weight_update), asks every train rank to push, closes it
-    stats = push_weights(trainer.hf_weights(), ipc_engines=[...], group=..., group_engines=[...], ...)
+    routes = plan_routes(config.rollout.weight_sync, num_ranks=n, engine_ranks=[...])
+    # driver: opens each engine's session (begin_weight_update), asks every train rank to push the payload the
+    # engines' info() names (engine_payload), closes it
 
 Two paths (:mod:`miles.weights`):
 
@@ -19,11 +20,9 @@ over the expert-parallel group, a collective), so every rank is called even when
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -73,90 +72,6 @@ def plan_routes(mode: str, *, num_ranks: int, engine_ranks: Sequence[Optional[in
     return WeightRoutes(ipc={r: tuple(e) for r, e in ipc.items()}, broadcast=tuple(orphans))
 
 
-@contextlib.contextmanager
-def bucket_allocation():
-    """Buckets must come from a plain cudaMalloc to be shared through CUDA IPC: under torch_memory_saver
-    (the trainer's sleep/wake) every allocation is a virtual-memory mapping CUDA IPC cannot export, so
-    the handoff allocates outside it (``torch_memory_saver.disable()``: a private pool of plain
-    allocations, dropped at its end). Emptying torch's cache after it returns that pool's memory to CUDA:
-    torch_memory_saver does not pause it, so it would otherwise stay on the GPU while the trainer sleeps."""
-    from miles.offload.tms import preloaded_memory_saver, tms_active
-
-    if not tms_active():
-        yield
-        return
-    import torch
-
-    try:
-        with preloaded_memory_saver().disable():
-            yield
-    finally:
-        torch.cuda.empty_cache()
-
-
-class _Sharer:
-    """``share_bucket``, with one fallback: when CUDA refuses to export a bucket (memory CUDA IPC cannot
-    share), this and every later bucket of the handoff go through host shared memory instead (a device to
-    host copy and a file in /dev/shm: slower, still outside Ray's object store), with one warning."""
-
-    def __init__(self):
-        self.through_host = False
-
-    def share(self, spec, flat):
-        from miles.weights import share_bucket
-
-        if self.through_host:
-            return share_bucket(spec, flat.cpu())
-        try:
-            return share_bucket(spec, flat)
-        except RuntimeError as e:  # torch.AcceleratorError: cudaIpcGetMemHandle refused the allocation
-            if not flat.is_cuda:
-                raise
-            logger.warning("CUDA IPC refused weight bucket %d (%s); handing the weights over through host "
-                           "shared memory instead (slower)", spec.index, str(e).splitlines()[0])
-            self.through_host = True
-            return share_bucket(spec, flat.cpu())
-
-
-def push_weights(named_tensors: Iterable, *, ipc_engines: Sequence[Any] = (), group=None,
-                 group_engines: Sequence[Any] = (), max_bucket_bytes: int) -> dict[str, Any]:
-    """Hand ``named_tensors`` (HF-layout ``(name, tensor)`` pairs on this rank's device) to the engines, one
-    flattened bucket at a time: each bucket is shared with ``ipc_engines`` (Ray actor handles) and, with a
-    ``group`` (this rank its source), broadcast to ``group_engines``; the next bucket is built once every
-    engine acknowledged the last. Returns the handoff's stats for the metrics."""
-    import ray
-
-    from miles.weights import iter_buckets
-
-    start = time.perf_counter()
-    sharer = _Sharer()
-    buckets = nbytes = largest = 0
-    feeds = bool(ipc_engines) or (group is not None and bool(group_engines))
-    with bucket_allocation():
-        for spec, flat in iter_buckets(named_tensors, max_bucket_bytes):
-            if not feeds:  # a rank whose iteration only takes part in the expert gathers
-                continue
-            shared = sharer.share(spec, flat) if ipc_engines else None
-            try:
-                refs = [e.update_weights_from_tensor.remote([shared], load_format="flattened_bucket")
-                        for e in ipc_engines]
-                if group is not None and group_engines:
-                    refs += [e.update_weights_from_distributed.remote([spec.to_dict()], GROUP_NAME)
-                             for e in group_engines]
-                    group.broadcast(flat)
-                ray.get(refs)
-            finally:  # an engine that failed or died, or this actor interrupted: the file goes all the same
-                if shared is not None:
-                    shared.release()
-            del flat
-            buckets += 1
-            nbytes += spec.nbytes
-            largest = max(largest, spec.nbytes)
-    return {"weight_handoff_seconds": time.perf_counter() - start, "weight_handoff_bytes": nbytes,
-            "weight_handoff_buckets": buckets, "weight_handoff_largest_bucket_bytes": largest,
-            "weight_handoff_through_host": sharer.through_host}
-
-
 def engine_feed_ranks(train_infos: Sequence[dict], engine_infos: Sequence[dict], *, use_gpu: bool,
                       colocated_rank: Optional[Sequence[int]]) -> list[Optional[int]]:
     """For each engine, the train rank that can hand it buckets by reference (pure, from the actors' infos:
@@ -173,9 +88,38 @@ def engine_feed_ranks(train_infos: Sequence[dict], engine_infos: Sequence[dict],
     return out
 
 
+@dataclass(frozen=True)
+class EnginePayload:
+    """What the engines' weight updates consume (their ``info()``'s ``weight_payload``) and how many
+    tensor-parallel ranks each has (one payload, or one group rank, each)."""
+
+    kind: str
+    tp_size: int
+
+
+def engine_payload(engine_infos: Sequence[dict]) -> EnginePayload:
+    """The one payload every engine consumes (pure, from the engines' infos: ``weight_payload``, ``tp_size``);
+    ValueError naming the engines that differ (one push builds one payload)."""
+    if not engine_infos:
+        raise ValueError("no rollout engines to hand the weights to")
+    kinds = [EnginePayload(info["weight_payload"], info["tp_size"]) for info in engine_infos]
+    if len(set(kinds)) > 1:
+        raise ValueError("the rollout engines consume different weight payloads: " + "; ".join(
+            f"engine {i}: {k.kind} x tp {k.tp_size}" for i, k in enumerate(kinds)) + "; run one kind of engine")
+    return kinds[0]
+
+
+def group_ranks(engine_tp_sizes: Sequence[int]) -> tuple[int, list[int]]:
+    """``(world_size, rank_offsets)`` of the weight-update group (pure): the train source at rank 0, then each
+    engine's tensor-parallel ranks in order (``rank_offsets[k]``: engine k's first rank)."""
+    offsets = [1 + sum(engine_tp_sizes[:k]) for k in range(len(engine_tp_sizes))]
+    return 1 + sum(engine_tp_sizes), offsets
+
+
 class WeightSync:
-    """The driver's side of the handoff: plans the routes once, makes the weight-update group when an engine
-    needs it, and runs one versioned update: every engine's session opened, every rank pushing, closed."""
+    """The driver's side of the handoff: plans the routes once (an engine that shares no GPU with a train rank
+    is broadcast to), makes the weight-update group when an engine needs it, and runs one versioned update:
+    every engine's session opened, every rank pushing the engines' payload, closed."""
 
     def __init__(self, config, train_group, rollout, train_infos: Sequence[dict], engine_infos: Sequence[dict],
                  use_gpu: bool):
@@ -188,20 +132,24 @@ class WeightSync:
         self.routes = plan_routes(config.rollout.weight_sync, num_ranks=len(train_infos),
                                   engine_ranks=engine_feed_ranks(train_infos, engine_infos, use_gpu=use_gpu,
                                                                  colocated_rank=colocated))
+        self.payload = engine_payload(engine_infos)
         self.train_group, self.rollout = train_group, rollout
         if self.routes.broadcast:
             address = wait_all([train_group.actors[0].rendezvous.remote()], "rendezvous", train_group.labels[:1])[0]
             host, port = address.rsplit(":", 1)
-            spec = {"master_address": host, "master_port": int(port), "world_size": 1 + len(self.routes.broadcast),
-                    "backend": "nccl" if use_gpu else "gloo"}
-            refs = [train_group.join_weight_group(spec)] + rollout.join_weight_group(spec, self.routes.broadcast)
+            world_size, offsets = group_ranks([self.payload.tp_size] * len(self.routes.broadcast))
+            spec = {"master_address": host, "master_port": int(port), "world_size": world_size,
+                    "backend": "nccl" if use_gpu else "gloo", "group_name": GROUP_NAME}
+            refs = ([train_group.join_weight_group(spec)]
+                    + rollout.join_weight_group(spec, self.routes.broadcast, offsets))
             wait_all(refs, "joining the weight-update group",
                      train_group.labels[:1] + [rollout.labels[i] for i in self.routes.broadcast])
-        logger.info("weight handoff: %s", self.routes.describe())
+        logger.info("weight handoff: %s; payload %s", self.routes.describe(), self.payload.kind)
 
     def push(self, version: int) -> list[dict[str, Any]]:
         """Weights of the train ranks into every engine as ``version``; each rank's stats."""
         self.rollout.begin_weight_update(version)
-        stats = self.train_group.push_weights(self.routes, self.rollout.engines)
+        stats = self.train_group.push_weights(self.routes, self.rollout.engines, self.payload.kind,
+                                              self.payload.tp_size)
         self.rollout.end_weight_update(version)
         return stats

@@ -17,8 +17,8 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
-if TYPE_CHECKING:  # miles.config's validation imports this module to check --prompt-data
-    from miles.config import RunConfig
+if TYPE_CHECKING:  # from the leaf that defines it: miles.config's validation imports this module (--prompt-data)
+    from miles.config.run_config import RunConfig
 
 __all__ = [
     "PromptItem",

@@ -36,13 +36,20 @@ from typing import Optional, Protocol, Sequence, Union, runtime_checkable
 from miles.rollout.types import Sample, SamplingParams
 
 __all__ = ["RolloutEngine", "MEMORY_TAGS", "WEIGHTS", "KV_CACHE", "FLATTENED_BUCKET", "LOAD_FORMATS",
-           "check_memory_tags"]
+           "MILES_FLAT_BUCKET", "SGLANG_FLATTENED_BUCKET", "WEIGHT_PAYLOADS", "check_memory_tags"]
 
 WEIGHTS = "weights"
 KV_CACHE = "kv_cache"
 MEMORY_TAGS = (WEIGHTS, KV_CACHE)
 FLATTENED_BUCKET = "flattened_bucket"
 LOAD_FORMATS = (FLATTENED_BUCKET, None)
+# What an engine's weight updates consume (its ``weight_payload``); the trainer builds that (miles.weights.push).
+# miles' bucket: by reference a miles.weights.SharedBucket, by broadcast miles' aligned flat of each spec.
+MILES_FLAT_BUCKET = "miles_flat_bucket"
+# sglang's own FlattenedTensorBucket: by reference its MultiprocessingSerializer payloads, one per tensor-parallel
+# rank; by broadcast its flat, which sglang receives into a bucket of its class built from the spec's tensors.
+SGLANG_FLATTENED_BUCKET = "sglang_flattened_bucket"
+WEIGHT_PAYLOADS = (MILES_FLAT_BUCKET, SGLANG_FLATTENED_BUCKET)
 
 
 def check_memory_tags(tags: Optional[Sequence[str]]) -> tuple[str, ...]:
@@ -62,7 +69,13 @@ def check_memory_tags(tags: Optional[Sequence[str]]) -> tuple[str, ...]:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """A rollout engine. See the module docstring for the memory states and the colocated order."""
+    """A rollout engine. See the module docstring for the memory states and the colocated order.
+
+    ``weight_payload``: the payload its weight updates consume (one of :data:`WEIGHT_PAYLOADS`), built by
+    the trainer as it is; ``tp_size``: its tensor-parallel ranks (one payload each)."""
+
+    weight_payload: str
+    tp_size: int
 
     def generate(self, input_ids: list[list[int]], sampling_params: Union[SamplingParams, dict, None] = None,
                  return_logprob: bool = True) -> list[Sample]:
@@ -99,9 +112,11 @@ class RolloutEngine(Protocol):
         """Copy named tensors into the weights, inside a session (RuntimeError outside one).
 
         ``serialized_named_tensors``: one payload per tensor-parallel rank of the engine. With
-        ``load_format="flattened_bucket"`` each payload is a :class:`miles.weights.SharedBucket` (opened
-        with ``miles.weights.open_bucket``, unpacked with ``miles.weights.unpack_bucket``, released by the
-        producer after this call returns). With ``load_format=None`` the list itself holds
+        ``load_format="flattened_bucket"`` each payload is of the engine's ``weight_payload`` kind: a
+        :class:`miles.weights.SharedBucket` (:data:`MILES_FLAT_BUCKET`: opened with ``miles.weights.open_bucket``,
+        unpacked with ``miles.weights.unpack_bucket``), or sglang's serialized bucket
+        (:data:`SGLANG_FLATTENED_BUCKET`); the producer releases it after this call returns. With
+        ``load_format=None`` the list itself holds
         ``(name, tensor)`` pairs. Names are the model's ``state_dict`` names (a ``module.`` prefix is
         stripped); each tensor is converted to its parameter's dtype and device. A shape mismatch raises
         ValueError and unknown names KeyError, before anything is copied. ``flush_cache``: call
@@ -123,8 +138,9 @@ class RolloutEngine(Protocol):
 
     def update_weights_from_distributed(self, bucket_specs: list[dict], group_name: str, src: int = 0) -> dict:
         """Inside a session: for each ``BucketSpec.to_dict()`` in order, receive that bucket from rank
-        ``src`` of the group and copy its tensors in (as :meth:`update_weights_from_tensor`). Returns
-        ``{"tensors": n, "bytes": b}``."""
+        ``src`` of the group, in the layout of the engine's ``weight_payload`` (miles' aligned flat, or
+        sglang's bucket of the spec's tensors in their order), and copy its tensors in (as
+        :meth:`update_weights_from_tensor`). Returns ``{"tensors": n, "bytes": b}``."""
         ...
 
     def destroy_weights_update_group(self, group_name: str) -> None:

@@ -39,7 +39,8 @@ import torch
 from miles.config import RunConfig
 from miles.offload import StorageOffloader, make_resizable
 from miles.rollout import decode
-from miles.rollout.contract import FLATTENED_BUCKET, KV_CACHE, LOAD_FORMATS, WEIGHTS, check_memory_tags
+from miles.rollout.contract import (FLATTENED_BUCKET, KV_CACHE, LOAD_FORMATS, MILES_FLAT_BUCKET, WEIGHTS,
+                                    check_memory_tags)
 from miles.rollout.engine_state import EngineState, check_prompts
 from miles.rollout.types import Sample, SamplingParams
 from miles_plugins.optimizers.streaming.config import DEFAULT_CHUNK_MB
@@ -79,6 +80,9 @@ class EmbeddedRolloutEngine:
         cuda_graphs: replay one captured CUDA graph per decode step (default: with a static cache on
             CUDA; needs both).
     """
+
+    weight_payload = MILES_FLAT_BUCKET  # a SharedBucket by reference, miles' aligned flat by broadcast
+    tp_size = 1
 
     def __init__(
         self,

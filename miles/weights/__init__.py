@@ -10,13 +10,17 @@ hands each bucket over one of two paths:
 - other GPUs or nodes: a :class:`WeightUpdateGroup` (NCCL; gloo on CPU) apart from the default process
   group; the source broadcasts with :func:`send_buckets`, each engine rank takes :func:`receive_bucket`.
 
+The train rank's push, which builds the payload the engine names (miles' bucket or sglang's own), is
+:mod:`miles.weights.push` (imported apart: it needs Ray).
+
 Ownership: the producer keeps each bucket alive (the flat, the ``SharedBucket``) until the consumer
 acknowledged it, then releases it (``SharedBucket.release()``, or lets the flat go after the broadcast).
 """
 
-from .buckets import BucketSpec, TensorSpec, iter_buckets, torch_dtype, unpack_bucket
+from .buckets import BucketSpec, TensorSpec, fill_bucket, iter_buckets, plan_buckets, torch_dtype, unpack_bucket
 from .group import WeightUpdateGroup, free_port, receive_bucket, send_buckets
 from .transport import SharedBucket, open_bucket, share_bucket
 
-__all__ = ["BucketSpec", "SharedBucket", "TensorSpec", "WeightUpdateGroup", "free_port", "iter_buckets",
-           "open_bucket", "receive_bucket", "send_buckets", "share_bucket", "torch_dtype", "unpack_bucket"]
+__all__ = ["BucketSpec", "SharedBucket", "TensorSpec", "WeightUpdateGroup", "fill_bucket", "free_port", "iter_buckets",
+           "open_bucket", "plan_buckets", "receive_bucket", "send_buckets", "share_bucket", "torch_dtype",
+           "unpack_bucket"]

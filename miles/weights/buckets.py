@@ -136,22 +136,37 @@ class _OpenBucket:
         return -(-self.end // align) * align
 
 
-def _close(bucket: _OpenBucket, index: int, device: torch.device | None) -> tuple[BucketSpec, torch.Tensor]:
+def _close(bucket: _OpenBucket, index: int) -> tuple[BucketSpec, list[torch.Tensor]]:
     spec = BucketSpec(index=index, dtype=bucket.dtype, nbytes=bucket.end,
                       tensors=tuple(t for t, _ in bucket.entries))
-    flat = torch.empty(spec.nbytes, dtype=torch.uint8, device=device or bucket.entries[0][1].device)
-    for t, source in bucket.entries:
+    return spec, [source for _, source in bucket.entries]
+
+
+def fill_bucket(spec: BucketSpec, sources: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """A new 1-D uint8 flat on ``device`` (default: the first source's) holding ``sources`` at the spec's
+    offsets (``sources[i]`` is ``spec.tensors[i]``)."""
+    flat = torch.empty(spec.nbytes, dtype=torch.uint8, device=device or sources[0].device)
+    for t, source in zip(spec.tensors, sources):
         view = flat[t.offset:t.offset + t.nbytes].view(source.dtype).view(source.shape)
         view.copy_(source.detach())
-    return spec, flat
+    return flat
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int, *, align: int = 256,
                  device: torch.device | None = None) -> Iterator[tuple[BucketSpec, torch.Tensor]]:
-    """Pack tensors into per-dtype buckets of at most ``max_bytes`` (a larger tensor is a bucket of its own),
-    each tensor at an ``align``-byte offset, in arrival order. A bucket is yielded as soon as the next tensor
-    of its dtype does not fit, so at most one open bucket per dtype holds references to its sources. Each
-    yielded flat is a new 1-D uint8 tensor on ``device`` (default: the first source's device)."""
+    """Pack tensors into per-dtype buckets of at most ``max_bytes`` (:func:`plan_buckets`), each yielded as a
+    new 1-D uint8 flat on ``device`` (default: the first source's device, :func:`fill_bucket`)."""
+    for spec, sources in plan_buckets(named_tensors, max_bytes, align=align):
+        yield spec, fill_bucket(spec, sources, device)
+
+
+def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int, *,
+                 align: int = 256) -> Iterator[tuple[BucketSpec, list[torch.Tensor]]]:
+    """Group tensors into per-dtype buckets of at most ``max_bytes`` (a larger tensor is a bucket of its own),
+    each tensor at an ``align``-byte offset, in arrival order; nothing is copied: each bucket comes as its spec
+    and its source tensors (``sources[i]`` is ``spec.tensors[i]``), for whichever payload is built of it. A
+    bucket is yielded as soon as the next tensor of its dtype does not fit, so at most one open bucket per
+    dtype holds references to its sources."""
     if type(max_bytes) is not int or max_bytes <= 0:
         raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
     if type(align) is not int or align <= 0 or align & (align - 1):
@@ -170,7 +185,7 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: i
         else:
             bucket = open_buckets.setdefault(dtype, _OpenBucket(dtype))
             if bucket.offset_for(align) + nbytes > max_bytes:
-                yield _close(bucket, index, device)
+                yield _close(bucket, index)
                 index += 1
                 bucket = open_buckets[dtype] = _OpenBucket(dtype)
         offset = bucket.offset_for(align)
@@ -178,11 +193,11 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: i
                                           nbytes=nbytes), tensor))
         bucket.end = offset + nbytes
         if nbytes > max_bytes:
-            yield _close(bucket, index, device)
+            yield _close(bucket, index)
             index += 1
     for bucket in open_buckets.values():
         if bucket.entries:
-            yield _close(bucket, index, device)
+            yield _close(bucket, index)
             index += 1
 
 

@@ -1,6 +1,9 @@
 """A weight-update process group: the trainer's source rank broadcasts buckets to rollout engines on other
-GPUs or nodes. Built directly from a TCPStore and a gloo/NCCL backend, it never touches the default process
-group (the trainer's and Megatron's groups stay as they are; an engine with no default group can join).
+GPUs or nodes. Built apart from the default process group (the trainer's and Megatron's groups stay as they
+are; an engine with no default group can join), the way sglang builds the groups its ranks join
+(``init_custom_process_group``: a TCPStore, prefixed with the group's name, given to torch's new-group
+helper), so that an sglang engine's ranks meet the trainer in the same store keys: a group built from the
+bare backend classes names its keys otherwise, and sglang's ranks would wait for them until the timeout.
 
 Every rank constructs its WeightUpdateGroup at the same time (rank 0 serves the store and waits for the
 others); then the source calls ``send_buckets`` while each receiver calls ``receive_bucket`` for the same
@@ -15,6 +18,7 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 
 from .buckets import BucketSpec
 
@@ -42,11 +46,14 @@ class WeightUpdateGroup:
         self.backend = backend
         self.group_name = group_name
         self.timeout = timedelta(seconds=timeout_s)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self._store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
                                     timeout=self.timeout)
-        self._process_group = _make_backend(backend, dist.PrefixStore(group_name, self._store), rank, world_size,
-                                            self.timeout, self.device)
+        # NCCL connects at the first broadcast, on the current GPU (as sglang's ranks do: an eager connect here
+        # would wait for theirs, which come only with the first bucket)
+        self._process_group, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend),
+                                                           dist.PrefixStore(group_name, self._store),
+                                                           group_name=group_name, timeout=self.timeout)
+        _world.pg_group_ranks[self._process_group] = {r: r for r in range(world_size)}  # destroy removes it
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """``tensor`` of rank ``src`` into every rank's ``tensor``; returns once this rank's part is done
@@ -64,21 +71,11 @@ class WeightUpdateGroup:
             torch.cuda.current_stream(tensor.device).synchronize()
 
     def destroy(self) -> None:
-        """Drop the backend and the store; idempotent."""
-        if self._process_group is not None and self.backend == "nccl":
-            self._process_group.shutdown()
+        """Drop the group (its name is free again in this process) and the store; idempotent."""
+        if self._process_group is not None:
+            dist.destroy_process_group(self._process_group)
         self._process_group = None
         self._store = None
-
-
-def _make_backend(backend: str, store, rank: int, world_size: int, timeout: timedelta, device: torch.device):
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    from torch.distributed import ProcessGroupNCCL
-
-    group = ProcessGroupNCCL(store, rank, world_size, ProcessGroupNCCL.Options())
-    group.eager_connect_single_device(device)  # binds the communicator to this process's current GPU
-    return group
 
 
 def free_port(host: str = "127.0.0.1") -> int:

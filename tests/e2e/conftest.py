@@ -32,8 +32,8 @@ def failing_backend(monkeypatch):
 
     The registry entry is resolved in the driver and imported inside the actor, whose PYTHONPATH the
     actor factory extends with the driver's (so the actor can import this test module)."""
-    from miles.backends import base
+    from miles.config import backends
 
     here = os.path.dirname(os.path.abspath(__file__))
-    monkeypatch.setitem(base.BACKENDS, "torch", "failing_backend:FailingTrainer")
+    monkeypatch.setitem(backends.BACKENDS, "torch", "failing_backend:FailingTrainer")
     monkeypatch.setenv("PYTHONPATH", here + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))

@@ -50,7 +50,7 @@ def test_colocated_gpu_run_with_tms_disk_offload(ray_cluster, tmp_path):
     finally:
         stop.set()
         th.join()
-    info = summary["train_ranks"][0]
+    info = summary.train_ranks[0]
     print("\ntrain rank:", json.dumps(info, default=str))
     assert info["device"].startswith("cuda") and info["backend"] == "nccl"
     assert info["offload"] == ("TmsOffloader" if has_tms else "StorageOffloader")
@@ -71,7 +71,7 @@ def test_colocated_gpu_run_with_tms_disk_offload(ray_cluster, tmp_path):
         "--rollout-max-response-len", "8", "--load", str(save / "rollout_000002"),
         "--metrics-file", str(tmp_path / "gpu2.jsonl")]))
     summary2 = run(args2)
-    assert summary2["start_rollout"] == 2
+    assert summary2.start_rollout == 2
     rec2 = [json.loads(line) for line in open(tmp_path / "gpu2.jsonl")]
     assert rec2[0]["stream_bytes_read_per_rank"][0] == 3 * recs[0]["stream_bytes_read_per_rank"][0]
     assert rec2[0]["loss"] == pytest.approx(recs[2]["loss"], rel=1e-3, abs=1e-6)

@@ -48,7 +48,7 @@ def run_handoffs(backend: str, preset: str, handoffs: int, tmp_path) -> None:
     from miles.ray.weight_sync import WeightSync
     from miles.rollout.contract import KV_CACHE, WEIGHTS
     from miles.rollout.types import SamplingParams
-    from miles.train import claim_run_root
+    from miles.run_lifecycle import claim_run_root
 
     # run inside the actors (Ray's __ray_call__); local functions travel by value, a test module's would not
     def gpu_memory(_actor):

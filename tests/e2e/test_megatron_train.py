@@ -62,7 +62,7 @@ def test_moe_colocated_streamed_save_and_resume(random_models, tmp_path, ray_clu
     save = tmp_path / "ckpt"
     config, summary, recs = _run(tmp_path, "moe", random_models["qwen3-moe-tiny"], "--num-rollout", "3",
                                  "--stream-optimizer-state-to-disk", "--save", str(save), "--save-interval", "2")
-    info = summary["train_ranks"][0]
+    info = summary.train_ranks[0]
     print("\ntrain rank:", json.dumps(info, default=str))
     for r in recs:
         print({k: r.get(k) for k in ("rollout_id", "reward_mean", "loss", "sleep_seconds", "wake_seconds",
@@ -73,5 +73,5 @@ def test_moe_colocated_streamed_save_and_resume(random_models, tmp_path, ray_clu
     assert not os.path.exists(config.paths.rank_dir(0, 0)), "the per-rank directory outlived the run"
     _, summary2, recs2 = _run(tmp_path, "moe-resume", random_models["qwen3-moe-tiny"], "--num-rollout", "3",
                               "--stream-optimizer-state-to-disk", "--load", str(save / "rollout_000002"))
-    assert summary2["start_rollout"] == 2
+    assert summary2.start_rollout == 2
     assert recs2[0]["loss"] == pytest.approx(recs[2]["loss"], rel=1e-3, abs=1e-6)

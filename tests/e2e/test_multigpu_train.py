@@ -46,7 +46,7 @@ def _offload_file_seen(info: dict, files: set) -> bool:
 
 def _check_ranks(summary, rank_dirs, watch) -> list[dict]:
     """One GPU per rank, nccl, offload files seen in every rank directory, the directories gone at exit."""
-    ranks = summary["train_ranks"]
+    ranks = summary.train_ranks
     for info in ranks:
         print("train rank:", json.dumps({k: info[k] for k in ("rank", "device", "backend", "cuda_visible_devices",
                                                               "rank_dir", "offload")}))
@@ -82,8 +82,8 @@ def test_one_train_rank_per_gpu_save_resume(ray_cluster, tmp_path):
 
     args2 = _args(tmp_path, "--load", str(ck2), "--metrics-file", str(tmp_path / "m2.jsonl"))
     summary2 = run(args2)
-    assert summary2["start_rollout"] == 2
-    assert [i["optimizer"] for i in summary2["load_info"]] == ["streamed", "streamed"], summary2["load_info"]
+    assert summary2.start_rollout == 2
+    assert [i["optimizer"] for i in summary2.load_info] == ["streamed", "streamed"], summary2.load_info
     recs2 = _records(tmp_path / "m2.jsonl")
     # every rank read its whole streamed state (mains + both moments) back from the checkpoint
     assert recs2[0]["stream_bytes_read_per_rank"] == recs[1]["stream_bytes_read_per_rank"]
@@ -127,10 +127,10 @@ def test_megatron_two_ranks_save_resume_onto_one(ray_cluster, tmp_path, arm):
 
     if arm == "dense_dp2":
         summary2 = resume()
-        assert summary2["start_rollout"] == 2
-        assert [i["optimizer"] for i in summary2["load_info"]] == ["streamed"], summary2["load_info"]
+        assert summary2.start_rollout == 2
+        assert [i["optimizer"] for i in summary2.load_info] == ["streamed"], summary2.load_info
         return
     with pytest.raises(Exception, match="differs from this store.*--no-load-optim"):
         resume()
     summary2 = resume("--no-load-optim")  # the weights resume onto one rank; the optimizer starts fresh
-    assert summary2["start_rollout"] == 2
+    assert summary2.start_rollout == 2

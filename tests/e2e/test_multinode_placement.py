@@ -213,12 +213,12 @@ def _full_run(out):
     parents = [cfg.paths.trainer, cfg.paths.optimizer_state, cfg.paths.rollout]
     ranks = [{"rank": r, "pid": info["pid"], "node_id": info["node_id"], "rank_dir": dirs[r],
               "ranks_on_node": info["ranks_on_node"]}
-             for r, info in enumerate(summary["train_ranks"])]
-    return {"train_ranks": ranks, "rollout_engines": [{"node_id": e["node_id"]} for e in summary["rollout_engines"]],
-            "markers": found, "nodes": summary["nodes"],
+             for r, info in enumerate(summary.train_ranks)]
+    return {"train_ranks": ranks, "rollout_engines": [{"node_id": e["node_id"]} for e in summary.rollout_engines],
+            "markers": found, "nodes": summary.nodes,
             "need_per_rank": per_rank_disk_bytes(cfg, model_tensors_of_run(cfg.model_source, None)),
             "left_after": [d for d in dirs if os.path.exists(d)],
-            "node_sweeps": [dataclasses.asdict(n) for n in summary.get("node_sweeps", [])],
+            "node_sweeps": [dataclasses.asdict(n) for n in summary.node_sweeps],
             "root": cfg.paths.root, "parents_after": [d for d in parents if os.path.exists(d)],
             "foreign": foreign, "foreign_after": os.path.exists(foreign), "warnings": warnings.lines}
 

@@ -88,7 +88,7 @@ def test_train_save_resume_streamed_state(ray_cluster, tmp_path):
     recs = _records(tmp_path / "run1.jsonl")
     assert [r["rollout_id"] for r in recs] == [0, 1, 2]
     ck2, ck3 = str(save / "rollout_000002"), str(save / "rollout_000003")
-    assert summary["checkpoints"] == [ck2, ck3]
+    assert summary.checkpoints == [ck2, ck3]
     assert recs[1]["checkpoint"] == ck2 and recs[0]["checkpoint"] is None
     for r in recs:
         assert r["offload_bytes"] > 0 and r["sleep_seconds"] >= 0 and r["wake_seconds"] >= 0
@@ -106,8 +106,8 @@ def test_train_save_resume_streamed_state(ray_cluster, tmp_path):
     args2 = _args(tmp_path, "--load", ck2, "--metrics-file", str(tmp_path / "run2.jsonl"))
     summary2 = run(args2)
     run2_seconds = time.perf_counter() - t1
-    assert summary2["start_rollout"] == 2
-    assert all(info["optimizer"] == "streamed" for info in summary2["load_info"]), summary2["load_info"]
+    assert summary2.start_rollout == 2
+    assert all(info["optimizer"] == "streamed" for info in summary2.load_info), summary2.load_info
     recs2 = _records(tmp_path / "run2.jsonl")
     assert [r["rollout_id"] for r in recs2] == [2]
     resumed_read = recs2[0]["stream_bytes_read_per_rank"]
@@ -122,8 +122,8 @@ def test_train_save_resume_streamed_state(ray_cluster, tmp_path):
     args3 = _args(tmp_path, "--load", ck2, "--num-train-ranks", "1", "--metrics-file", str(tmp_path / "run3.jsonl"))
     summary3 = run(args3)
     run3_seconds = time.perf_counter() - t2
-    assert summary3["start_rollout"] == 2
-    assert [info["optimizer"] for info in summary3["load_info"]] == ["streamed"], summary3["load_info"]
+    assert summary3.start_rollout == 2
+    assert [info["optimizer"] for info in summary3.load_info] == ["streamed"], summary3.load_info
     recs3 = _records(tmp_path / "run3.jsonl")
     assert [r["rollout_id"] for r in recs3] == [2]
     # one rank now holds the whole state, moments included: it reads what both ranks read before

@@ -37,7 +37,7 @@ def test_rl_loop_against_the_fake_sglang_engine(ray_cluster, tmp_path, monkeypat
         "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--micro-batch-size", "2",
         "--metrics-file", str(metrics)]))
     summary = run(config)
-    (engine,) = summary["rollout_engines"]
+    (engine,) = summary.rollout_engines
     assert engine["description"].startswith("sglang 0.5.17 (sglang engine (in-process), tp 1")
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["rollout_id"] for r in records] == [0, 1, 2]

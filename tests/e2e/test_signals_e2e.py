@@ -97,8 +97,8 @@ def test_close_then_kill_gives_a_signal_handlers_exception_back_at_once(busy_act
 
 
 def _slow_run(tmp_path):
-    launch = ("-c", "import sys; from miles.backends import base; "
-                    "base.BACKENDS['torch'] = 'test_signals_e2e:SlowTrainer'; "
+    launch = ("-c", "import sys; from miles.config import backends; "
+                    "backends.BACKENDS['torch'] = 'test_signals_e2e:SlowTrainer'; "
                     "from miles.cli import main; sys.exit(main(sys.argv[1:]))")
     run = _Run(_argv(tmp_path, 3), tmp_path, launch=launch, pythonpath=REPO + os.pathsep + HERE)
     deadline = time.monotonic() + 240

@@ -11,12 +11,12 @@ pytestmark = pytest.mark.e2e
 
 
 def test_poisoned_rollouts_are_skipped_then_stop_the_run(ray_cluster, tmp_path, monkeypatch):
-    from miles.backends import base
+    from miles.config import backends
     from miles.config import parse_args, validate_args
     from miles.train import RunError, run
 
     here = os.path.dirname(os.path.abspath(__file__))
-    monkeypatch.setitem(base.BACKENDS, "torch", "poisoned_backend:PoisonedLogprobTrainer")
+    monkeypatch.setitem(backends.BACKENDS, "torch", "poisoned_backend:PoisonedLogprobTrainer")
     monkeypatch.setenv("PYTHONPATH", here + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
     metrics = tmp_path / "metrics.jsonl"
     config = validate_args(parse_args([

@@ -29,12 +29,14 @@ import pickle
 import threading
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Optional
 
 import torch
+import torch.distributed
 import torch.multiprocessing  # noqa: F401  (torch's reducers for ForkingPickler)
 
 TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -117,6 +119,24 @@ class FlushCacheReqOutput:
     message: str = ""
 
 
+# ------------------------------------------------------------------------------ the weight-update group
+
+
+def init_custom_process_group(backend, init_method, world_size, rank, group_name, timeout=timedelta(seconds=60)):
+    """A process group apart from the default one, made as sglang makes its weight-update groups
+    (``sglang.srt.utils.init_custom_process_group``: a TCP rendezvous, the store under the group's name, torch's
+    new-group helper), so that a trainer's group must meet sglang's ranks in the same store keys."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                         backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
 # ------------------------------------------------------------------------------ the engine
 
 
@@ -141,7 +161,7 @@ class FakeSglangEngine:
         self.session_open = False
         self.running = 0
         self.generate_gate: Optional[threading.Event] = None  # a test holds generate here while it runs
-        self.groups: set[str] = set()
+        self.groups: dict[str, Any] = {}  # group name -> process group
         self.distributed_requests: list[dict] = []
         self.lock = threading.Lock()
         self.shut_down = False
@@ -231,23 +251,39 @@ class FakeSglangEngine:
 
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
                                   backend="nccl"):
+        """Joins a real process group the way sglang does (:func:`init_custom_process_group`), one rank (the
+        fake's tensor-parallel ranks share one process: tp_size 1 only)."""
         self.calls.append(("init_group", group_name))
-        self.groups.add(group_name)
+        if self.tp_size != 1:
+            return False, "this fake joins weight-update groups with tp_size 1 only"
+        self.groups[group_name] = init_custom_process_group(
+            backend=backend, init_method=f"tcp://{master_address}:{master_port}", world_size=world_size,
+            rank=rank_offset, group_name=group_name)
         return True, "Success"
 
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
                                         flush_cache=True, load_format=None):
-        """Records the request (the fake joins no process group, so nothing is received)."""
+        """Receives one broadcast from rank 0 into a bucket of its own class built from the names, dtypes and
+        shapes (sglang's ``load_format="flattened_bucket"``), and keeps the tensors."""
         if group_name not in self.groups:
             return False, f"Group {group_name} not in {sorted(self.groups)}"
         if self.sessions_required and not self.session_open:
             return False, "an update must sit between begin_weight_update and end_weight_update"
+        if load_format != "flattened_bucket":
+            return False, f"this fake receives load_format='flattened_bucket' broadcasts, got {load_format!r}"
         self.distributed_requests.append({"names": names, "dtypes": dtypes, "shapes": shapes,
                                           "load_format": load_format, "flush_cache": flush_cache})
+        empty = [(n, torch.empty(s, dtype=getattr(torch, d))) for n, d, s in zip(names, dtypes, shapes)]
+        bucket = self.bucket_cls(named_tensors=empty)
+        torch.distributed.broadcast(bucket.get_flattened_tensor(), src=0, group=self.groups[group_name])
+        self.weights.update({n: t.clone() for n, t in bucket.reconstruct_tensors()})
+        self.weights_defined = True
         return True, "Success"
 
     def destroy_weights_update_group(self, group_name):
-        self.groups.discard(group_name)
+        group = self.groups.pop(group_name, None)
+        if group is not None:
+            torch.distributed.destroy_process_group(group)
         return True, "Success"
 
     def flush_cache(self):

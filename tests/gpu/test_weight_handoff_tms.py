@@ -23,7 +23,7 @@ except ImportError:
     pass
 from multiprocessing.reduction import ForkingPickler
 from miles.offload.tms import tms_active
-from miles.ray.weight_sync import bucket_allocation
+from miles.weights.push import bucket_allocation
 assert tms_active()
 def shares(t):
     try:

@@ -50,15 +50,17 @@ def _config(make_config, tmp_path, *flags):
     return dataclasses.replace(cfg, run_id="test")
 
 
-def _save_and_publish(cfg, completed, summary, group=None):
+def _save_and_publish(cfg, completed, state, group=None):
     import miles.train as train
 
     pending = train._save(cfg, group or _Group(), completed, train._DataCursor(_Prompts(), completed), wait=True)
-    train._publish(cfg, group or _Group(), pending, summary, waited=True)
+    train._publish(cfg, group or _Group(), pending, state, waited=True)
 
 
-def _summary(**extra):
-    return {"checkpoints": [], "latest_checkpoint": None, "resumed_runs": [], **extra}  # as _resume leaves it
+def _state(**extra):
+    from miles.run_lifecycle import RunState
+
+    return RunState(run_dir="/run", metrics_file="/run/metrics.jsonl", **extra)  # as _resume leaves it
 
 
 def _entries(save):
@@ -68,14 +70,14 @@ def _entries(save):
 # ---- retention ---------------------------------------------------------------------------------------
 def test_keep_latest_keeps_exactly_n_newest_and_logs_what_it_removed(make_config, tmp_path, caplog):
     cfg = _config(make_config, tmp_path, "--save-keep-latest", "2")
-    save, summary = cfg.checkpoint.save, _summary()
+    save, state = cfg.checkpoint.save, _state()
     with caplog.at_level(logging.INFO, logger="miles.checkpoint"):
         for completed in range(1, 6):
-            _save_and_publish(cfg, completed, summary)
+            _save_and_publish(cfg, completed, state)
             assert len([n for n in _entries(save) if n.startswith("rollout_")]) == min(completed, 2)
     assert _entries(save) == [checkpoint.LATEST_FILE, "rollout_000004", "rollout_000005"]
     assert checkpoint.resolve(save) == os.path.join(save, "rollout_000005")
-    assert summary["checkpoints"] == [os.path.join(save, "rollout_000004"), os.path.join(save, "rollout_000005")]
+    assert state.checkpoints == [os.path.join(save, "rollout_000004"), os.path.join(save, "rollout_000005")]
     removed = [r.getMessage() for r in caplog.records if r.name == "miles.checkpoint" and "rollout_000001" in r.getMessage()]
     assert len(removed) == 1 and "removed" in removed[0] and "newest 2" in removed[0]
 
@@ -86,7 +88,7 @@ def test_keep_latest_never_removes_the_latest_nor_the_loaded_checkpoint(make_con
     for completed in range(1, 6):  # an earlier, longer run
         _complete_checkpoint(save, completed, f"old{completed}")
     loaded = os.path.join(save, "rollout_000002")  # this run resumed from rollout 2 ...
-    _save_and_publish(cfg, 3, _summary(loaded_checkpoint=loaded))  # ... and saved rollout 3 again
+    _save_and_publish(cfg, 3, _state(loaded_checkpoint=loaded))  # ... and saved rollout 3 again
     # the newest (5), the one `latest` names (3) and the one --load resumed from (2)
     assert _entries(save) == [checkpoint.LATEST_FILE, "rollout_000002", "rollout_000003", "rollout_000005"]
     assert checkpoint.resolve(save) == os.path.join(save, "rollout_000003")
@@ -107,7 +109,7 @@ def test_keep_latest_touches_only_complete_checkpoints_of_its_own_naming(make_co
     os.symlink(outside, os.path.join(save, "rollout_000000007"))  # our naming, but a link to elsewhere
     with open(os.path.join(save, "rollout_000006"), "w") as f:  # our naming, but a file
         f.write("mine")
-    _save_and_publish(cfg, 8, _summary())
+    _save_and_publish(cfg, 8, _state())
     assert _entries(save) == [checkpoint.LATEST_FILE, "notes", "rollout_000000", "rollout_000000007",
                               "rollout_000001.bak", "rollout_000006", "rollout_000008", "rollout_5"]
     assert checkpoint.read_meta(outside)["data_state"]["payload"] == "outside"
@@ -117,7 +119,7 @@ def test_without_the_flag_every_checkpoint_is_kept(make_config, tmp_path):
     cfg = _config(make_config, tmp_path)
     assert cfg.checkpoint.save_keep_latest is None
     for completed in range(1, 4):
-        _save_and_publish(cfg, completed, _summary())
+        _save_and_publish(cfg, completed, _state())
     assert _entries(cfg.checkpoint.save) == [checkpoint.LATEST_FILE, "rollout_000001", "rollout_000002",
                                              "rollout_000003"]
 
@@ -177,7 +179,7 @@ def test_next_start_removes_half_checkpoints_of_dead_runs_and_keeps_everything_e
         os.makedirs(os.path.join(save, "rollout_000008", "model"))  # no record of who made it
         os.makedirs(os.path.join(save, "scratch"))  # not our naming
         with caplog.at_level(logging.INFO, logger="miles.checkpoint"):
-            _run_doing(monkeypatch, cfg, lambda config, stop, summary: summary)
+            _run_doing(monkeypatch, cfg, lambda config, stop, state: state)
     finally:
         live.stdin.close()
         live.wait()
@@ -197,7 +199,7 @@ def test_next_start_puts_back_a_checkpoint_a_killed_resave_had_set_aside(make_co
     _complete_checkpoint(save, 2, "old")
     _half_save(save, 2, "die")  # re-saving rollout 2 (a resumed run), killed part way
     assert any(".prev-" in n for n in _entries(save))
-    _run_doing(monkeypatch, cfg, lambda config, stop, summary: summary)
+    _run_doing(monkeypatch, cfg, lambda config, stop, state: state)
     assert _entries(save) == [checkpoint.LATEST_FILE, "rollout_000002"]
     assert _loadable(save) == ("old", "old")
     with open(os.path.join(save, checkpoint.LATEST_FILE)) as f:
@@ -210,7 +212,7 @@ def _interrupted_run(make_config, tmp_path, monkeypatch, completed, capsys):
 
     cfg = _config(make_config, tmp_path)
 
-    def saving_when_the_signal_arrives(config, stop, summary):
+    def saving_when_the_signal_arrives(config, stop, state):
         train._save(config, _Group(interrupt=stop), completed, train._DataCursor(_Prompts(), 0), wait=True)
         pytest.fail("the signal did not stop the save")
 
@@ -254,7 +256,7 @@ SIGTERM_MID_SAVE = textwrap.dedent("""
         def __len__(self):
             return 8
 
-    def body(config, stop, summary):
+    def body(config, stop, state):
         train._save(config, Group(), 3, train._DataCursor(Prompts(), 0), wait=True)
 
     train._run_holding_root = body

@@ -7,7 +7,6 @@ implements it, 3 the static-cache decoder gives the plain forward's tokens and l
 from __future__ import annotations
 
 import inspect
-import threading
 
 import pytest
 import torch
@@ -219,33 +218,43 @@ def test_update_from_flattened_buckets(engine, tok, prompts, tmp_path):
     reference.close()
 
 
+def _gloo_trainer(port, buckets, errors):
+    """Train rank 0 in its own process (a process holds one end of a named group: torch's registry)."""
+    import torch
+
+    from miles.weights import BucketSpec, WeightUpdateGroup, send_buckets
+
+    try:
+        group = WeightUpdateGroup(master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
+                                  backend="gloo", group_name="weights-test", timeout_s=60)
+        send_buckets(group, [(BucketSpec.from_dict(d), torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+                             for d, raw in buckets], src=0)
+        group.destroy()
+    except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+        errors.put(repr(e))
+
+
 def test_update_from_distributed_over_gloo(engine, tok):
-    from miles.weights import WeightUpdateGroup, free_port, iter_buckets, send_buckets
+    import multiprocessing
+
+    from miles.weights import free_port, iter_buckets
 
     new = shifted(tok)
     buckets = list(iter_buckets(new.items(), max_bytes=32 * 1024))
     port = free_port()
-    sender_errors = []
-
-    def trainer():
-        try:
-            group = WeightUpdateGroup(master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
-                                      backend="gloo", group_name="weights-test", timeout_s=60)
-            send_buckets(group, buckets, src=0)
-            group.destroy()
-        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
-            sender_errors.append(e)
-
-    thread = threading.Thread(target=trainer)
-    thread.start()
+    ctx = multiprocessing.get_context("spawn")
+    errors = ctx.Queue()
+    trainer = ctx.Process(target=_gloo_trainer,
+                          args=(port, [(spec.to_dict(), flat.numpy().tobytes()) for spec, flat in buckets], errors))
+    trainer.start()
     engine.init_weights_update_group("127.0.0.1", port, 1, 2, "weights-test", "gloo")
     with pytest.raises(ValueError, match="already joined"):
         engine.init_weights_update_group("127.0.0.1", port, 1, 2, "weights-test", "gloo")
     engine.begin_weight_update(2)
     stats = engine.update_weights_from_distributed([spec.to_dict() for spec, _ in buckets], "weights-test", src=0)
     engine.end_weight_update(2)
-    thread.join(60)
-    assert not sender_errors, sender_errors
+    trainer.join(60)
+    assert trainer.exitcode == 0 and errors.empty(), errors.get() if not errors.empty() else trainer.exitcode
     assert stats == {"tensors": len(new), "bytes": sum(v.numel() * v.element_size() for v in new.values())}
     got = engine.get_weights()
     assert all(torch.equal(got[k], v) for k, v in new.items())

@@ -36,7 +36,7 @@ def test_other_nodes_are_counted_and_named():
 
 
 def test_driver_warns_once_for_all_nodes(make_config, tmp_path, caplog):
-    from miles.train import claim_run_root, remove_run_directories
+    from miles.run_lifecycle import claim_run_root, remove_run_directories
 
     cfg = _config(make_config, tmp_path)
     (tmp_path / "root").mkdir()  # the user's directory: not the run's to remove
@@ -66,24 +66,26 @@ def _fake_ray(monkeypatch, here):
 
 
 def test_teardown_sweeps_only_the_other_nodes_and_waits_for_local_pids_only(make_config, tmp_path, monkeypatch):
-    import miles.train as train
+    import miles.run_lifecycle as run_lifecycle
 
     cfg = _config(make_config, tmp_path)
     calls, waited = [], []
-    monkeypatch.setattr(train, "sweep_nodes", lambda nodes, root, run_id, pids: calls.append((nodes, pids)) or [])
-    monkeypatch.setattr(train, "wait_for_exit", waited.append)
+    monkeypatch.setattr(run_lifecycle, "sweep_nodes",
+                        lambda nodes, root, run_id, pids: calls.append((nodes, pids)) or [])
+    monkeypatch.setattr(run_lifecycle, "wait_for_exit", waited.append)
     _fake_ray(monkeypatch, "driver")
     pids = {"driver": [11], "other": [22]}
-    train._sweep_actor_nodes(cfg, ["driver"], {"driver": [11]})  # one node: nothing to sweep remotely
-    train._sweep_actor_nodes(cfg, ["driver", "other"], pids)
+    run_lifecycle.sweep_actor_nodes(cfg, ["driver"], {"driver": [11]})  # one node: nothing to sweep remotely
+    run_lifecycle.sweep_actor_nodes(cfg, ["driver", "other"], pids)
     assert calls == [([], {"driver": [11]}), (["other"], pids)]
     assert waited == [[11], [11]]  # the other node's pids are waited for there, by its sweep
 
 
 def test_actor_pids_are_grouped_by_node():
-    import miles.train as train
+    from miles.run_lifecycle import RunState, actor_pids_by_node
 
-    summary = {"train_ranks": [{"node_id": "a", "pid": 1}, {"node_id": "b", "pid": 2}],
-               "rollout_engines": [{"node_id": "a", "pid": 3}]}
-    assert train._actor_pids_by_node(summary) == {"a": [1, 3], "b": [2]}
-    assert train._actor_pids_by_node({}) == {}
+    state = RunState(run_dir="/run", metrics_file="/run/metrics.jsonl",
+                     train_ranks=[{"node_id": "a", "pid": 1}, {"node_id": "b", "pid": 2}],
+                     rollout_engines=[{"node_id": "a", "pid": 3}])
+    assert actor_pids_by_node(state) == {"a": [1, 3], "b": [2]}
+    assert actor_pids_by_node(RunState(run_dir="/run", metrics_file="/run/metrics.jsonl")) == {}

@@ -13,6 +13,7 @@ import pytest
 
 from miles import checkpoint, train
 from miles.metrics import MetricsSink, superseded_lines
+from miles.run_lifecycle import RunState
 
 
 def _record(rollout_id, run_id=None, **more):
@@ -113,30 +114,30 @@ def _run(make_config, save, run_id, rollouts, *flags, completed=None):
     """A run as the driver does it: resume (or not), its records into the default <save>/metrics.jsonl,
     and a checkpoint after ``completed`` rollouts (default: all of them) naming its runs."""
     config = make_config("--save", str(save), "--metrics-file", str(save / "metrics.jsonl"), *flags)
-    summary = {}
-    start, _ = train._resume(config, _Group(), summary)
+    state = RunState(run_dir=str(save), metrics_file=config.logging.metrics_file)
+    start, _ = train._resume(config, _Group(), state)
     assert start == rollouts[0]
-    _write_rollouts(MetricsSink(config.logging.metrics_file, None, run_id, summary["resumed_runs"], start),
+    _write_rollouts(MetricsSink(config.logging.metrics_file, None, run_id, state.resumed_runs, start),
                     rollouts)
     completed = rollouts[-1] + 1 if completed is None else completed
     base = checkpoint.prepare(str(save), completed, run_id)
     checkpoint.write_meta(base, next_rollout_id=completed, data_state={}, world_size=1,
-                          runs=[*summary["resumed_runs"], run_id])
+                          runs=[*state.resumed_runs, run_id])
     checkpoint.publish(str(save), base)
-    return summary
+    return state
 
 
 def test_load_finetune_save_on_one_folder_keeps_the_first_runs_history(make_config, tmp_path):
     save = tmp_path / "S"
     _run(make_config, save, "first", [0, 1, 2, 3])
     # the finetune saves after rollout 1 and goes on to write rollout 2 before it stops
-    summary = _run(make_config, save, "tuned", [0, 1, 2], "--load", str(save), "--finetune", completed=2)
-    assert summary["resumed_runs"] == []
+    state = _run(make_config, save, "tuned", [0, 1, 2], "--load", str(save), "--finetune", completed=2)
+    assert state.resumed_runs == []
     assert _records(save / "metrics.jsonl") == [(0, "first"), (1, "first"), (2, "first"), (3, "first"),
                                                 (0, "tuned"), (1, "tuned"), (2, "tuned")]
     # its resume re-runs rollout 2: the finetune's record of it is superseded, the first run's stays
-    summary = _run(make_config, save, "resumed", [2, 3], "--load", str(save))
-    assert summary["resumed_runs"] == ["tuned"]
+    state = _run(make_config, save, "resumed", [2, 3], "--load", str(save))
+    assert state.resumed_runs == ["tuned"]
     assert _records(save / "metrics.jsonl") == [(0, "first"), (1, "first"), (2, "first"), (3, "first"),
                                                 (0, "tuned"), (1, "tuned"), (2, "resumed"), (3, "resumed")]
     assert checkpoint.runs_of(checkpoint.read_meta(checkpoint.resolve(str(save)))) == ["tuned", "resumed"]

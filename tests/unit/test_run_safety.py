@@ -38,7 +38,7 @@ def _lock_in_another_process(directory, run_id):
 
 # ---- finding 1: two runs on one root ------------------------------------------------------------------
 def test_second_run_on_a_held_root_is_refused_naming_the_first(make_config, tmp_path):
-    from miles.train import claim_run_root
+    from miles.run_lifecycle import claim_run_root
 
     first = claim_run_root(_config(make_config, tmp_path, "first-run"))
     try:
@@ -68,26 +68,28 @@ def test_run_exits_2_with_one_line_before_starting_anything(make_config, tmp_pat
 
 
 def test_run_root_lock_is_released_and_its_folders_removed_after_the_run(make_config, tmp_path, monkeypatch):
+    import miles.run_lifecycle as run_lifecycle
     import miles.train as train
 
     cfg = _config(make_config, tmp_path)
-    monkeypatch.setattr(train, "_run_holding_root", lambda config, stop, summary: summary)
+    monkeypatch.setattr(train, "_run_holding_root", lambda config, stop, state: state)
     train.run(cfg)
     assert not os.path.exists(cfg.paths.root), "the run made the root: it removes it when it ends"
-    train.claim_run_root(cfg).release()  # the next run takes it
+    run_lifecycle.claim_run_root(cfg).release()  # the next run takes it
 
 
 def test_signal_raised_inside_a_c_extension_still_ends_as_an_interrupt(make_config, tmp_path, monkeypatch, capsys):
     """Ray's CoreWorker.wait turns the handler's RunInterrupted into a SystemError (seen in CI): the run
     must still tear down, print its one line and exit 128 + signum, not crash with exit 1."""
     import miles.train as train
+    from miles.run_lifecycle import RunInterrupted
 
     cfg = _config(make_config, tmp_path)
 
-    def interrupted_inside_ray(config, stop, summary):
+    def interrupted_inside_ray(config, stop, state):
         try:
             stop._handle(signal.SIGTERM, None)
-        except train.RunInterrupted as e:
+        except RunInterrupted as e:
             raise SystemError("<cyfunction CoreWorker.wait> returned a result with an exception set") from e
 
     monkeypatch.setattr(train, "_run_holding_root", interrupted_inside_ray)
@@ -103,7 +105,7 @@ def test_system_error_without_a_signal_is_not_taken_for_one(make_config, tmp_pat
 
     cfg = _config(make_config, tmp_path)
 
-    def broken(config, stop, summary):
+    def broken(config, stop, state):
         raise SystemError("a real bug")
 
     monkeypatch.setattr(train, "_run_holding_root", broken)
@@ -222,7 +224,7 @@ def test_sweep_leaves_a_directory_another_live_run_holds(tmp_path):
 
 
 def test_driver_backstop_warns_once_listing_what_it_left(make_config, tmp_path, caplog):
-    from miles.train import claim_run_root, remove_run_directories
+    from miles.run_lifecycle import claim_run_root, remove_run_directories
 
     cfg = _config(make_config, tmp_path)
     results, theirs = _foreign_files(tmp_path / "root")
@@ -282,12 +284,13 @@ def test_next_save_removes_temporaries_of_dead_writers_only(tmp_path, caplog):
 
 
 def test_interrupted_line_says_signal_progress_and_checkpoint():
-    from miles.train import interrupted_line
+    from miles.run_lifecycle import RunState, interrupted_line
 
-    summary = {"records": [{"rollout_id": 0}, {"rollout_id": 2}], "latest_checkpoint": "/ck/rollout_000002"}
-    assert interrupted_line(signal.SIGTERM, summary, 3) == (
+    state = RunState(run_dir="/run", metrics_file="/run/metrics.jsonl", records=[{"rollout_id": 0}, {"rollout_id": 2}],
+                     latest_checkpoint="/ck/rollout_000002")
+    assert interrupted_line(signal.SIGTERM, state, 3) == (
         "miles train: interrupted by SIGTERM after rollout 3; removed 3 directories, "
         "checkpoint /ck/rollout_000002 is the last complete one")
-    assert interrupted_line(signal.SIGINT, {"records": [], "latest_checkpoint": None}, 1) == (
+    assert interrupted_line(signal.SIGINT, RunState(run_dir="/run", metrics_file="/run/metrics.jsonl"), 1) == (
         "miles train: interrupted by SIGINT before the first rollout completed; removed 1 directory, "
         "no checkpoint was saved")

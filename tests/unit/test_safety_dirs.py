@@ -95,7 +95,7 @@ def _checkpoint_of_a_killed_run(make_config, tmp_path):
 
 
 def test_relaunch_after_kill_9_keeps_the_checkpoint_it_was_told_to_load(make_config, tmp_path):
-    from miles.train import claim_run_root, remove_run_directories
+    from miles.run_lifecycle import claim_run_root, remove_run_directories
 
     save = _checkpoint_of_a_killed_run(make_config, tmp_path)
     cfg = _config(make_config, tmp_path, "relaunch")
@@ -159,7 +159,7 @@ def test_a_file_added_during_the_run_stays_after_close(tmp_path, caplog):
 
 # ---- 5. how far up a root is created, system roots, the size of the warning -----------------------------
 def test_a_deep_missing_root_is_refused_and_nothing_is_created(make_config, tmp_path):
-    from miles.train import claim_run_root
+    from miles.run_lifecycle import claim_run_root
 
     cfg = _config(make_config, tmp_path, "deep")
     cfg = dataclasses.replace(cfg, paths=dataclasses.replace(cfg.paths, root=str(tmp_path / "a" / "b" / "root")))
@@ -197,7 +197,7 @@ def test_the_store_refuses_a_system_directory(tmp_path):
 
 
 def test_the_left_behind_warning_is_capped(make_config, tmp_path, caplog):
-    from miles.train import claim_run_root, remove_run_directories
+    from miles.run_lifecycle import claim_run_root, remove_run_directories
 
     cfg = _config(make_config, tmp_path, "many")
     (tmp_path / "root").mkdir()
@@ -248,7 +248,7 @@ def test_flock_refused_keeps_a_lock_file_it_did_not_create(tmp_path, monkeypatch
 
 
 def test_a_run_root_on_a_filesystem_without_locks_is_not_left_behind(make_config, tmp_path, monkeypatch):
-    from miles.train import claim_run_root
+    from miles.run_lifecycle import claim_run_root
 
     cfg = _config(make_config, tmp_path, "nolocks")
     monkeypatch.setattr(fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.ENOLCK, "no locks")))

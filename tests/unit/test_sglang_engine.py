@@ -93,11 +93,12 @@ def _weights():
             ("lm_head.weight", torch.randn(8, 4, generator=g).to(torch.bfloat16))]
 
 
-def _shared_bucket(named):
-    from miles.weights import iter_buckets, share_bucket
-
-    (spec, flat), = list(iter_buckets([(n, t) for n, t in named if t.dtype == torch.bfloat16], 1 << 20))
-    return share_bucket(spec, flat)
+def _trainer_payloads(engine, named):
+    """What the trainer's push builds for an sglang engine (miles.weights.push): sglang's own bucket of the
+    bf16 tensors, serialized once per tensor-parallel rank."""
+    payloads = engine._payload_builder()
+    bucket = payloads.bucket([(n, t) for n, t in named if t.dtype == torch.bfloat16])
+    return bucket, payloads.serialize(bucket, engine.tp_size)
 
 
 def _colocated_push(engine, version, named):
@@ -105,11 +106,9 @@ def _colocated_push(engine, version, named):
     engine.release_memory_occupation()
     engine.resume_memory_occupation(["weights"])
     engine.begin_weight_update(version)
-    shared = _shared_bucket(named)
-    try:
-        stats = engine.update_weights_from_tensor([shared], load_format="flattened_bucket")
-    finally:
-        shared.release()
+    bucket, payloads = _trainer_payloads(engine, named)
+    stats = engine.update_weights_from_tensor(payloads, load_format="flattened_bucket")
+    del bucket
     done = engine.end_weight_update(version)
     engine.resume_memory_occupation(["kv_cache"])
     return stats, done
@@ -244,8 +243,8 @@ def test_colocated_push_lands_bit_exact_one_payload_per_tp_rank(http_engine, tp_
     named = _weights()
     stats, done = _colocated_push(engine, 1, named)
     bf16 = [(n, t) for n, t in named if t.dtype == torch.bfloat16]
-    assert stats == {"tensors": 2, "bytes": sum(t.numel() * 2 for _, t in bf16)}
-    assert done == {"version": 1, "tensors": 2, "bytes": stats["bytes"]}
+    assert stats == {"tensors": 0, "bytes": 0}  # the trainer's payloads pass through unopened: it counts them
+    assert done == {"version": 1, "tensors": 0, "bytes": 0}
     assert [c[1] for c in fake.calls if c[0] == "update_weights_from_tensor"] == [
         {"payloads": tp_size, "load_format": "flattened_bucket", "flush_cache": False}]
     for name, tensor in bf16:
@@ -290,36 +289,9 @@ def test_sessions_on_the_server_from_0_5_21(stub_sglang):
     _colocated_push(old, 4, named)
     assert not [c for c in fake_old.calls if c[0] in ("begin", "end")]
     assert old.get_weight_version() == new.get_weight_version() == 4
-    shared = _shared_bucket(named)
-    try:
-        with pytest.raises(RuntimeError, match="outside a weight update; call begin_weight_update"):
-            old.update_weights_from_tensor([shared])  # the contract's session holds on every version
-    finally:
-        shared.release()
-
-
-def test_update_weights_from_distributed_asks_for_sglangs_flattened_layout(http_engine):
-    from miles.weights import iter_buckets
-
-    engine, fake = http_engine()
-    engine.init_weights_update_group("127.0.0.1", 1234, 1, 2, "miles-weights", "gloo")
-    specs = [spec.to_dict() for spec, _ in iter_buckets(_weights(), 1 << 20)]
-    engine.begin_weight_update(1)
-    with pytest.raises(ValueError, match="from rank 0 of the group, got src=1"):
-        engine.update_weights_from_distributed(specs, "miles-weights", src=1)
-    stats = engine.update_weights_from_distributed(specs, "miles-weights")
-    engine.end_weight_update(1)
-    assert stats["tensors"] == 3
-    assert [r["names"] for r in fake.distributed_requests] == [["model.embed_tokens.weight", "lm_head.weight"],
-                                                               ["model.norm.weight"]]
-    assert fake.distributed_requests[0] == {"names": ["model.embed_tokens.weight", "lm_head.weight"],
-                                            "dtypes": ["bfloat16", "bfloat16"], "shapes": [[8, 4], [8, 4]],
-                                            "load_format": "flattened_bucket", "flush_cache": False}
-    engine.close()
-    assert not fake.groups
-
-
-# ------------------------------------------------------------------------------------------ errors, versions
+    _, payloads = _trainer_payloads(old, named)
+    with pytest.raises(RuntimeError, match="outside a weight update; call begin_weight_update"):
+        old.update_weights_from_tensor(payloads)  # the contract's session holds on every version
 
 
 def test_server_errors_surface_naming_the_call(http_engine, stub_sglang):
@@ -388,7 +360,7 @@ def test_payloads_built_with_sglangs_own_bucket_class(http_engine):
     for name, tensor in named:
         if tensor.dtype == torch.bfloat16:
             assert torch.equal(fake.weights[name], tensor)
-    flat = SglangPayloads(real, fake_sglang.FakeSerializer).broadcast_flat(named)
+    flat = SglangPayloads(real, fake_sglang.FakeSerializer).bucket(named).flat
     assert flat.dtype == torch.uint8 and flat.numel() == sum(t.numel() * t.element_size() for _, t in named)
 
 
@@ -453,7 +425,6 @@ def test_sglang_not_installed_says_what_to_install(tmp_path, argv, message):
     (["--sglang-url", "http://h:1/generate"], "it has a path"),
     (["--sglang-url", "http://h:1", "--sglang-mem-fraction-static", "0.5"], "has no effect with --sglang-url"),
     (["--sglang-url", "http://h:1", "--num-rollout-engines", "2", "--num-train-ranks", "2"], "drives one server"),
-    (["--weight-sync", "distributed"], "the weights reach an sglang engine only by reference"),
 ])
 def test_sglang_flags_validated_at_the_boundary(tmp_path, argv, message):
     with pytest.raises(ArgumentError) as e:
@@ -462,9 +433,11 @@ def test_sglang_flags_validated_at_the_boundary(tmp_path, argv, message):
 
 
 def test_sglang_flags_refused_without_the_sglang_engine(tmp_path):
-    with pytest.raises(ArgumentError, match="without --colocate: the weights reach an sglang engine only by reference"):
-        validate_args(parse_args(["--rollout-engine", "sglang", "--hf-checkpoint", _model(tmp_path),
-                                  "--metrics-file", str(tmp_path / "m.jsonl")]), _env(tmp=str(tmp_path)))
+    # an sglang engine on another GPU takes the weights by broadcast (miles.weights.push): no --colocate needed
+    assert not validate_args(parse_args(["--rollout-engine", "sglang", "--hf-checkpoint", _model(tmp_path),
+                                         "--metrics-file", str(tmp_path / "m.jsonl")]),
+                             _env(tmp=str(tmp_path))).cluster.colocate
+    assert _validate(tmp_path, "--weight-sync", "distributed").rollout.weight_sync == "distributed"
     with pytest.raises(ArgumentError, match="--sglang-tp-size has no effect: --rollout-engine is embedded"):
         validate_args(parse_args(["--sglang-tp-size", "2", "--metrics-file", str(tmp_path / "m.jsonl")]),
                       _env(tmp=str(tmp_path)))

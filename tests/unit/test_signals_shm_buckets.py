@@ -17,12 +17,12 @@ from miles_plugins.optimizers.streaming.io.ownership import ProcessIdentity
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# A train rank's push (miles.ray.weight_sync.push_weights) into a fake engine: ray.get stands for the wait
+# A train rank's push (miles.weights.push.push_weights) into a fake engine: ray.get stands for the wait
 # for the engine's answer. argv[1]: "block" (no answer ever comes) or "ack" (the engine answers at once).
 _PUSH = """
 import os, sys, time
 import ray, torch
-from miles.ray.weight_sync import push_weights
+from miles.weights.push import push_weights
 
 class Method:
     def remote(self, payloads, load_format):
@@ -37,7 +37,8 @@ def wait(refs):
         time.sleep(600)
 
 ray.get = wait
-push_weights([("w", torch.ones(4096))], ipc_engines=[Engine()], max_bucket_bytes=1 << 20)
+push_weights([("w", torch.ones(4096))], payload="miles_flat_bucket", ipc_engines=[Engine()],
+             max_bucket_bytes=1 << 20)
 print("done", flush=True)
 """
 
@@ -88,7 +89,7 @@ class _Engine:
 def test_an_exception_during_the_wait_still_removes_the_file(monkeypatch, error):
     import ray
 
-    from miles.ray.weight_sync import push_weights
+    from miles.weights.push import push_weights
 
     def wait(refs):
         assert os.path.exists(refs[0].handle)
@@ -97,7 +98,8 @@ def test_an_exception_during_the_wait_still_removes_the_file(monkeypatch, error)
     monkeypatch.setattr(ray, "get", wait)
     engine = _Engine()
     with pytest.raises(type(error)):
-        push_weights([("w", torch.ones(64))], ipc_engines=[engine], max_bucket_bytes=1 << 20)
+        push_weights([("w", torch.ones(64))], payload="miles_flat_bucket", ipc_engines=[engine],
+                     max_bucket_bytes=1 << 20)
     assert len(engine.sent) == 1 and engine.sent[0].kind == "shm_file"
     assert not os.path.exists(engine.sent[0].handle), "released although the wait raised"
 

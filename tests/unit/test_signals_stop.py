@@ -1,4 +1,4 @@
-"""SIGTERM / SIGINT on the driver (miles/train.py: _StopOnSignal): the first says at once what is being
+"""SIGTERM / SIGINT on the driver (miles/run_lifecycle.py: StopOnSignal): the first says at once what is being
 stopped and raises RunInterrupted; a second one during teardown, or teardown running past its limit,
 exits at once (one line, 128 + signum) instead of being ignored."""
 
@@ -16,10 +16,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # teardown limit in seconds (none: the default).
 _DRIVER = """
 import logging, sys, time
-from miles.train import RunInterrupted, _StopOnSignal
+from miles.run_lifecycle import RunInterrupted, StopOnSignal
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-stop = _StopOnSignal(*map(float, sys.argv[1:]))
+stop = StopOnSignal(*map(float, sys.argv[1:]))
 stop.install()
 try:
     print("ready", flush=True)
@@ -76,11 +76,11 @@ def test_teardown_past_its_limit_exits_with_one_line():
 
 def test_the_first_signal_names_what_the_driver_was_waiting_for(monkeypatch, caplog):
     from miles.ray import errors
-    from miles.train import RunInterrupted, _StopOnSignal
+    from miles.run_lifecycle import RunInterrupted, StopOnSignal
 
     labels = [f"train actor cell0 rank {r}" for r in range(8)]
     monkeypatch.setattr(errors, "_waiting_for", ("train (rollout 3)", labels))
-    stop = _StopOnSignal()
+    stop = StopOnSignal()
     try:
         with caplog.at_level("WARNING", logger="miles.train"), pytest.raises(RunInterrupted):
             stop._handle(signal.SIGTERM, None)

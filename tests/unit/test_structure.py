@@ -11,8 +11,8 @@
 4. The training backends are one template: base.TrainBackend runs the train call, sleep/wake, checkpoints
    and shutdown; a backend fills in its own hooks only, shares no code with the other by copy, and a
    chain of stores is wrapped by one class.
-5. No import cycles in miles/ (function-level imports included) and no environment variable written
-   that nothing reads.
+5. No import cycles in miles/ (function-level and `if TYPE_CHECKING:` imports included) and no environment
+   variable written that nothing reads.
 ROOTS lists the directories checked: the store and the whole framework.
 """
 
@@ -36,6 +36,9 @@ THIRD_PARTY_PRIVATE = {
     "_get_model_param_range_map", "_is_distopt_quantized_param", "_copy_model_params_to_main_params",
     "_defer_param_sync",
     "_get_scalar_dtype",  # torch.optim.optimizer._get_scalar_dtype: the dtype torch's Adam keeps `step` in
+    # torch's new-group helper and its registry: the weight-update group is built as sglang builds the groups its
+    # ranks join (init_custom_process_group), or the two sides name their store keys differently (weights/group.py)
+    "_new_process_group_helper", "_world",
     # not private: the attribute name of the store on a bound optimizer is public API (DESIGN.md section 3)
     "_nvme_state_store",
 }
@@ -323,13 +326,14 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skipped
 
 
-def _miles_imports() -> dict[str, set[str]]:
-    """{module of miles/: modules of miles/ it imports}, function-level imports included, typing-only not."""
+def _miles_imports(typing_imports: bool = False) -> dict[str, set[str]]:
+    """{module of miles/: modules of miles/ it imports}, function-level imports included, and the
+    ``if TYPE_CHECKING:`` ones when ``typing_imports``."""
     modules = {_module_name(p): p for p in _python_files(["miles"])}
     graph = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(), str(path))
-        typing_only = _type_checking_nodes(tree)
+        typing_only = set() if typing_imports else _type_checking_nodes(tree)
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         targets = set()
         for node in ast.walk(tree):
@@ -345,6 +349,50 @@ def _miles_imports() -> dict[str, set[str]]:
                 targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
         graph[name] = {t for t in targets if t in modules and t != name}
     return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted: every module of one
+    imports every other, directly or through the rest."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(module):
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph.get(module, ())):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = stack[stack.index(module):]
+            del stack[stack.index(module):]
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_import_cycles_finds_a_cycle_through_three_modules():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"d"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    assert import_cycles({**graph, "c": {"d"}}) == []
+
+
+def test_miles_has_no_import_cycles():
+    """Counting function-level and ``if TYPE_CHECKING:`` imports: a type a lower module needs comes from the
+    module that defines it, not from a package whose ``__init__`` imports the lower module back."""
+    graph = _miles_imports(typing_imports=True)
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles in miles/ (each: its modules, and the imports between them):\n" + "\n".join(
+        ", ".join(f"{m} -> {sorted(graph[m] & set(cycle))}" for m in cycle) for cycle in cycles)
 
 
 def test_miles_config_and_models_do_not_import_each_other():

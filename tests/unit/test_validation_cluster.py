@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles.config import ArgumentError, Environment, parse_args, validate_args
+from miles.config import ArgumentError, ClusterConfig, Environment, parse_args, validate_args
 from miles.config.disk_budget import SMOLLM2_PARAMS, disk_budget, model_tensors_of_run, ranks_on_driver_node
 from miles.config.resource_checks import driver_node_slots
 
@@ -62,16 +62,16 @@ def test_ray_address_comes_from_the_environment(tmp_path, monkeypatch):
 
 
 def test_driver_node_slots_are_its_gpus_or_its_cpus_per_rank(tmp_path):
-    a = parse_args(["--num-cpus-per-rank", "4"])
+    a = ClusterConfig(num_cpus_per_rank=4)
     assert driver_node_slots(a, env(tmp_path, cpu_count=lambda: 18)) == 4
     assert driver_node_slots(a, env(tmp_path, cuda_available=lambda: True, gpu_count=lambda: 8)) == 8
     assert ranks_on_driver_node(16, 8) == 8 and ranks_on_driver_node(4, 8) == 4 and ranks_on_driver_node(4, 0) == 0
 
 
-def test_budget_of_some_ranks():
-    a = parse_args(["--stream-optimizer-state-to-disk", "--offload-train-target=disk", "--colocate",
-                    "--num-train-ranks", "4", "--num-rollout-engines", "2"])
-    a.model_dtype, a.offload_train = "fp32", True
+def test_budget_of_some_ranks(tmp_path):
+    a = validate(tmp_path, *FOUR_RANKS, "--colocate", "--num-rollout-engines", "2", cpu_count=lambda: 8,
+                 disk_free_bytes=lambda p: 1 << 50)
+    assert a.model.model_dtype == "fp32" and a.trainer_offload_to_disk
     model = model_tensors_of_run("smollm2", None)
     assert disk_budget(a, model, ranks_here=4) == disk_budget(a, model)
     one = disk_budget(a, model, ranks_here=1)

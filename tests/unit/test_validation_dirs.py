@@ -124,10 +124,13 @@ def test_streamed_state_uses_the_store_codecs():
     assert 6 * n < streamed_state_bytes(n, "fp8e4m3") < 6.1 * n
 
 
+ROOMY = dict(disk_free_bytes=lambda p: 1 << 50, cpu_count=lambda: 8, host_memory_available=lambda: 64 * GIB)
+
+
 def test_budget_terms(tmp_path):
-    a = parse_args([*DEMO, "--colocate", "--num-train-ranks", "2", "--save", "x"])
-    a.model_dtype, a.offload_train = "fp32", True
-    b = disk_budget(a, model_tensors_of_run("smollm2", None))
+    cfg = validate(tmp_path, *DEMO, "--colocate", "--num-train-ranks", "2", "--save", str(tmp_path / "x"), **ROOMY)
+    assert cfg.model.model_dtype == "fp32" and cfg.trainer_offload_to_disk
+    b = disk_budget(cfg, model_tensors_of_run("smollm2", None))
     p = SMOLLM2_PARAMS
     # the two ranks' streamed files (12 B/param between them, the buckets' alignment on top), each rank's
     # fp32 weights offloaded; the colocated engine keeps no backup of its weights
@@ -139,10 +142,9 @@ def test_the_host_tier_share_of_the_state_is_not_asked_of_the_disk(tmp_path):
     """A bucket the host tier holds lives in RAM only: an explicit tier, or "auto" from the memory
     available now, takes its share of the state off the disk need."""
     def budget(host_cache_mb, memory_available=None):
-        a = parse_args([*DEMO, "--stream-optimizer-state-bucket-numel", "20000000",  # 7 buckets of 240 MB
-                        "--stream-optimizer-state-host-cache-mb", host_cache_mb])
-        a.model_dtype, a.offload_train = "fp32", True
-        return disk_budget(a, model_tensors_of_run("smollm2", None), memory_available=memory_available)
+        cfg = validate(tmp_path, *DEMO, "--stream-optimizer-state-bucket-numel", "20000000",  # 7 buckets of 240 MB
+                       "--stream-optimizer-state-host-cache-mb", host_cache_mb, **ROOMY)
+        return disk_budget(cfg, model_tensors_of_run("smollm2", None), memory_available=memory_available)
 
     none, tier = budget("0"), budget("1024")
     assert none.state_in_ram == 0 and 0 < tier.state_in_ram <= 2**30  # the whole buckets 1 GiB holds

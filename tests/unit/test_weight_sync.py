@@ -163,9 +163,9 @@ def test_bench_phase_report_against_the_floors():
 def test_a_bucket_cuda_refuses_to_export_goes_through_host_memory(monkeypatch, caplog):
     """The fallback's logic with the refusal simulated (CPU here): the first refusal switches the rest of
     the handoff to host shared memory, with one warning."""
-    import miles.weights as weights
-    from miles.ray import weight_sync
-    from miles.weights import iter_buckets
+    from types import SimpleNamespace
+
+    from miles.weights import iter_buckets, push
 
     calls = []
 
@@ -173,21 +173,21 @@ def test_a_bucket_cuda_refuses_to_export_goes_through_host_memory(monkeypatch, c
         calls.append(flat.device.type)
         if getattr(flat, "_pretend_cuda", False):
             raise RuntimeError("CUDA error: invalid argument\nmore")
-        return ("shared", spec.index)
+        return SimpleNamespace(index=spec.index, release=lambda: None)
 
     class Flat(torch.Tensor):
         pass
 
-    monkeypatch.setattr(weights, "share_bucket", fake_share)
-    sharer = weight_sync._Sharer()
+    monkeypatch.setattr(push, "share_bucket", fake_share)
+    sharer, builder = push.Sharer(), push.MilesFlatBuckets()
     buckets = list(iter_buckets([("a", torch.ones(4)), ("b", torch.ones(8))], 16))
     first = buckets[0][1].as_subclass(Flat)
     first._pretend_cuda = True
     monkeypatch.setattr(Flat, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(Flat, "cpu", lambda self: torch.Tensor.cpu(self).as_subclass(torch.Tensor))
-    with caplog.at_level("WARNING", logger="miles.ray.weight_sync"):
-        assert sharer.share(buckets[0][0], first) == ("shared", 0)
-        assert sharer.share(*buckets[1]) == ("shared", 1)
+    with caplog.at_level("WARNING", logger="miles.weights.push"):
+        assert [p.index for p in builder.share(sharer, buckets[0][0], first, 1)[0]] == [0]
+        assert [p.index for p in builder.share(sharer, *buckets[1], 1)[0]] == [1]
     assert sharer.through_host and caplog.text.count("through host shared memory") == 1
 
 

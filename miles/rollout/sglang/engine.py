@@ -3,7 +3,7 @@
     engine = SglangRolloutEngine.from_config(config, engine_id)   # in-process sglang.Engine, or --sglang-url
     engine.release_memory_occupation()                           # sglang tags weights, kv_cache, cuda_graph
     engine.resume_memory_occupation(["weights"])
-    engine.begin_weight_update(v); engine.update_weights_from_tensor([shared_bucket]); engine.end_weight_update(v)
+    engine.begin_weight_update(v); engine.update_weights_from_tensor(payloads); engine.end_weight_update(v)
     engine.resume_memory_occupation(["kv_cache"])                # kv_cache and cuda_graph
     samples = engine.generate(prompt_ids, SamplingParams(...))
 
@@ -16,9 +16,11 @@ What the client adds to sglang, which checks less than the contract promises:
 - Weight-update sessions are the client's; from sglang 0.5.21 (:data:`WEIGHT_SESSION_SINCE`) they are also
   opened and closed on sglang (``begin_weight_update`` / ``end_weight_update``), which refuses updates
   outside one. The radix cache is flushed once after a session, before the next ``generate``.
-- A :class:`miles.weights.SharedBucket` is opened here and rebuilt as sglang's own flattened bucket, one
-  serialized payload per tensor-parallel rank (:mod:`miles.rollout.sglang.payloads`); payloads already
-  serialized for sglang (one per rank) pass through untouched.
+- The engine consumes sglang's own flattened bucket (``weight_payload`` =
+  :data:`~miles.rollout.contract.SGLANG_FLATTENED_BUCKET`): the trainer builds it with sglang's class
+  (:mod:`miles.weights.push`), and its payloads (one per tensor-parallel rank) pass through to sglang
+  untouched; a broadcast is received by sglang into its own bucket. ``(name, tensor)`` pairs
+  (``load_format=None``) are packed here (:mod:`miles.rollout.sglang.payloads`).
 - ``generate`` sends each of the ``n`` samples of a prompt as its own request (prompt-major), with the
   seed of sample ``k`` = ``seed * 65537 + k`` as sglang's ``sampling_seed`` when the call has a seed;
   ``meta_info.output_token_logprobs`` (``(logprob, token_id, text)`` triples) become the samples'
@@ -31,7 +33,8 @@ import dataclasses
 import logging
 from typing import Any, Optional, Sequence, Union
 
-from miles.rollout.contract import FLATTENED_BUCKET, KV_CACHE, LOAD_FORMATS, WEIGHTS, check_memory_tags
+from miles.rollout.contract import (FLATTENED_BUCKET, KV_CACHE, LOAD_FORMATS, SGLANG_FLATTENED_BUCKET, WEIGHTS,
+                                    check_memory_tags)
 from miles.rollout.engine_state import EngineState, check_prompts
 from miles.rollout.sglang import needs_weight_session, parse_server_args, parse_version
 from miles.rollout.sglang.transport import HttpSglang, InProcessSglang, SglangCallError
@@ -151,7 +154,10 @@ class SglangRolloutEngine:
     with ``request(endpoint, body)``, ``version``, ``tp_size``, ``where``, ``health()``, ``shutdown()``).
 
     ``tp_size`` must be the engine's tensor-parallel size (checked against the transport's); ``payloads``
-    builds the weight payloads (default: sglang's own classes, imported at the first update)."""
+    builds the payloads of ``(name, tensor)`` pairs (default: sglang's own classes, imported at the first such
+    update)."""
+
+    weight_payload = SGLANG_FLATTENED_BUCKET
 
     def __init__(self, transport: Any, *, tp_size: int, engine_id: int = 0, payloads: Any = None):
         self.transport = transport
@@ -283,27 +289,18 @@ class SglangRolloutEngine:
 
     def _build_payloads(self, items: list, load_format: Optional[str]):
         """``(payloads, keep_alive, stats)`` for sglang from what the contract's caller passed."""
-        from miles.weights import SharedBucket, open_bucket, unpack_bucket
-
         if load_format is None:
             built = self._payload_builder().build(items, self.tp_size)
             return built.payloads, built, {"tensors": built.tensors, "bytes": built.bytes}
-        if items and all(isinstance(p, (str, bytes)) for p in items):
-            if len(items) != self.tp_size:
-                raise ValueError(f"pre-serialized sglang payloads go one per tensor-parallel rank: {self.tp_size} "
-                                 f"expected, got {len(items)}")
-            return list(items), None, {"tensors": 0, "bytes": 0}  # the sender knows what it packed
-        if len(items) != 1 or not isinstance(items[0], SharedBucket):
+        if not items or not all(isinstance(p, (str, bytes)) for p in items):
             kinds = sorted({type(p).__name__ for p in items})
-            raise TypeError(f"load_format 'flattened_bucket' takes one miles.weights.SharedBucket (serialized here once "
-                            f"per tensor-parallel rank) or {self.tp_size} payloads serialized for sglang; got "
-                            f"{len(items)} of {kinds}")
-        spec, flat = open_bucket(items[0])
-        try:
-            built = self._payload_builder().build(list(unpack_bucket(spec, flat)), self.tp_size)
-        finally:
-            del flat  # the bucket now holds its own copy; the producer's mapping is dropped
-        return built.payloads, built, {"tensors": built.tensors, "bytes": built.bytes}
+            raise TypeError(f"load_format 'flattened_bucket' takes {self.tp_size} payload(s) of sglang's flattened "
+                            f"bucket serialized for sglang ({SGLANG_FLATTENED_BUCKET}, one per tensor-parallel rank, "
+                            f"built by miles.weights.push); got {len(items)} of {kinds}")
+        if len(items) != self.tp_size:
+            raise ValueError(f"pre-serialized sglang payloads go one per tensor-parallel rank: {self.tp_size} "
+                             f"expected, got {len(items)}")
+        return list(items), None, {"tensors": 0, "bytes": 0}  # the sender knows what it packed
 
     def update_weights_from_tensor(self, serialized_named_tensors: list, load_format: Optional[str] = FLATTENED_BUCKET,
                                    flush_cache: bool = False) -> dict:
@@ -338,8 +335,8 @@ class SglangRolloutEngine:
 
     def update_weights_from_distributed(self, bucket_specs: list[dict], group_name: str, src: int = 0) -> dict:
         """See :meth:`miles.rollout.contract.RolloutEngine.update_weights_from_distributed`. sglang receives each
-        bucket as one broadcast from rank 0 in its own flattened layout: the sender broadcasts
-        :meth:`SglangPayloads.broadcast_flat` of the spec's tensors, not miles' aligned flat."""
+        bucket as one broadcast from rank 0 into a bucket of its own class built from the spec's names, dtypes
+        and shapes: the sender broadcasts that bucket's flat (:data:`SGLANG_FLATTENED_BUCKET`), not miles'."""
         from miles.weights import BucketSpec
 
         session = self._state.open_session("update_weights_from_distributed")

@@ -6,20 +6,33 @@ bucket is built by sglang's own ``FlattenedTensorBucket`` and each tensor-parall
 (:meth:`SglangPayloads.from_sglang`). A payload of CUDA tensors carries CUDA IPC handles: the tensors
 must stay alive until the update call returned (:class:`BuiltPayloads` holds them).
 
-For the trainer side, the same object turns a rank's ``(name, tensor)`` pairs into payloads directly
-(:meth:`SglangPayloads.build`), so a trainer feeding sglang need not go through a
-:class:`miles.weights.SharedBucket`; :meth:`SglangPayloads.broadcast_flat` gives the flat a trainer
-broadcasts for ``update_weights_from_distributed(load_format="flattened_bucket")``.
+The trainer builds these for an engine whose ``weight_payload`` is
+:data:`miles.rollout.contract.SGLANG_FLATTENED_BUCKET` (:mod:`miles.weights.push`): :meth:`SglangPayloads.bucket`
+once per bucket, :meth:`SglangPayloads.serialize` for the engines it hands it to by reference, the bucket's
+``flat`` for those it broadcasts to (sglang's ``update_weights_from_distributed(load_format="flattened_bucket")``
+receives into a bucket of its own class built from the names, dtypes and shapes). The engine hands the
+payloads to sglang as they are.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import torch
 
-__all__ = ["BuiltPayloads", "SglangPayloads", "tensor_pairs"]
+__all__ = ["BuiltPayloads", "SglangBucket", "SglangPayloads", "tensor_pairs"]
+
+
+@dataclass
+class SglangBucket:
+    """One bucket in sglang's layout: the flat and sglang's metadata of it, and what it holds (``tensors``,
+    ``bytes``: the source bytes)."""
+
+    flat: Any
+    metadata: Any
+    tensors: int
+    bytes: int
 
 
 @dataclass
@@ -68,19 +81,23 @@ class SglangPayloads:
 
         return cls(FlattenedTensorBucket, MultiprocessingSerializer)
 
-    def build(self, named_tensors: Iterable[tuple[str, torch.Tensor]], tp_size: int) -> BuiltPayloads:
+    def bucket(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SglangBucket:
+        """The tensors copied into one bucket of sglang's class, in this order (the copy the handoff makes)."""
+        pairs = tensor_pairs(named_tensors)
+        built = self.bucket_cls(named_tensors=pairs)
+        return SglangBucket(flat=built.get_flattened_tensor(), metadata=built.get_metadata(), tensors=len(pairs),
+                            bytes=sum(t.numel() * t.element_size() for _, t in pairs))
+
+    def serialize(self, bucket: SglangBucket, tp_size: int) -> list[str]:
         """One payload per tensor-parallel rank (``tp_size`` of them), each serialized on its own so that every
         rank's deserialization owns its references (what sglang expects: its ranks each open one payload)."""
         if type(tp_size) is not int or tp_size < 1:
             raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
-        pairs = tensor_pairs(named_tensors)
-        bucket = self.bucket_cls(named_tensors=pairs)
-        body = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
-        payloads = [self.serializer.serialize(body, output_str=True) for _ in range(tp_size)]
-        return BuiltPayloads(payloads=payloads, flat=body["flattened_tensor"], tensors=len(pairs),
-                             bytes=sum(t.numel() * t.element_size() for _, t in pairs))
+        body = {"flattened_tensor": bucket.flat, "metadata": bucket.metadata}
+        return [self.serializer.serialize(body, output_str=True) for _ in range(tp_size)]
 
-    def broadcast_flat(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> torch.Tensor:
-        """The flat tensor a sender broadcasts for ``update_weights_from_distributed(names, dtypes, shapes,
-        load_format="flattened_bucket")`` of these tensors, in this order (sglang's layout)."""
-        return self.bucket_cls(named_tensors=tensor_pairs(named_tensors)).get_flattened_tensor()
+    def build(self, named_tensors: Iterable[tuple[str, torch.Tensor]], tp_size: int) -> BuiltPayloads:
+        """:meth:`bucket` and :meth:`serialize` in one."""
+        bucket = self.bucket(named_tensors)
+        return BuiltPayloads(payloads=self.serialize(bucket, tp_size), flat=bucket.flat, tensors=bucket.tensors,
+                             bytes=bucket.bytes)
