@@ -46,6 +46,7 @@ from miles.config import RunConfig, store_config
 from miles.models import torch_dtype
 from miles.offload import make_offloader
 from miles.process_memory import peak_rss_bytes
+from miles.rl.batching import padded_tokens, plan_micro_batches, sample_lengths
 from miles.rl.loss import accumulate_policy_gradient, training_input_problem
 from miles_plugins.optimizers.nvme_stream import StepStats, StoreGroup, stream_optimizer_state
 from miles_plugins.optimizers.streaming.io.ownership import DirectoryLock, claim_directory, remove_created
@@ -223,8 +224,15 @@ class TrainBackend(abc.ABC):
         loss_args = loss_arguments(self.config)
         local_tokens = float(sum(len(s.response_ids) for s in samples))
         problem = training_input_problem(samples, advantages, self.vocab_size())
-        global_tokens, _, bad_input_ranks = self.all_reduce([local_tokens, float(len(samples)),
-                                                             float(problem is not None)])
+        lengths = sample_lengths(samples)
+        micro_batches = plan_micro_batches(lengths, self.config.training)
+        # with the micro-batch count of every rank (one slot each): ranks agree on the largest, since expert
+        # parallelism's forward is a collective
+        global_tokens, _, bad_input_ranks, *counts = self.all_reduce(
+            [local_tokens, float(len(samples)), float(problem is not None),
+             *(float(len(micro_batches)) if r == self.rank else 0.0 for r in range(self.world_size))])
+        if max(counts) > len(micro_batches):
+            micro_batches = plan_micro_batches(lengths, self.config.training, min_batches=int(max(counts)))
         num_tokens = max(1.0, global_tokens) / self.world_size
 
         self.zero_grads()
@@ -237,7 +245,7 @@ class TrainBackend(abc.ABC):
         else:
             sums = accumulate_policy_gradient(samples, advantages, self.logprobs,
                                               pad_id=self.tokenizer.pad_token_id,  # load_policy guarantees one
-                                              micro_batch_size=self.config.training.micro_batch_size,
+                                              micro_batches=micro_batches,
                                               device=self.device, eps_clip=loss_args["eps_clip"],
                                               temperature=loss_args["temperature"], num_tokens=num_tokens)
             self.finish_backward()
@@ -269,6 +277,10 @@ class TrainBackend(abc.ABC):
             "step_skipped": skipped,
             "samples": len(samples),
             "response_tokens": int(local_tokens),
+            "micro_batches": len(micro_batches),
+            # what the forward passes ran: rows x the longest row of each micro-batch, and the real tokens
+            "padded_tokens": sum(padded_tokens(lengths, b) for b in micro_batches),
+            "sequence_tokens": sum(lengths),
             "forward_backward_seconds": fwd_bwd,
             "optimizer_step_seconds": step_seconds,
             "train_seconds": time.perf_counter() - start,

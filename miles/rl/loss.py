@@ -19,12 +19,12 @@ Public API::
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
 __all__ = ["token_logprobs", "forward_logprobs", "collate_samples", "policy_gradient_loss",
-           "training_input_problem"]
+           "training_input_problem", "micro_batch_inputs", "accumulate_policy_gradient"]
 
 
 def training_input_problem(samples: Sequence[Any], advantages: Sequence[float], vocab_size: int) -> Optional[str]:
@@ -52,11 +52,17 @@ def training_input_problem(samples: Sequence[Any], advantages: Sequence[float], 
     return None
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32, or as it is when it is fp64 (the loss's math keeps fp64 inputs exact, for tests)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``log_softmax(logits / temperature)[..., target]`` in fp32; ``logits`` ``[B, T, V]`` already aligned
-    with ``targets`` ``[B, T]`` (i.e. logits at position t predict targets[t]). This is exactly the
-    quantity the embedded rollout engine reports (temperature applied, top-p not applied)."""
-    x = logits.float()
+    """``log_softmax(logits / temperature)[..., target]`` in fp32 (fp64 for fp64 logits); ``logits``
+    ``[B, T, V]`` already aligned with ``targets`` ``[B, T]`` (i.e. logits at position t predict
+    targets[t]). This is exactly the quantity the embedded rollout engine reports (temperature applied,
+    top-p not applied)."""
+    x = at_least_fp32(logits)
     if temperature and temperature != 1.0:
         x = x / temperature
     return torch.log_softmax(x, dim=-1).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
@@ -144,7 +150,7 @@ def policy_gradient_loss(
     adv = advantages.to(torch.float32)
     old = rollout_logprobs.to(torch.float32).detach()
     high = eps_clip if eps_clip_high is None else eps_clip_high
-    log_ratio = (logprobs.float() - old) * mask
+    log_ratio = (at_least_fp32(logprobs) - old) * mask
     ratio = torch.exp(log_ratio)
     surr1 = ratio * adv
     surr2 = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + high) * adv
@@ -165,17 +171,27 @@ def policy_gradient_loss(
     return loss, metrics
 
 
+def micro_batch_inputs(samples: Sequence[Any], advantages: Sequence[float], micro_batches: Sequence[Sequence[int]], *,
+                       pad_id: int, device: Any) -> Iterator[tuple[Sequence[int], dict[str, torch.Tensor]]]:
+    """``(indices, batch)`` per micro-batch of the plan (:mod:`miles.rl.batching`): the collated tensors of
+    ``samples[indices]`` on ``device``; row ``k`` of the batch is sample ``indices[k]``."""
+    for indices in micro_batches:
+        rows = [samples[i] for i in indices]
+        batch = collate_samples(rows, pad_id, [advantages[i] for i in indices])
+        yield indices, {k: v.to(device) for k, v in batch.items()}
+
+
 def accumulate_policy_gradient(samples: Sequence[Any], advantages: Sequence[float], logprobs, *, pad_id: int,
-                               micro_batch_size: int, device: Any, eps_clip: float, temperature: float,
-                               num_tokens: float) -> list[float]:
-    """Forward and backward of :func:`policy_gradient_loss` over micro-batches of ``samples``; the grads
-    accumulate in the model. ``logprobs(batch, temperature)`` gives the ``[B, L-1]`` token log-probs of a
-    collated batch (each backend runs its own model). Returns the sums ``[loss, clipped tokens,
+                               micro_batches: Sequence[Sequence[int]], device: Any, eps_clip: float,
+                               temperature: float, num_tokens: float) -> list[float]:
+    """Forward and backward of :func:`policy_gradient_loss` over the micro-batches of ``samples`` that
+    ``micro_batches`` names (index lists, :mod:`miles.rl.batching`); the grads accumulate in the model.
+    Every micro-batch divides by ``num_tokens``, the token count of the whole batch, so the plan changes
+    only the order of the sums. ``logprobs(batch, temperature)`` gives the ``[B, L-1]`` token log-probs of
+    a collated batch (each backend runs its own model). Returns the sums ``[loss, clipped tokens,
     |train - rollout log-prob| over tokens]`` for the step's metrics."""
     sums = [0.0, 0.0, 0.0]
-    for start in range(0, len(samples), micro_batch_size):
-        sl = slice(start, min(len(samples), start + micro_batch_size))
-        batch = {k: v.to(device) for k, v in collate_samples(samples[sl], pad_id, advantages[sl]).items()}
+    for _, batch in micro_batch_inputs(samples, advantages, micro_batches, pad_id=pad_id, device=device):
         logp = logprobs(batch, temperature)
         loss, m = policy_gradient_loss(logp, batch["rollout_logprobs"], batch["advantages"], batch["loss_mask"],
                                        eps_clip=eps_clip, num_tokens=num_tokens)

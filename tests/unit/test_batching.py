@@ -85,3 +85,84 @@ def test_the_plan_follows_the_flags():
     assert plan_micro_batches(lengths, dynamic, min_batches=3) == [[2], [0], [1]]
     args = parse_args(["--use-dynamic-batch-size", "--max-tokens-per-gpu", "24"])
     assert (args.use_dynamic_batch_size, args.max_tokens_per_gpu) == (True, 24)
+
+
+# ------------------------------------------------------------- the loss does not depend on the plan
+
+
+def _tiny_fp64_llama(seed=0):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).to(torch.float64)
+
+
+def _rollout(seed=0, n=10):
+    import types
+
+    rng = random.Random(seed)
+    samples = []
+    for _ in range(n):
+        p, r = rng.randint(1, 9), rng.randint(1, 17)
+        samples.append(types.SimpleNamespace(prompt_ids=[rng.randint(1, 60) for _ in range(p)],
+                                             response_ids=[rng.randint(1, 60) for _ in range(r)],
+                                             response_logprobs=[-rng.uniform(0.5, 5.0) for _ in range(r)]))
+    return samples, [rng.gauss(0.0, 1.0) for _ in range(n)]
+
+
+def _grads_of(model, samples, advantages, plan):
+    from miles.rl.loss import accumulate_policy_gradient, forward_logprobs
+
+    model.zero_grad(set_to_none=True)
+    tokens = sum(len(s.response_ids) for s in samples)
+    sums = accumulate_policy_gradient(
+        samples, advantages, lambda b, t: forward_logprobs(model, b["input_ids"], b["attention_mask"], t),
+        pad_id=0, micro_batches=plan, device="cpu", eps_clip=0.2, temperature=0.7, num_tokens=tokens)
+    return sums, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_token_budget_plan_gives_the_fixed_plans_loss_and_grads_in_fp64():
+    import torch
+
+    model = _tiny_fp64_llama()
+    samples, advantages = _rollout()
+    lengths = sample_lengths(samples)
+    fixed = fixed_micro_batches(len(samples), 4)
+    budget = token_budget_micro_batches(lengths, 40)
+    assert budget != fixed and len(budget) > 1  # a different grouping and order
+    sums_fixed, grads_fixed = _grads_of(model, samples, advantages, fixed)
+    sums_budget, grads_budget = _grads_of(model, samples, advantages, budget)
+    (loss_f, clipped_f, diff_f), (loss_b, clipped_b, diff_b) = sums_fixed, sums_budget
+    assert loss_f != 0.0 and loss_b == pytest.approx(loss_f, rel=1e-12, abs=1e-14)
+    assert diff_b == pytest.approx(diff_f, rel=1e-12)
+    assert clipped_b == pytest.approx(clipped_f, rel=1e-6)  # a count, through the metric's fp32 clip fraction
+    for name, g in grads_fixed.items():
+        assert g.abs().max() > 0, name
+        torch.testing.assert_close(grads_budget[name], g, rtol=1e-12, atol=1e-14)
+
+
+def test_log_probs_land_back_on_their_samples():
+    import torch
+
+    from miles.rl.loss import forward_logprobs, micro_batch_inputs
+
+    model = _tiny_fp64_llama(seed=1)
+    samples, advantages = _rollout(seed=3, n=9)
+    plan = token_budget_micro_batches(sample_lengths(samples), 48)
+    per_sample = {}
+    with torch.no_grad():
+        for indices, batch in micro_batch_inputs(samples, advantages, plan, pad_id=0, device="cpu"):
+            logp = forward_logprobs(model, batch["input_ids"], batch["attention_mask"])
+            for row, i in enumerate(indices):
+                on_response = batch["loss_mask"][row].bool()
+                per_sample[i] = logp[row][on_response]
+                assert torch.equal(batch["advantages"][row][on_response],
+                                   torch.full((len(samples[i].response_ids),), advantages[i], dtype=torch.float32))
+        for i, s in enumerate(samples):  # each sample alone, unpadded
+            alone = next(micro_batch_inputs(samples, advantages, [[i]], pad_id=0, device="cpu"))[1]
+            expected = forward_logprobs(model, alone["input_ids"], alone["attention_mask"])[0, len(s.prompt_ids) - 1:]
+            assert per_sample[i].shape == (len(s.response_ids),)
+            torch.testing.assert_close(per_sample[i], expected, rtol=1e-12, atol=1e-12)
