@@ -22,9 +22,11 @@ import math
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
+import torch.utils.checkpoint
 
 __all__ = ["token_logprobs", "forward_logprobs", "collate_samples", "policy_gradient_loss",
-           "training_input_problem", "micro_batch_inputs", "accumulate_policy_gradient"]
+           "training_input_problem", "micro_batch_inputs", "accumulate_policy_gradient", "chunked_token_logprobs",
+           "LOGPROB_CHUNK_TOKENS"]
 
 
 def training_input_problem(samples: Sequence[Any], advantages: Sequence[float], vocab_size: int) -> Optional[str]:
@@ -68,17 +70,59 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return torch.log_softmax(x, dim=-1).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
 
 
-def forward_logprobs(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
+# Tokens whose fp32 logits exist at once in chunked_token_logprobs: 2048 x a 152k vocabulary is 1.2 GiB,
+# small beside the [tokens, vocab] tensors of the whole micro-batch (16k tokens: 10 GiB, twice over with the
+# log-softmax autograd keeps) and large enough that each chunk's matmul keeps the GPU busy.
+LOGPROB_CHUNK_TOKENS = 2048
+
+# transformers families whose causal LM's logits are exactly ``lm_head(decoder(...).last_hidden_state)`` (no
+# soft-capping or scaling): forward_logprobs computes theirs chunk by chunk.
+PLAIN_HEAD_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, logits_of, temperature: float) -> torch.Tensor:
+    return token_logprobs(logits_of(hidden), targets, temperature)
+
+
+def chunked_token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, logits_of, temperature: float = 1.0,
+                           chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> torch.Tensor:
+    """:func:`token_logprobs` of ``logits_of(hidden)`` without the logits of every token at once:
+    ``hidden`` ``[N, ..., H]`` (the last hidden states, token-major), ``targets`` ``[N, ...]``,
+    ``logits_of`` the output layer (``[n, ..., H] -> [n, ..., V]``). Each chunk of ``chunk_tokens``
+    tokens is checkpointed, so the backward pass recomputes its logits rather than keeping them: the fp32
+    logits of one chunk exist at a time, in either pass, at the price of one more output-layer matmul.
+    Returns log-probs of ``targets``' shape, equal to the unchunked computation (same math per token)."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1 (got {chunk_tokens})")
+    parts = []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
+        if torch.is_grad_enabled():
+            parts.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, h, t, logits_of, temperature,
+                                                           use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(h, t, logits_of, temperature))
+    return torch.cat(parts) if parts else hidden.new_zeros(targets.shape, dtype=torch.float32)
+
+
+def forward_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     temperature: float = 1.0, chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> torch.Tensor:
     """Run the causal LM and return log-probs of ``input_ids[:, 1:]`` (``[B, L-1]``).
 
     Position ids come from the attention mask (``cumsum - 1``), as in the rollout engine, so left- and
-    right-padded rows see the same positions.
+    right-padded rows see the same positions. For the families of :data:`PLAIN_HEAD_MODEL_TYPES` the
+    output layer runs chunk by chunk (:func:`chunked_token_logprobs`); other models' logits come whole.
     """
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    return token_logprobs(out.logits[:, :-1], input_ids[:, 1:], temperature)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    head = model.get_output_embeddings()
+    if model.config.model_type not in PLAIN_HEAD_MODEL_TYPES or type(head) is not torch.nn.Linear:
+        return token_logprobs(model(**inputs).logits[:, :-1], input_ids[:, 1:], temperature)
+    hidden = model.get_decoder()(**inputs).last_hidden_state[:, :-1]
+    rows, length = hidden.shape[:2]
+    logp = chunked_token_logprobs(hidden.reshape(rows * length, -1), input_ids[:, 1:].reshape(-1), head,
+                                  temperature, chunk_tokens)
+    return logp.view(rows, length)
 
 
 def collate_samples(
