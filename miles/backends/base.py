@@ -47,6 +47,8 @@ from miles.models import torch_dtype
 from miles.offload import make_offloader
 from miles.process_memory import peak_rss_bytes
 from miles.rl.batching import padded_tokens, plan_micro_batches, sample_lengths
+from miles.sizing.flops import mfu, model_flops, peak_bf16_flops, train_flops
+from miles.sizing.model_params import ModelConfigError
 from miles.rl.loss import accumulate_policy_gradient, training_input_problem
 from miles_plugins.optimizers.nvme_stream import StepStats, StoreGroup, stream_optimizer_state
 from miles_plugins.optimizers.streaming.io.ownership import DirectoryLock, claim_directory, remove_created
@@ -151,6 +153,8 @@ class TrainBackend(abc.ABC):
         self.offloader = None  # the sleep/wake offloader when --offload-train (miles.offload)
         self.weight_group = None  # the weight-update group, when this rank is its source
         self.init_info: dict[str, Any] = {}
+        self.flops = None  # the policy's ModelFlops (miles.sizing.flops), None when its config cannot be counted
+        self.peak_flops: Optional[float] = None  # the device's bf16 peak FLOP/s, None on CPU or unknown GPUs
         self.closed = False
 
     # ---- setup --------------------------------------------------------------------------------
@@ -164,6 +168,7 @@ class TrainBackend(abc.ABC):
         self.claim_rank_dir()
         self.seed(config.training.seed)
         description = self.build_model()
+        self.flops, self.peak_flops = self.count_flops()
         if config.optimizer.stream_optimizer_state_to_disk:
             self.store = stream_optimizer_state(self.optimizer,
                                                 config=store_config(config, self.rank, self.ranks_on_node))
@@ -194,6 +199,15 @@ class TrainBackend(abc.ABC):
                                "rank_dir=config.paths.rank_dir(cell, rank)")
         return make_offloader(offload.offload_train_target, self.rank_dir, offload.offload_train_disk_chunk_mb,
                               self.device.type, run_id=self.config.run_id, lock=self.rank_dir_lock)
+
+    def count_flops(self) -> tuple[Any, Optional[float]]:
+        """The policy's FLOP coefficients and the device's peak, for the step's ``train_mfu``."""
+        peak = peak_bf16_flops(torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None)
+        try:
+            return model_flops(self.policy_config(), name="the policy"), peak
+        except ModelConfigError as e:
+            logger.warning("rank %d: model FLOPs not counted, so no train_mfu: %s", self.rank, e)
+            return None, peak
 
     def streamed_stores(self) -> list:
         """The stores this rank streams through (none when the state is resident)."""
@@ -238,6 +252,9 @@ class TrainBackend(abc.ABC):
         self.zero_grads()
         if self.store is not None:  # read-ahead: the disk is idle during forward/backward
             self.store.prefetch()
+        cuda = self.device.type == "cuda"
+        if cuda:  # the forward/backward's own device peak: weights, grads, activations, logits
+            torch.cuda.reset_peak_memory_stats(self.device)
         fwd_bwd = time.perf_counter()
         if bad_input_ranks:
             sums = [math.nan, 0.0, math.nan]
@@ -252,8 +269,10 @@ class TrainBackend(abc.ABC):
             grads_finite = self.all_reduce([0.0 if self.local_grads_finite() else 1.0])[0] == 0.0
             skipped = None if grads_finite else "non-finite gradients"
         fwd_bwd = time.perf_counter() - fwd_bwd
+        fwd_bwd_peak = torch.cuda.max_memory_allocated(self.device) if cuda else None
+        # the model's arithmetic over the real tokens (none when nothing was computed)
+        flops = train_flops(self.flops, lengths) if self.flops is not None and not bad_input_ranks else None
 
-        cuda = self.device.type == "cuda"
         if cuda:  # the step's own device peak: weights, grads and what the optimizer (or store) holds
             torch.cuda.reset_peak_memory_stats(self.device)
         step_start = time.perf_counter()
@@ -282,11 +301,15 @@ class TrainBackend(abc.ABC):
             "padded_tokens": sum(padded_tokens(lengths, b) for b in micro_batches),
             "sequence_tokens": sum(lengths),
             "forward_backward_seconds": fwd_bwd,
+            "model_flops": flops,
+            "device_peak_flops": self.peak_flops,
+            "train_mfu": mfu(flops, self.peak_flops, fwd_bwd) if flops is not None else None,
             "optimizer_step_seconds": step_seconds,
             "train_seconds": time.perf_counter() - start,
             "host_rss_peak_bytes": peak_rss_bytes(),  # this rank's process, since it started
         }
         if cuda:
+            metrics["forward_backward_device_peak_bytes"] = fwd_bwd_peak
             metrics["optimizer_step_device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
         if self.store is not None:
             metrics.update(stream_step_metrics(self.streamed_stores(), stepped=skipped is None))
@@ -443,6 +466,10 @@ class TrainBackend(abc.ABC):
     def build_model(self) -> str:
         """Build the model, ``self.tokenizer`` and ``self.optimizer`` in ``self.dtype`` on ``self.device``;
         returns the policy's description."""
+
+    @abc.abstractmethod
+    def policy_config(self) -> dict[str, Any]:
+        """The policy's transformers config as a dict (what :func:`miles.sizing.flops.model_flops` reads)."""
 
     @abc.abstractmethod
     def describe(self) -> dict[str, Any]:

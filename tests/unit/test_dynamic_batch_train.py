@@ -34,3 +34,15 @@ def test_dynamic_batches_train_the_same_step(tmp_path, trainers):
     fixed_weights, dynamic_weights = _params(fixed), _params(dynamic)
     for name, value in fixed_weights.items():
         torch.testing.assert_close(dynamic_weights[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_the_step_reports_its_model_flops_and_no_mfu_on_cpu(tmp_path, trainers):
+    from miles.rl.batching import sample_lengths
+    from miles.sizing.flops import model_flops, train_flops
+
+    samples, advantages = _samples()
+    trainer = _trainer(tmp_path, trainers)
+    metrics = trainer.train(0, samples, advantages)
+    expected = train_flops(model_flops(trainer.model.config.to_dict()), sample_lengths(samples))
+    assert metrics["model_flops"] == expected > 0
+    assert metrics["device_peak_flops"] is None and metrics["train_mfu"] is None

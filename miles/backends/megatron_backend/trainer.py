@@ -94,6 +94,9 @@ class MegatronTrainer(TrainBackend):
         self._model_view = HFModelView(self.hf_config, self._load_hf_state)
         return description
 
+    def policy_config(self) -> dict[str, Any]:
+        return self.hf_config.to_dict()
+
     def describe(self) -> dict[str, Any]:
         return {"train_backend": "megatron",
                 "num_params": sum(p.numel() for p in self.gpt.parameters()),  # this rank's experts only
