@@ -13,7 +13,12 @@ Public API::
                                          batch["loss_mask"], eps_clip=args.eps_clip,
                                          num_tokens=total_response_tokens)
     token_logprobs(logits, targets, temperature) -> [B, T]
+    chunked_token_logprobs(hidden, targets, output_layer, temperature)  # the same, a chunk of logits at a time
     problem = training_input_problem(samples, advantages, vocab_size)   # None, or why not to train on them
+    for indices, batch in micro_batch_inputs(samples, advantages, plan, pad_id=0, device=d): ...
+    sums = accumulate_policy_gradient(samples, advantages, logprobs_fn, micro_batches=plan, ...)
+
+A plan (``micro_batches``) is a list of index lists, :mod:`miles.rl.batching`'s.
 """
 
 from __future__ import annotations

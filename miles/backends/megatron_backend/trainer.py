@@ -175,8 +175,8 @@ class MegatronTrainer(TrainBackend):
 
     # ---- training -----------------------------------------------------------------------------
     def logprobs(self, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
-        """Log-probs of ``input_ids[:, 1:]`` (``[B, L-1]``) from Megatron's logits, as forward_logprobs does
-        for an HF model. Rows are right-padded, so the causal mask alone keeps pads out of real tokens."""
+        """Log-probs of ``input_ids[:, 1:]`` (``[B, L-1]``) from Megatron's output layer, as forward_logprobs
+        does for an HF model. Rows are right-padded, so the causal mask alone keeps pads out of real tokens."""
         input_ids = batch["input_ids"]
         position_ids = (batch["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
         # the output layer runs chunk by chunk: no [B, L, V] fp32 logits (logprobs.py)
