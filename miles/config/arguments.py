@@ -240,6 +240,14 @@ class TrainingConfig:
         "it must divide --num-train-ranks.", metavar="N")
     micro_batch_size: int = knob(4, "Samples per forward/backward on one rank (gradient accumulation over the rest).",
                                 at_least=1)
+    use_dynamic_batch_size: bool = knob(
+        False, "Fill each micro-batch up to --max-tokens-per-gpu tokens instead of --micro-batch-size samples: the "
+        "rank's samples are sorted by length and cut into micro-batches whose padded tokens (rows x longest row) "
+        "stay within the budget, so padding stays small (miles/slime's flag). The loss is the same token mean.")
+    max_tokens_per_gpu: Optional[int] = knob(
+        None, "With --use-dynamic-batch-size: padded tokens one micro-batch may hold on one rank (production runs "
+        "use 8192-16384). A sample longer than this trains alone in its own micro-batch.", metavar="N",
+        at_least=1, what="an int", fix="pass a token budget such as --max-tokens-per-gpu 16384")
     max_consecutive_skipped_steps: int = knob(
         3, "Stop the run when this many rollouts in a row skipped their optimizer step. A step is skipped, "
         "leaving weights and optimizer state untouched, when its grads are not finite or the rollout engine "

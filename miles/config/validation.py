@@ -159,6 +159,15 @@ def _check_streaming(d: RunConfig) -> None:
         )
 
 
+def _check_batching(d: RunConfig) -> None:
+    training = d.training
+    if training.use_dynamic_batch_size and training.max_tokens_per_gpu is None:
+        raise ArgumentError(
+            "--use-dynamic-batch-size needs --max-tokens-per-gpu: the token budget is what fills each micro-batch.",
+            ("--use-dynamic-batch-size", "--max-tokens-per-gpu"),
+            "add --max-tokens-per-gpu N (e.g. 16384), or drop --use-dynamic-batch-size.")
+
+
 def _check_flags_take_effect(d: RunConfig, env: Environment) -> None:
     found = first_ineffective_flag(d, has_tensorboard=env.has_module("tensorboard"))
     if found:
@@ -433,6 +442,7 @@ def validate_args(args: argparse.Namespace, env: Environment | None = None) -> R
     _check_ranges(draft)
     _check_model(draft, env)
     _check_streaming(draft)
+    _check_batching(draft)
     _check_flags_take_effect(draft, env)
     _check_backend(draft, env)
     _check_rollout(draft, env)

@@ -221,6 +221,14 @@ def num_experts(cfg: dict) -> int:
     return _count(cfg, "num_experts", "n_routed_experts", "num_local_experts", bound=EXPERTS, default=0)
 
 
+def experts_per_token(config: dict) -> int:
+    """Routed experts each token passes through (``num_experts_per_tok``; 0 for a dense model)."""
+    cfg = text_config(config)
+    if num_experts(cfg) == 0:
+        return 0
+    return _count(cfg, "num_experts_per_tok", "moe_topk", bound=EXPERTS)
+
+
 def _swiglu(p: str, h: int, ffn: int, expert: Optional[int] = None) -> list[Tensor]:
     return [Tensor(f"{p}.linear_fc1", (2 * ffn, h), expert=expert), Tensor(f"{p}.linear_fc2", (h, ffn), expert=expert)]
 

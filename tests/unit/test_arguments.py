@@ -152,6 +152,20 @@ CASES = [
     ([STREAM, DISK, "--no-offload-train"],
      "--offload-train-target disk has no effect: --no-offload-train turns trainer offload off. Fix: drop "
      "--no-offload-train, or drop --offload-train-target."),
+    # --- token-budget micro-batches
+    (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384"], None),
+    (["--use-dynamic-batch-size"],
+     "--use-dynamic-batch-size needs --max-tokens-per-gpu: the token budget is what fills each micro-batch. Fix: "
+     "add --max-tokens-per-gpu N (e.g. 16384), or drop --use-dynamic-batch-size."),
+    (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "0"],
+     "--max-tokens-per-gpu must be an int >= 1 (got 0). Fix: pass a token budget such as --max-tokens-per-gpu "
+     "16384."),
+    (["--max-tokens-per-gpu", "8192"],
+     "--max-tokens-per-gpu 8192 has no effect: micro-batches hold --micro-batch-size samples unless "
+     "--use-dynamic-batch-size. Fix: add --use-dynamic-batch-size, or drop --max-tokens-per-gpu."),
+    (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "8192", "--micro-batch-size", "8"],
+     "--micro-batch-size 8 has no effect: --use-dynamic-batch-size fills micro-batches up to --max-tokens-per-gpu "
+     "tokens. Fix: drop --use-dynamic-batch-size, or drop --micro-batch-size."),
     # --- backends / engines
     (["--train-backend", "megatron"],
      "--train-backend megatron needs Python >= 3.12 (megatron-core does not install on Python 3.11). Fix: "

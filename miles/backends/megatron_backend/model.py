@@ -2,7 +2,8 @@
 
 :func:`transformer_config_from_hf` and :func:`gpt_model_kwargs` return plain values (tested on CPU);
 :func:`build_gpt_model` imports megatron-core and builds the model. The layer spec is Transformer
-Engine's when ``transformer_engine`` imports, else the local spec (torch RMSNorm, unfused attention);
+Engine's when ``transformer_engine`` imports, else the local spec (torch RMSNorm) with torch's fused
+scaled_dot_product_attention in place of its unfused attention;
 ``uses_te_spec`` says which, because the weight layout of the norms differs (see ``convert.py``).
 """
 
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .architecture import UnsupportedModelError, describe
+from .sdpa_attention import SDPACoreAttention, with_core_attention
 
 __all__ = ["transformer_config_from_hf", "gpt_model_kwargs", "te_available", "build_gpt_model"]
 
@@ -105,11 +107,13 @@ def te_available() -> bool:
 
 
 def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype, expert_model_parallel_size: int = 1,
-                    use_te: bool | None = None):
+                    use_te: bool | None = None, fused_attention: bool = True):
     """``(GPTModel, TransformerConfig, uses_te_spec)`` on the current CUDA device, weights uninitialized.
 
     Needs megatron-core and ``parallel_state.initialize_model_parallel`` to have run (the MoE layers
-    read the expert-parallel group).
+    read the expert-parallel group). The local spec's attention is torch's scaled_dot_product_attention
+    (:mod:`.sdpa_attention`); ``fused_attention=False`` keeps megatron's unfused DotProductAttention (the
+    GPU test compares the two).
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -120,5 +124,7 @@ def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype, expert_model_p
         hf_config, params_dtype=params_dtype, expert_model_parallel_size=expert_model_parallel_size))
     # The block spec places MoE and dense layers by config.moe_layer_freq and picks the final norm.
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    if not use_te and fused_attention:
+        spec = with_core_attention(spec, SDPACoreAttention)
     model = GPTModel(config, spec, **gpt_model_kwargs(hf_config))
     return model, config, use_te

@@ -25,12 +25,12 @@ import torch.distributed as dist
 
 from miles.backends.base import TrainBackend
 from miles.models import load_policy
-from miles.rl.loss import token_logprobs
 
 from .checkpoint_views import HFModelView, ResidentOptimizerState
 from .convert import hf_moe_layout, hf_to_megatron, iter_megatron_to_hf
 from .expert_gather import gather_layer_experts
 from .grad_buffers import GradBuffers
+from .logprobs import LogprobRequest, output_logprobs
 from .model import build_gpt_model
 
 logger = logging.getLogger(__name__)
@@ -93,6 +93,9 @@ class MegatronTrainer(TrainBackend):
         self.grad_buffers = GradBuffers(self.ddp.buffers + self.ddp.expert_parallel_buffers)
         self._model_view = HFModelView(self.hf_config, self._load_hf_state)
         return description
+
+    def policy_config(self) -> dict[str, Any]:
+        return self.hf_config.to_dict()
 
     def describe(self) -> dict[str, Any]:
         return {"train_backend": "megatron",
@@ -172,12 +175,13 @@ class MegatronTrainer(TrainBackend):
 
     # ---- training -----------------------------------------------------------------------------
     def logprobs(self, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
-        """Log-probs of ``input_ids[:, 1:]`` (``[B, L-1]``) from Megatron's logits, as forward_logprobs does
-        for an HF model. Rows are right-padded, so the causal mask alone keeps pads out of real tokens."""
+        """Log-probs of ``input_ids[:, 1:]`` (``[B, L-1]``) from Megatron's output layer, as forward_logprobs
+        does for an HF model. Rows are right-padded, so the causal mask alone keeps pads out of real tokens."""
         input_ids = batch["input_ids"]
         position_ids = (batch["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
-        logits = self.ddp(input_ids, position_ids, None)  # [B, L, V]; fp32 out of Float16Module
-        return token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
+        # the output layer runs chunk by chunk: no [B, L, V] fp32 logits (logprobs.py)
+        return self.ddp(input_ids, position_ids, None, output_processor=output_logprobs,
+                        output_processor_context=LogprobRequest(input_ids[:, 1:], temperature))
 
     def zero_grads(self) -> None:
         self.ddp.zero_grad_buffer()
