@@ -10,7 +10,10 @@ scaling, shared experts, a non-SiLU activation) is rejected here with the config
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from .families.qwen3_5_moe import GatedDeltaNetLayout
 
 # model_type -> which optional pieces the family has
 _FAMILIES = {
@@ -20,7 +23,9 @@ _FAMILIES = {
     "qwen3_moe": dict(qkv_bias=False, qk_norm=True, moe=True),
     "mixtral": dict(qkv_bias=False, qk_norm=False, moe=True),
 }
-SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
+# Families described by their own module (families/): model_type -> module name
+_FAMILY_MODULES = {"qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe"}
+SUPPORTED_MODEL_TYPES = tuple(_FAMILIES) + tuple(_FAMILY_MODULES)
 
 
 class UnsupportedModelError(ValueError):
@@ -50,6 +55,16 @@ class Architecture:
     moe_ffn_hidden_size: Optional[int] = None
     moe_topk: Optional[int] = None
     moe_renormalize: bool = True  # top-k probabilities renormalized to sum to 1
+    # Shared experts and the router's scoring (same names and meaning as the GLM-5 half of issue 37)
+    shared_expert_ffn_hidden_size: Optional[int] = None  # one shared expert of this width; None: none
+    router_expert_bias: bool = False
+    router_score_function: str = "softmax"  # "softmax" | "sigmoid"
+    # Qwen3.5 (families/qwen3_5_moe.py)
+    shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(Linear(hidden, 1))
+    attention_output_gate: bool = False  # q_proj also yields a per-head sigmoid gate on the attention output
+    rotary_percent: float = 1.0  # rotary embedding on this fraction of each head's channels
+    zero_centered_norms: bool = False  # RMSNorms scale by (1 + weight)
+    linear_attention: Optional["GatedDeltaNetLayout"] = None  # Gated DeltaNet layers; None: attention only
 
     @property
     def heads_per_group(self) -> int:
@@ -91,6 +106,10 @@ def _reject(hf_config: Any, field: str, bad: Any, why: str) -> None:
 def describe(hf_config: Any) -> Architecture:
     """The :class:`Architecture` of a transformers config; raises :class:`UnsupportedModelError`."""
     model_type = getattr(hf_config, "model_type", None)
+    if model_type in _FAMILY_MODULES:
+        import importlib
+
+        return importlib.import_module(f".families.{_FAMILY_MODULES[model_type]}", __package__).describe(hf_config)
     if model_type not in _FAMILIES:
         raise UnsupportedModelError(f"model_type {model_type!r} is not supported by the Megatron backend; "
                                     f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (use --train-backend torch)")

@@ -1,0 +1,78 @@
+"""The megatron-core layer spec of Qwen3.5-MoE (``qwen3_5_moe.py`` says what it must compute), without
+Transformer Engine.
+
+megatron-core 0.19.2's own hybrid spec (``get_transformer_block_with_experimental_attention_variant_spec``)
+asserts Transformer Engine, and its local backend has no fused norm + linear for the Gated DeltaNet's input.
+So the block is built here from the local GPT layer (SelfAttention, the MoE layer with SequentialMLP experts
+and the shared expert), with:
+
+- the Gated DeltaNet (``GatedDeltaNet``; needs the ``fla`` package) on the layers ``linear_attention_freq``
+  marks, its input norm a separate layer norm and its ``in_proj`` a plain ``ColumnParallelLinear``;
+- :class:`ZeroCenteredRMSNorm` for the layer, q/k and final norms and :class:`GatedDeltaNetOutputNorm` for
+  the Gated DeltaNet's output norm: the arithmetic (and the dtype of each step) of transformers'
+  ``Qwen3_5MoeRMSNorm`` and ``Qwen3_5MoeRMSNormGated``, which megatron-core's norms do not reproduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+__all__ = ["ZeroCenteredRMSNorm", "GatedDeltaNetOutputNorm", "block_spec"]
+
+
+def _rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """``x / rms(x) * (1 + weight)`` in fp32, cast back to the input's dtype; ``weight`` starts at 0."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6, **_megatron_norm_kwargs: Any):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (_rms_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedDeltaNetOutputNorm(torch.nn.Module):
+    """The norm half of transformers' gated RMSNorm: ``x / rms(x)`` in fp32, cast to the input's dtype, times
+    ``weight`` (used as is). ``GatedDeltaNet`` multiplies by ``silu(gate)`` in fp32 after it, as HF does."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6, **_megatron_norm_kwargs: Any):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * _rms_normalized(x, self.eps).to(x.dtype)
+
+
+def block_spec(config: Any):
+    """``TransformerBlockSubmodules`` for a ``TransformerConfig`` made from a Qwen3.5-MoE config."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    local = get_gpt_layer_local_submodules(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                           qk_layernorm=True, normalization="RMSNorm")
+    attention = local.self_attention
+    attention = ModuleSpec(module=attention.module, params=attention.params, submodules=dataclasses.replace(
+        attention.submodules, q_layernorm=ZeroCenteredRMSNorm, k_layernorm=ZeroCenteredRMSNorm))
+    gated_delta_net = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=GatedDeltaNetOutputNorm, out_proj=RowParallelLinear))
+    layers = [
+        ModuleSpec(module=TransformerLayer, submodules=dataclasses.replace(
+            local, input_layernorm=ZeroCenteredRMSNorm, pre_mlp_layernorm=ZeroCenteredRMSNorm,
+            self_attention=gated_delta_net if linear else attention))
+        for linear in config.linear_attention_freq
+    ]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=ZeroCenteredRMSNorm)
