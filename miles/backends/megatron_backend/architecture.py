@@ -1,7 +1,7 @@
 """What the Megatron backend needs to know about a transformers config, as plain values.
 
 :func:`describe` reads a ``PretrainedConfig`` of the Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral
-families into an :class:`Architecture`; the model builder (``model.py``) and the weight converter
+families (and, through its own module in ``families/``, Qwen3.5-MoE) into an :class:`Architecture`; the model builder (``model.py``) and the weight converter
 (``convert.py``) both work from it, so the two can never disagree about a layer's layout. Anything
 the backend cannot reproduce exactly (biases other than Qwen2's q/k/v, sliding windows, rope
 scaling, shared experts, a non-SiLU activation) is rejected here with the config field to change.

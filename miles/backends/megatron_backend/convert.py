@@ -20,6 +20,9 @@ wrappers). Layouts that differ from HF:
   parallelism each rank holds experts ``ep_rank * E/ep_size + i``. :func:`megatron_to_hf` takes
   globally numbered experts: at EP 1 that is any rank's state, with EP > 1 the union of the ranks'
   states after :func:`experts_to_global`.
+- Qwen3.5-MoE (``families/qwen3_5_moe.py``): its layers' own rules (Gated DeltaNet ``in_proj`` = HF's four
+  input projections concatenated; gated ``linear_qkv``; the shared expert and its gate), then the
+  router and routed experts below.
 - Tied embeddings: Megatron has no ``output_layer.weight``; :func:`megatron_to_hf` returns
   ``lm_head.weight`` as the same tensor as ``model.embed_tokens.weight`` (the HF model's state dict
   has both keys).

@@ -4,6 +4,7 @@
 :func:`build_gpt_model` imports megatron-core and builds the model. The layer spec is Transformer
 Engine's when ``transformer_engine`` imports, else the local spec (torch RMSNorm, unfused attention);
 ``uses_te_spec`` says which, because the weight layout of the norms differs (see ``convert.py``).
+Qwen3.5-MoE always gets its own spec (``families/qwen3_5_moe_layers.py``), never TE's.
 """
 
 from __future__ import annotations
