@@ -72,7 +72,8 @@ def block_spec(config: Any):
     layers = [
         ModuleSpec(module=TransformerLayer, submodules=dataclasses.replace(
             local, input_layernorm=ZeroCenteredRMSNorm, pre_mlp_layernorm=ZeroCenteredRMSNorm,
-            self_attention=gated_delta_net if linear else attention))
+            self_attention=gated_delta_net if linear else attention,
+            sharded_state_dict_keys_map={}))  # the local spec's map is for norms fused into linears: none here
         for linear in config.linear_attention_freq
     ]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=ZeroCenteredRMSNorm)
