@@ -1,19 +1,20 @@
 """What the Megatron backend needs to know about a transformers config, as plain values.
 
 :func:`describe` reads a ``PretrainedConfig`` of the Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral
-families (and, through its own module in ``families/``, Qwen3.5-MoE) into an :class:`Architecture`; the model builder (``model.py``) and the weight converter
-(``convert.py``) both work from it, so the two can never disagree about a layer's layout. Anything
-the backend cannot reproduce exactly (biases other than Qwen2's q/k/v, sliding windows, rope
-scaling, shared experts, a non-SiLU activation) is rejected here with the config field to change.
+families (and, through ``families/qwen3_5_moe_config.py``, Qwen3.5-MoE) into an :class:`Architecture`;
+the model builder (``model.py``) and the weight converter (``convert.py``) both work from it, so the
+two can never disagree about a layer's layout. Anything the backend cannot reproduce exactly (biases
+other than Qwen2's q/k/v, sliding windows, rope scaling, shared experts outside Qwen3.5, a non-SiLU
+activation) is rejected here with the config field to change.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-if TYPE_CHECKING:
-    from .families.qwen3_5_moe import GatedDeltaNetLayout
+from .families import qwen3_5_moe_config
+from .families.qwen3_5_moe_config import GatedDeltaNetLayout
 
 # model_type -> which optional pieces the family has
 _FAMILIES = {
@@ -23,9 +24,7 @@ _FAMILIES = {
     "qwen3_moe": dict(qkv_bias=False, qk_norm=True, moe=True),
     "mixtral": dict(qkv_bias=False, qk_norm=False, moe=True),
 }
-# Families described by their own module (families/): model_type -> module name
-_FAMILY_MODULES = {"qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe"}
-SUPPORTED_MODEL_TYPES = tuple(_FAMILIES) + tuple(_FAMILY_MODULES)
+SUPPORTED_MODEL_TYPES = tuple(_FAMILIES) + qwen3_5_moe_config.MODEL_TYPES  # the latter: families/
 
 
 class UnsupportedModelError(ValueError):
@@ -64,7 +63,7 @@ class Architecture:
     attention_output_gate: bool = False  # q_proj also yields a per-head sigmoid gate on the attention output
     rotary_percent: float = 1.0  # rotary embedding on this fraction of each head's channels
     zero_centered_norms: bool = False  # RMSNorms scale by (1 + weight)
-    linear_attention: Optional["GatedDeltaNetLayout"] = None  # Gated DeltaNet layers; None: attention only
+    linear_attention: Optional[GatedDeltaNetLayout] = None  # Gated DeltaNet layers; None: attention only
 
     @property
     def heads_per_group(self) -> int:
@@ -106,10 +105,11 @@ def _reject(hf_config: Any, field: str, bad: Any, why: str) -> None:
 def describe(hf_config: Any) -> Architecture:
     """The :class:`Architecture` of a transformers config; raises :class:`UnsupportedModelError`."""
     model_type = getattr(hf_config, "model_type", None)
-    if model_type in _FAMILY_MODULES:
-        import importlib
-
-        return importlib.import_module(f".families.{_FAMILY_MODULES[model_type]}", __package__).describe(hf_config)
+    if model_type in qwen3_5_moe_config.MODEL_TYPES:
+        try:
+            return Architecture(**qwen3_5_moe_config.architecture_fields(hf_config))
+        except qwen3_5_moe_config.UnbuildableConfig as exc:
+            raise UnsupportedModelError(str(exc)) from None
     if model_type not in _FAMILIES:
         raise UnsupportedModelError(f"model_type {model_type!r} is not supported by the Megatron backend; "
                                     f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (use --train-backend torch)")
