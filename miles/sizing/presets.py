@@ -9,7 +9,7 @@
 | qwen3.5-35b-a3b | 2048   | 40 (0)         | 3 of 4 Gated DeltaNet (16 k / 32 v | 248320  | 256 x 512     | 8     | 1x512  | 1   |
 |                 |        |                | heads x 128), 1 of 4 gated GQA     |         |               |       |        |     |
 |                 |        |                | 16 q / 2 kv heads x 256            |         |               |       |        |     |
-| qwen3.5-moe-2b-random | 2048 | 16 (0)       | qwen3.5-35b-a3b's, 12 + 4 layers   | 100     | 32 x 512      | 8     | 1x512  | 0   |
+| qwen3.5-moe-2b-random | 2048 | 16 (0)     | qwen3.5-35b-a3b's, 12 + 4 layers   | 100     | 32 x 512      | 8     | 1x512  | 0   |
 
 Sources and assumptions:
   * glm5-744b: "a GLM-5.2-744B-like MoE". The numbers are GLM-5's published config.json (zai-org/GLM-5,

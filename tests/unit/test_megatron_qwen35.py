@@ -111,12 +111,13 @@ def expected_megatron_shapes(c) -> dict[str, tuple]:
                            f"{p}mlp.experts.local_experts.{e}.linear_fc2.weight": (h, 12)})
         a = p + "self_attention."
         if i % 2 == 0:  # GatedDeltaNet: in_proj = q k v z (qk_dim*2 + v_dim*2) + beta alpha (2 * value heads)
-            shapes.update({a + "in_proj.weight": (2 * kd + 2 * vd + 2 * nv, h), a + "conv1d.weight": (2 * kd + vd, 1, 3),
-                           a + "dt_bias": (nv,), a + "A_log": (nv,), a + "out_norm.weight": (10,),
-                           a + "out_proj.weight": (h, vd)})
+            shapes.update({a + "in_proj.weight": (2 * kd + 2 * vd + 2 * nv, h),
+                           a + "conv1d.weight": (2 * kd + vd, 1, 3), a + "dt_bias": (nv,), a + "A_log": (nv,),
+                           a + "out_norm.weight": (10,), a + "out_proj.weight": (h, vd)})
         else:  # SelfAttention, attention_output_gate: q + gate + k + v rows
-            shapes.update({a + "linear_qkv.weight": (2 * 4 * 8 + 2 * 2 * 8, h), a + "linear_proj.weight": (h, 4 * 8),
-                           a + "q_layernorm.weight": (8,), a + "k_layernorm.weight": (8,)})
+            shapes.update({a + "linear_qkv.weight": (2 * 4 * 8 + 2 * 2 * 8, h),
+                           a + "linear_proj.weight": (h, 4 * 8), a + "q_layernorm.weight": (8,),
+                           a + "k_layernorm.weight": (8,)})
     return shapes
 
 
@@ -176,7 +177,8 @@ def test_transformer_config_keywords():
     assert kw["attention_output_gate"] is True and kw["qk_layernorm"] is True and kw["kv_channels"] == 8
     assert (kw["moe_shared_expert_intermediate_size"], kw["moe_shared_expert_gate"]) == (20, True)
     # softmax over all experts, top-k, renormalized == softmax over the top-k logits (Megatron's default)
-    assert (kw["moe_router_score_function"], kw["moe_router_pre_softmax"], kw["moe_router_topk"]) == ("softmax", False, 2)
+    router = (kw["moe_router_score_function"], kw["moe_router_pre_softmax"], kw["moe_router_topk"])
+    assert router == ("softmax", False, 2)
     assert kw["moe_layer_freq"] == 1 and kw["num_moe_experts"] == 4 and kw["expert_model_parallel_size"] == 2
     model = gpt_model_kwargs(config)
     assert (model["rotary_percent"], model["position_embedding_type"]) == (0.25, "rope")
@@ -208,7 +210,8 @@ def test_the_planner_counts_transformers_parameters(name):
 def test_the_random_presets_are_one_config_with_the_plan_preset():
     plan = PRESETS["qwen3.5-moe-2b-random"]
     random = RANDOM_MODEL_PRESETS["qwen3.5-moe-2b"]
-    assert {k: v for k, v in plan.items() if k != "vocab_size"} == {k: v for k, v in random.items() if k != "rms_norm_eps"}
+    assert ({k: v for k, v in plan.items() if k != "vocab_size"}
+            == {k: v for k, v in random.items() if k != "rms_norm_eps"})
     assert plan["vocab_size"] == len(build_tiny_tokenizer())
     assert 2.0e9 < model_tensors(plan, mtp=False).total() < 2.3e9
 
