@@ -105,7 +105,8 @@ def expected_megatron_shapes(c) -> dict[str, tuple]:
         p = f"decoder.layers.{i}."
         shapes.update({p + "input_layernorm.weight": (h,), p + "pre_mlp_layernorm.weight": (h,),
                        p + "mlp.router.weight": (4, h), p + "mlp.shared_experts.linear_fc1.weight": (2 * 20, h),
-                       p + "mlp.shared_experts.linear_fc2.weight": (h, 20), p + "mlp.shared_experts.gate_weight": (1, h)})
+                       p + "mlp.shared_experts.linear_fc2.weight": (h, 20),
+                       p + "mlp.shared_experts.gate_weight": (1, h)})
         for e in range(4):
             shapes.update({f"{p}mlp.experts.local_experts.{e}.linear_fc1.weight": (2 * 12, h),
                            f"{p}mlp.experts.local_experts.{e}.linear_fc2.weight": (h, 12)})
