@@ -67,8 +67,9 @@ def _megatron(hf_model, dtype):
     hf_state = hf_model.state_dict()
     mcore = hf_to_megatron(hf_state, hf_model.config)
     built = {k: tuple(v.shape) for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
-    assert built == {k: tuple(v.shape) for k, v in mcore.items()}, (
-        f"missing {sorted(set(built) - set(mcore))[:4]}, extra {sorted(set(mcore) - set(built))[:4]}")
+    converted = {k: tuple(v.shape) for k, v in mcore.items()}
+    wrong = sorted(k for k in set(built) | set(converted) if built.get(k) != converted.get(k))
+    assert not wrong, f"(name, built shape, converted shape): {[(k, built.get(k), converted.get(k)) for k in wrong[:6]]}"
     fp32 = native_fp32_param_names(gpt, hf_model.config)
     assert fp32 and all(name.endswith("self_attention.A_log") for name in fp32)
     for name in fp32:
