@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
@@ -256,3 +257,98 @@ def test_the_embedded_engine_decodes_the_hybrid_layers_exactly(tmp_path):
             alone = token_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:])[0, len(s.prompt_ids) - 1:]
         assert len(s.response_ids) == 8
         assert (alone - torch.tensor(s.response_logprobs)).abs().max().item() < 1e-5
+
+
+# ---- the Megatron layout, read as megatron-core's forward reads it -------------------------------------------
+# A CPU reading of the converted weights the way megatron-core 0.19.2's modules use them (GatedDeltaNet.forward's
+# in_proj split and conv, SelfAttention.get_query_key_value_tensors' per-group split with the output gate,
+# TopKRouter's softmax over the top-k logits, SharedExpertMLP's sigmoid gate), against transformers' forward: a
+# row misplaced by the conversion changes the logits. (The GPU test runs megatron-core itself.)
+def _zc_norm(x, w, eps=1e-6):
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())
+
+
+def _swiglu(x, fc1, fc2):
+    gate, up = torch.chunk(x @ fc1.T, 2, dim=-1)
+    return (F.silu(gate) * up) @ fc2.T
+
+
+def _gated_delta_net(x, w, p, arch):
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import torch_chunk_gated_delta_rule
+
+    gdn, (b, s, _) = arch.linear_attention, x.shape
+    qkv, z, beta, alpha = torch.split(x @ w[p + "in_proj.weight"].T, list(gdn.in_proj_rows), dim=-1)
+    conv = w[p + "conv1d.weight"]
+    qkv = F.silu(F.conv1d(qkv.transpose(1, 2), conv, padding=conv.shape[-1] - 1, groups=conv.shape[0])[..., :s])
+    q, k, v = torch.split(qkv.transpose(1, 2), [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
+    q, k = (F.normalize(t.reshape(b, s, -1, gdn.key_head_dim), dim=-1, eps=1e-6) for t in (q, k))
+    repeat = gdn.num_value_heads // gdn.num_key_heads
+    q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
+    g = -w[p + "A_log"].float().exp() * F.softplus(alpha + w[p + "dt_bias"])
+    out, _ = torch_chunk_gated_delta_rule(q, k, v.reshape(b, s, -1, gdn.value_head_dim), g=g, beta=beta.sigmoid())
+    out32 = out.float()
+    normed = out32 * torch.rsqrt(out32.pow(2).mean(-1, keepdim=True) + 1e-6) * w[p + "out_norm.weight"]
+    gated = normed * F.silu(z.reshape(b, s, -1, gdn.value_head_dim))
+    return gated.reshape(b, s, -1) @ w[p + "out_proj.weight"].T
+
+
+def _rope(t, arch, positions):
+    rot = int(arch.head_dim * arch.rotary_percent)
+    inv_freq = 1.0 / arch.rope_theta ** (torch.arange(0, rot, 2).float() / rot)
+    freqs = torch.cat([positions[:, None] * inv_freq] * 2, dim=-1)[None, :, None]  # [1, s, 1, rot]
+    t_rot, t_pass = t[..., :rot], t[..., rot:]
+    rotated = torch.cat([-t_rot[..., rot // 2:], t_rot[..., :rot // 2]], dim=-1)
+    return torch.cat([t_rot * freqs.cos() + rotated * freqs.sin(), t_pass], dim=-1)
+
+
+def _gated_attention(x, w, p, arch):
+    (b, s, _), d, groups, per_group = x.shape, arch.head_dim, arch.num_query_groups, arch.heads_per_group
+    mixed = (x @ w[p + "linear_qkv.weight"].T).reshape(b, s, groups, (2 * per_group + 2) * d)
+    q, gate, k, v = torch.split(mixed, [per_group * d, per_group * d, d, d], dim=-1)
+    positions = torch.arange(s).float()
+    q = _rope(_zc_norm(q.reshape(b, s, -1, d), w[p + "q_layernorm.weight"]), arch, positions)
+    k = _rope(_zc_norm(k, w[p + "k_layernorm.weight"]), arch, positions)
+    k, v = k.repeat_interleave(per_group, dim=2), v.repeat_interleave(per_group, dim=2)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    out = out.transpose(1, 2).reshape(b, s, -1) * torch.sigmoid(gate.reshape(b, s, -1))
+    return out @ w[p + "linear_proj.weight"].T
+
+
+def _moe(x, w, p, arch):
+    tokens = x.reshape(-1, x.shape[-1])
+    top, index = torch.topk(tokens @ w[p + "router.weight"].T, arch.moe_topk, dim=-1)
+    probs = torch.softmax(top, dim=-1)  # pre_softmax False: softmax over the top-k logits
+    routed = torch.zeros_like(tokens)
+    for e in range(arch.num_experts):
+        rows, slot = torch.where(index == e)
+        fc = f"{p}experts.local_experts.{e}.linear_fc"
+        expert = _swiglu(tokens[rows], w[fc + "1.weight"], w[fc + "2.weight"])
+        routed.index_add_(0, rows, expert * probs[rows, slot, None])
+    shared = _swiglu(tokens, w[p + "shared_experts.linear_fc1.weight"], w[p + "shared_experts.linear_fc2.weight"])
+    shared = shared * torch.sigmoid(tokens @ w[p + "shared_experts.gate_weight"].T)
+    return (routed + shared).reshape(x.shape)
+
+
+def _megatron_layout_logits(w, arch, tokens):
+    x = w["embedding.word_embeddings.weight"][tokens]
+    for i in range(arch.num_layers):
+        p = f"decoder.layers.{i}."
+        mixer = _gated_delta_net if arch.linear_attention.linear_layers[i] else _gated_attention
+        x = x + mixer(_zc_norm(x, w[p + "input_layernorm.weight"]), w, p + "self_attention.", arch)
+        x = x + _moe(_zc_norm(x, w[p + "pre_mlp_layernorm.weight"]), w, p + "mlp.", arch)
+    return _zc_norm(x, w["decoder.final_layernorm.weight"]) @ w["output_layer.weight"].T
+
+
+def test_the_megatron_layout_computes_what_transformers_computes():
+    config = transformers.Qwen3_5MoeTextConfig(**{**TINY, "head_dim": 16})  # 4 rotary channels of 16
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p)) if p.dim() == 1 else p.normal_(0, 0.2)
+        tokens = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(1))
+        theirs = model(input_ids=tokens).logits
+        ours = _megatron_layout_logits(hf_to_megatron(model.state_dict(), config), describe(config), tokens)
+    assert theirs.abs().max() > 1.0  # weights large enough that a misplaced row shows
+    assert (ours - theirs).abs().max().item() < 1e-3  # fp32 reduction order; a misplaced row gives > 1
