@@ -1,7 +1,9 @@
 """Qwen3.5-MoE (``qwen3_5_moe``) in the megatron backend on one GPU, against transformers' own model.
 
 Run on the GPU host: ``python -m pytest -q -x -s tests/gpu/test_megatron_qwen35.py`` (needs CUDA,
-megatron-core and the ``fla`` package, which megatron-core's Gated DeltaNet and transformers both use).
+megatron-core and the ``fla`` package, which megatron-core's Gated DeltaNet imports). transformers runs its
+own torch Gated DeltaNet here (the exact reference); the megatron build uses fla's kernels, or megatron-core's
+torch ones on Hopper with Triton < 3.7.1 (fla's gated backward is wrong there: ``gated_delta_rule_kwargs``).
 
 The same random weights (the ``qwen3.5-moe-tiny`` preset's shape: 2 Gated DeltaNet + 2 gated attention
 layers, 8 routed experts + a gated shared expert; every norm, ``dt_bias`` and ``A_log`` perturbed so that
@@ -13,6 +15,7 @@ on a ``qwen3.5-moe-tiny`` folder: streamed == resident bit for bit over 3 steps,
 """
 
 import dataclasses
+import inspect
 import math
 
 import pytest
@@ -33,6 +36,20 @@ from miles.backends.megatron_backend.model import build_gpt_model, native_fp32_p
 from miles.config import parse_args, validate_args  # noqa: E402
 from miles.models import RANDOM_MODEL_PRESETS, write_random_model  # noqa: E402
 from miles.rl.loss import token_logprobs  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _transformers_torch_kernels(monkeypatch):
+    """transformers' Qwen3.5 runs its own torch Gated DeltaNet (the functions its fla / causal_conv1d wrappers
+    fall back to): the exact reference, with no Triton JIT; the megatron build picks its kernels itself."""
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as modeling
+
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                 "causal_conv1d_update"):
+        torch_function = inspect.unwrap(getattr(modeling, name))
+        assert torch_function.__module__ == modeling.__name__, (name, torch_function.__module__)
+        monkeypatch.setattr(modeling, name, torch_function)
+
 
 FP32_LOGPROB_TOL = 1e-3
 BF16_MEAN_LOGPROB_TOL = 0.02
@@ -92,6 +109,8 @@ def test_forward_agrees_with_transformers_in_fp32_and_bf16(megatron_world):
     hf_model = _tiny_hf()
     tokens, positions = _tokens()
     gpt = _megatron(hf_model, torch.float32).eval()
+    rule = gpt.decoder.layers[0].self_attention.gated_delta_rule
+    print(f"\nmegatron Gated DeltaNet rule: {rule.__module__}.{rule.__name__}")
     with torch.no_grad():
         ours, theirs = _logprobs(hf_model, gpt, tokens, positions)
     fp32 = (ours - theirs).abs()
@@ -103,7 +122,7 @@ def test_forward_agrees_with_transformers_in_fp32_and_bf16(megatron_world):
     with torch.no_grad():
         ours, theirs = _logprobs(hf_bf16, gpt, tokens, positions)
     bf16 = (ours - theirs).abs()
-    print(f"\nqwen3_5_moe, {BATCH}x{SEQ} tokens: fp32 max |logprob diff| {fp32.max().item():.2e}; "
+    print(f"qwen3_5_moe, {BATCH}x{SEQ} tokens: fp32 max |logprob diff| {fp32.max().item():.2e}; "
           f"bf16 mean {bf16.mean().item():.2e}, max {bf16.max().item():.2e}")
     assert fp32.max().item() < FP32_LOGPROB_TOL
     assert bf16.mean().item() <= BF16_MEAN_LOGPROB_TOL

@@ -186,6 +186,20 @@ def test_transformer_config_keywords():
     assert (model["rotary_percent"], model["position_embedding_type"]) == (0.25, "rope")
 
 
+@pytest.mark.parametrize("hopper, triton, tilelang, exact", [
+    (True, "3.6.0", False, False),  # the H200 host: torch 2.11's Triton
+    (True, "3.4.0", False, False),
+    (True, "3.7.1", False, True),
+    (True, "3.3.1", False, True),
+    (True, "3.6.0", True, True),  # tilelang provides the backward
+    (False, "3.6.0", False, True),
+])
+def test_fla_gated_backward_is_trusted_where_fla_trusts_it(hopper, triton, tilelang, exact):
+    from miles.backends.megatron_backend.families.qwen3_5_moe_layers import fla_gated_backward_is_exact
+
+    assert fla_gated_backward_is_exact(hopper=hopper, triton_version=triton, tilelang=tilelang) is exact
+
+
 # ---- presets and the planner's count ------------------------------------------------------------------------
 def _transformers_numel(text_config: dict) -> int:
     cfg = dict(text_config)

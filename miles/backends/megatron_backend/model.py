@@ -128,12 +128,16 @@ def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype, expert_model_p
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     use_te = te_available() if use_te is None else use_te
-    config = TransformerConfig(**transformer_config_from_hf(
-        hf_config, params_dtype=params_dtype, expert_model_parallel_size=expert_model_parallel_size))
-    if config.experimental_attention_variant == "gated_delta_net":  # Qwen3.5: its own spec, never TE's
-        from .families.qwen3_5_moe_layers import block_spec
+    kwargs = transformer_config_from_hf(hf_config, params_dtype=params_dtype,
+                                        expert_model_parallel_size=expert_model_parallel_size)
+    hybrid = kwargs.get("experimental_attention_variant") == "gated_delta_net"  # Qwen3.5: its own spec, never TE's
+    if hybrid:
+        from .families import qwen3_5_moe_layers
 
-        use_te, spec = False, block_spec(config)
+        kwargs.update(qwen3_5_moe_layers.gated_delta_rule_kwargs())
+    config = TransformerConfig(**kwargs)
+    if hybrid:
+        use_te, spec = False, qwen3_5_moe_layers.block_spec(config)
     else:  # the block spec places MoE and dense layers by config.moe_layer_freq and picks the final norm
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
     model = GPTModel(config, spec, **gpt_model_kwargs(hf_config))

@@ -7,7 +7,8 @@ So the block is built here from the local GPT layer (SelfAttention, the MoE laye
 and the shared expert), with:
 
 - the Gated DeltaNet (``GatedDeltaNet``; needs the ``fla`` package) on the layers ``linear_attention_freq``
-  marks, its input norm a separate layer norm and its ``in_proj`` a plain ``ColumnParallelLinear``;
+  marks, its input norm a separate layer norm and its ``in_proj`` a plain ``ColumnParallelLinear``; its
+  kernels fla's, or megatron-core's torch ones where fla's backward is wrong (:func:`gated_delta_rule_kwargs`);
 - :class:`ZeroCenteredRMSNorm` for the layer, q/k and final norms and :class:`GatedDeltaNetOutputNorm` for
   the Gated DeltaNet's output norm: the arithmetic (and the dtype of each step) of transformers'
   ``Qwen3_5MoeRMSNorm`` and ``Qwen3_5MoeRMSNormGated``, which megatron-core's norms do not reproduce.
@@ -16,11 +17,45 @@ and the shared expert), with:
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import logging
 from typing import Any
 
 import torch
+from packaging.version import Version
 
-__all__ = ["ZeroCenteredRMSNorm", "GatedDeltaNetOutputNorm", "block_spec"]
+__all__ = ["ZeroCenteredRMSNorm", "GatedDeltaNetOutputNorm", "block_spec", "fla_gated_backward_is_exact",
+           "gated_delta_rule_kwargs"]
+
+logger = logging.getLogger(__name__)
+
+# fla's gated chunk backward (chunk_bwd_dqkwg) is wrong on Hopper with Triton in [3.4.0, 3.7.1) unless tilelang
+# provides it (fla issue #640; fla 0.6.0 raises there rather than train on wrong gradients).
+_BAD_TRITON_ON_HOPPER = (Version("3.4.0"), Version("3.7.1"))
+
+
+def fla_gated_backward_is_exact(*, hopper: bool, triton_version: str, tilelang: bool) -> bool:
+    """Whether fla's Gated DeltaNet backward gives right gradients on this machine (fla's own rule)."""
+    low, high = _BAD_TRITON_ON_HOPPER
+    return not hopper or tilelang or not low <= Version(triton_version) < high
+
+
+def gated_delta_rule_kwargs() -> dict[str, Any]:
+    """``TransformerConfig`` keywords that choose the Gated DeltaNet's kernels on this GPU: fla's Triton kernels
+    ({}), or, where their backward is wrong, megatron-core's torch chunked delta rule and torch conv1d
+    (``deterministic_mode``). In megatron-core 0.19.2 that flag changes nothing else this build uses:
+    besides GatedDeltaNet it is read by VocabParallelEmbedding (an index instead of F.embedding: the same
+    values, a deterministic backward), Transformer Engine's attention and the inference engines."""
+    import triton
+
+    hopper = torch.cuda.get_device_capability()[0] == 9 or "NVIDIA H" in torch.cuda.get_device_name()
+    tilelang = importlib.util.find_spec("tilelang") is not None
+    if fla_gated_backward_is_exact(hopper=hopper, triton_version=triton.__version__, tilelang=tilelang):
+        return {}
+    logger.info("Gated DeltaNet: megatron-core's torch chunked delta rule (deterministic_mode), not fla's kernels: "
+                "fla's gated backward is wrong on Hopper with Triton %s (< 3.7.1) and no tilelang (fla issue #640)",
+                triton.__version__)
+    return {"deterministic_mode": True}
 
 
 def _rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
