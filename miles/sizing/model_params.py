@@ -154,7 +154,9 @@ def _gqa(cfg: dict, h: int, p: str) -> list[Tensor]:
             raise ModelConfigError(f"num_attention_heads = {heads} must divide hidden_size = {h} when the config "
                                    "gives no head_dim")
         hd = h // heads
-    q_out = heads * hd * (2 if _flag(cfg, "attn_output_gate") else 1)
+    # Qwen3-Next / Qwen3.5 always gate (transformers has no switch; their config.json may not say so)
+    gated = _flag(cfg, "attn_output_gate", default=_model_type(cfg).startswith(("qwen3_next", "qwen3_5")))
+    q_out = heads * hd * (2 if gated else 1)
     out = [Tensor(f"{p}.linear_qkv", (q_out + 2 * kv * hd, h)), Tensor(f"{p}.linear_proj", (h, heads * hd))]
     if _has_qk_norm(cfg):
         out += [Tensor(f"{p}.q_layernorm", (hd,), tp_split=False), Tensor(f"{p}.k_layernorm", (hd,), tp_split=False)]

@@ -9,6 +9,7 @@
 | qwen3.5-35b-a3b | 2048   | 40 (0)         | 3 of 4 Gated DeltaNet (16 k / 32 v | 248320  | 256 x 512     | 8     | 1x512  | 1   |
 |                 |        |                | heads x 128), 1 of 4 gated GQA     |         |               |       |        |     |
 |                 |        |                | 16 q / 2 kv heads x 256            |         |               |       |        |     |
+| qwen3.5-moe-1b-random | 2048 | 12 (0)     | qwen3.5-35b-a3b's, 9 + 3 layers    | 100     | 16 x 512      | 8     | 1x512  | 0   |
 
 Sources and assumptions:
   * glm5-744b: "a GLM-5.2-744B-like MoE". The numbers are GLM-5's published config.json (zai-org/GLM-5,
@@ -19,6 +20,8 @@ Sources and assumptions:
   * qwen3.5-35b-a3b: "a Qwen3.5-35B-A3B-like MoE": the language model of Qwen/Qwen3.5-35B-A3B's
     config.json (`text_config`, hybrid Gated DeltaNet / gated attention like Qwen3-Next, untied
     embeddings, one MTP layer); its vision tower is not counted (RL recipes freeze it).
+  * qwen3.5-moe-1b-random: the config scripts/make_random_model.py qwen3.5-moe-1b writes (1.03B params);
+    the count is transformers' own (tests/unit/test_megatron_qwen35.py compares them).
 """
 
 from __future__ import annotations
@@ -59,6 +62,19 @@ QWEN3_5_35B_A3B = {
     },
 }
 
+# Qwen3.5-35B-A3B's layer shapes with 12 layers (9 Gated DeltaNet, 3 gated attention) and 16 experts (top-8)
+# instead of 40 and 256: 1.03B params as scripts/make_random_model.py qwen3.5-moe-1b builds it (the char
+# tokenizer's vocabulary), which one H200 trains with and without the optimizer-state store.
+QWEN3_5_MOE_1B_RANDOM = {
+    "model_type": "qwen3_5_moe_text",
+    "hidden_size": 2048, "num_hidden_layers": 12, "full_attention_interval": 4,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "vocab_size": 100, "tie_word_embeddings": False,
+    "num_experts": 16, "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+}
+
 # Llama-3-8B's shape (hidden 4096, FFN 14336, 32 heads, 8 KV heads) with 42 layers instead of 32: 9.16B params
 # as scripts/make_random_model.py llama-9.2b builds it (its 100-token character tokenizer adds almost no
 # embedding); 110 GB of fp32 Adam state, the largest dense model one H200 host trains from RAM and disk.
@@ -74,6 +90,7 @@ PRESETS: dict[str, dict] = {
     "llama-9.2b-random": LLAMA_9B_RANDOM,
     "qwen3-30b-a3b": QWEN3_30B_A3B,
     "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
+    "qwen3.5-moe-1b-random": QWEN3_5_MOE_1B_RANDOM,
 }
 
 

@@ -1,16 +1,20 @@
 """What the Megatron backend needs to know about a transformers config, as plain values.
 
 :func:`describe` reads a ``PretrainedConfig`` of the Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral
-families into an :class:`Architecture`; the model builder (``model.py``) and the weight converter
-(``convert.py``) both work from it, so the two can never disagree about a layer's layout. Anything
-the backend cannot reproduce exactly (biases other than Qwen2's q/k/v, sliding windows, rope
-scaling, shared experts, a non-SiLU activation) is rejected here with the config field to change.
+families (and, through ``families/qwen3_5_moe_config.py``, Qwen3.5-MoE) into an :class:`Architecture`;
+the model builder (``model.py``) and the weight converter (``convert.py``) both work from it, so the
+two can never disagree about a layer's layout. Anything the backend cannot reproduce exactly (biases
+other than Qwen2's q/k/v, sliding windows, rope scaling, shared experts outside Qwen3.5, a non-SiLU
+activation) is rejected here with the config field to change.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from .families import qwen3_5_moe_config
+from .families.qwen3_5_moe_config import GatedDeltaNetLayout
 
 # model_type -> which optional pieces the family has
 _FAMILIES = {
@@ -20,7 +24,7 @@ _FAMILIES = {
     "qwen3_moe": dict(qkv_bias=False, qk_norm=True, moe=True),
     "mixtral": dict(qkv_bias=False, qk_norm=False, moe=True),
 }
-SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
+SUPPORTED_MODEL_TYPES = tuple(_FAMILIES) + qwen3_5_moe_config.MODEL_TYPES  # the latter: families/
 
 
 class UnsupportedModelError(ValueError):
@@ -50,6 +54,16 @@ class Architecture:
     moe_ffn_hidden_size: Optional[int] = None
     moe_topk: Optional[int] = None
     moe_renormalize: bool = True  # top-k probabilities renormalized to sum to 1
+    # Shared experts and the router's scoring (same names and meaning as the GLM-5 half of issue 37)
+    shared_expert_ffn_hidden_size: Optional[int] = None  # one shared expert of this width; None: none
+    router_expert_bias: bool = False
+    router_score_function: str = "softmax"  # "softmax" | "sigmoid"
+    # Qwen3.5 (families/qwen3_5_moe.py)
+    shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(Linear(hidden, 1))
+    attention_output_gate: bool = False  # q_proj also yields a per-head sigmoid gate on the attention output
+    rotary_percent: float = 1.0  # rotary embedding on this fraction of each head's channels
+    zero_centered_norms: bool = False  # RMSNorms scale by (1 + weight)
+    linear_attention: Optional[GatedDeltaNetLayout] = None  # Gated DeltaNet layers; None: attention only
 
     @property
     def heads_per_group(self) -> int:
@@ -91,6 +105,11 @@ def _reject(hf_config: Any, field: str, bad: Any, why: str) -> None:
 def describe(hf_config: Any) -> Architecture:
     """The :class:`Architecture` of a transformers config; raises :class:`UnsupportedModelError`."""
     model_type = getattr(hf_config, "model_type", None)
+    if model_type in qwen3_5_moe_config.MODEL_TYPES:
+        try:
+            return Architecture(**qwen3_5_moe_config.architecture_fields(hf_config))
+        except qwen3_5_moe_config.UnbuildableConfig as exc:
+            raise UnsupportedModelError(str(exc)) from None
     if model_type not in _FAMILIES:
         raise UnsupportedModelError(f"model_type {model_type!r} is not supported by the Megatron backend; "
                                     f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (use --train-backend torch)")

@@ -20,6 +20,9 @@ wrappers). Layouts that differ from HF:
   parallelism each rank holds experts ``ep_rank * E/ep_size + i``. :func:`megatron_to_hf` takes
   globally numbered experts: at EP 1 that is any rank's state, with EP > 1 the union of the ranks'
   states after :func:`experts_to_global`.
+- Qwen3.5-MoE (``families/qwen3_5_moe.py``): its layers' own rules (Gated DeltaNet ``in_proj`` = HF's four
+  input projections concatenated; gated ``linear_qkv``; the shared expert and its gate), then the
+  router and routed experts below.
 - Tied embeddings: Megatron has no ``output_layer.weight``; :func:`megatron_to_hf` returns
   ``lm_head.weight`` as the same tensor as ``model.embed_tokens.weight`` (the HF model's state dict
   has both keys).
@@ -40,6 +43,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from .architecture import Architecture, describe
+from .families import qwen3_5_moe
 
 __all__ = ["hf_to_megatron", "megatron_to_hf", "iter_megatron_to_hf", "experts_to_global", "hf_moe_layout", "HF_MOE_LAYOUTS",
            "ConversionError"]
@@ -110,6 +114,11 @@ def _canonical_router(layer: int) -> str:
 
 
 def _layer_rules(arch: Architecture, i: int, fused_norms: bool) -> list[_Rule]:
+    if arch.linear_attention is not None:  # Qwen3.5's hybrid layers: families/qwen3_5_moe.py
+        if fused_norms:
+            raise ValueError(f"{arch.model_type} is built with its own layer spec, whose norms are never fused "
+                             "into the linear layers: convert with fused_norms=False")
+        return [_Rule(*rule) for rule in qwen3_5_moe.layer_rules(arch, i)] + _routed_expert_rules(arch, i)
     hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
     attn = hf + "self_attn."
     qkv = lambda ts: qkv_to_megatron(*ts, arch)  # noqa: E731
@@ -135,7 +144,13 @@ def _layer_rules(arch: Architecture, i: int, fused_norms: bool) -> list[_Rule]:
                   _cat_rows, _halves),
             _Rule((hf + "mlp.down_proj.weight",), mc + "mlp.linear_fc2.weight"),
         ]
-    rules.append(_Rule((_canonical_router(i),), mc + "mlp.router.weight"))
+    return rules + _routed_expert_rules(arch, i)
+
+
+def _routed_expert_rules(arch: Architecture, i: int) -> list[_Rule]:
+    """MoE layer ``i``'s router and routed experts (globally numbered)."""
+    mc = f"decoder.layers.{i}."
+    rules = [_Rule((_canonical_router(i),), mc + "mlp.router.weight")]
     for e in range(arch.num_experts):
         expert = f"{mc}mlp.experts.local_experts.{e}."
         rules += [

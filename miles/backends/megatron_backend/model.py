@@ -5,6 +5,7 @@
 Engine's when ``transformer_engine`` imports, else the local spec (torch RMSNorm) with torch's fused
 scaled_dot_product_attention in place of its unfused attention;
 ``uses_te_spec`` says which, because the weight layout of the norms differs (see ``convert.py``).
+Qwen3.5-MoE always gets its own spec (``families/qwen3_5_moe_layers.py``), never TE's.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from .architecture import UnsupportedModelError, describe
+from .families import qwen3_5_moe
 from .sdpa_attention import SDPACoreAttention, with_core_attention
 
-__all__ = ["transformer_config_from_hf", "gpt_model_kwargs", "te_available", "build_gpt_model"]
+__all__ = ["transformer_config_from_hf", "gpt_model_kwargs", "te_available", "build_gpt_model",
+           "native_fp32_param_names"]
 
 
 def transformer_config_from_hf(hf_config: Any, *, params_dtype: torch.dtype, expert_model_parallel_size: int = 1,
@@ -63,6 +66,8 @@ def transformer_config_from_hf(hf_config: Any, *, params_dtype: torch.dtype, exp
     )
     if arch.num_experts is not None:
         kwargs.update(_moe_kwargs(arch, expert_model_parallel_size))
+    if arch.linear_attention is not None:  # Qwen3.5's Gated DeltaNet layers, gated attention, shared expert
+        kwargs.update(qwen3_5_moe.transformer_config_kwargs(arch))
     return kwargs
 
 
@@ -96,7 +101,14 @@ def gpt_model_kwargs(hf_config: Any) -> dict[str, Any]:
     arch = describe(hf_config)
     return dict(vocab_size=arch.vocab_size, max_sequence_length=arch.max_position_embeddings,
                 share_embeddings_and_output_weights=arch.tied_embeddings, position_embedding_type="rope",
-                rotary_base=arch.rope_theta, rotary_percent=1.0)
+                rotary_base=arch.rope_theta, rotary_percent=arch.rotary_percent)
+
+
+def native_fp32_param_names(gpt, hf_config: Any) -> list[str]:
+    """The GPTModel parameters that train in fp32 whatever the model's dtype (Qwen3.5's ``A_log``, as
+    transformers computes with ``A_log.float()``); the trainer restores them to fp32 after the bf16 cast."""
+    suffixes = qwen3_5_moe.NATIVE_FP32_PARAMS if describe(hf_config).linear_attention is not None else ()
+    return [name for name, _ in gpt.named_parameters() if name.endswith(suffixes)] if suffixes else []
 
 
 def te_available() -> bool:
@@ -120,11 +132,19 @@ def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype, expert_model_p
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     use_te = te_available() if use_te is None else use_te
-    config = TransformerConfig(**transformer_config_from_hf(
-        hf_config, params_dtype=params_dtype, expert_model_parallel_size=expert_model_parallel_size))
-    # The block spec places MoE and dense layers by config.moe_layer_freq and picks the final norm.
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
-    if not use_te and fused_attention:
-        spec = with_core_attention(spec, SDPACoreAttention)
+    kwargs = transformer_config_from_hf(hf_config, params_dtype=params_dtype,
+                                        expert_model_parallel_size=expert_model_parallel_size)
+    hybrid = kwargs.get("experimental_attention_variant") == "gated_delta_net"  # Qwen3.5: its own spec, never TE's
+    if hybrid:
+        from .families import qwen3_5_moe_layers
+
+        kwargs.update(qwen3_5_moe_layers.gated_delta_rule_kwargs())
+    config = TransformerConfig(**kwargs)
+    if hybrid:
+        use_te, spec = False, qwen3_5_moe_layers.block_spec(config)
+    else:  # the block spec places MoE and dense layers by config.moe_layer_freq and picks the final norm
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+        if not use_te and fused_attention:
+            spec = with_core_attention(spec, SDPACoreAttention)
     model = GPTModel(config, spec, **gpt_model_kwargs(hf_config))
     return model, config, use_te

@@ -31,7 +31,7 @@ from .convert import hf_moe_layout, hf_to_megatron, iter_megatron_to_hf
 from .expert_gather import gather_layer_experts
 from .grad_buffers import GradBuffers
 from .logprobs import LogprobRequest, output_logprobs
-from .model import build_gpt_model
+from .model import build_gpt_model, native_fp32_param_names
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,9 @@ class MegatronTrainer(TrainBackend):
         self.gpt.cuda()
         self._load_hf_state(hf_state)  # before DDP: its param buffer takes the values over
         module = Float16Module(tconfig, self.gpt) if dtype != torch.float32 else self.gpt
+        for name in native_fp32_param_names(self.gpt, self.hf_config):  # after Float16Module's cast, before DDP
+            param = self.gpt.get_parameter(name)
+            param.data = param.data.float()
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=True)
         self.ddp = DistributedDataParallel(tconfig, ddp_config, module)
