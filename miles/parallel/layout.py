@@ -201,7 +201,7 @@ def check_layout(layout: ParallelLayout, *, num_layers: Optional[int] = None,
                  num_experts: Optional[int] = None, sequence_parallel: bool = False) -> None:
     """Raise :class:`LayoutError` for the first rule of the module doc the layout breaks for this model
     (a model size given as None is not checked: e.g. before the model's config is known; ``num_experts`` 0:
-    a dense model)."""
+    a dense model, whose expert-parallel groups Megatron builds and leaves unused)."""
     _check_sizes(layout)
     _check_stage_flags(layout)
     if sequence_parallel and layout.tp < 2:
@@ -214,8 +214,5 @@ def check_layout(layout: ParallelLayout, *, num_layers: Optional[int] = None,
     if num_experts and num_experts % layout.ep:
         raise LayoutError(f"the model's {num_experts} experts do not split over {EP_FLAG} {layout.ep}.", (EP_FLAG,),
                           f"pass an {EP_FLAG} that divides {num_experts}.")
-    if num_experts == 0 and layout.ep > 1:
-        raise LayoutError(f"{EP_FLAG} {layout.ep} needs a MoE model, and this one has no routed experts.",
-                          (EP_FLAG,), f"pass {EP_FLAG} 1.")
     if num_layers is not None:
         stage_layer_counts(num_layers, layout)
