@@ -98,3 +98,25 @@ def check_parallel(d: RunConfig, env: Environment) -> None:
         raise ArgumentError(e.problem, e.flags, e.fix) from None
     _check_backend_builds(d)
     _check_batch_split(d)
+
+
+def layout_summary(cfg: RunConfig, env: Environment) -> str:
+    """What ``miles train --dry-run`` prints: the layout, each stage's decoder layers (when the policy's layer
+    count is known here) and the first ranks' coordinates in Megatron's order."""
+    from miles.parallel.layout import rank_coordinates, stage_layers
+
+    layout = cfg.parallel_layout
+    lines = [f"parallel layout: {cfg.cluster.num_train_ranks} train ranks = {layout.describe()}"
+             + (", sequence parallel" if cfg.training.sequence_parallel else "")]
+    num_layers = model_parallel_sizes(cfg, env)["num_layers"]
+    if num_layers is not None:
+        for stage, layers in enumerate(stage_layers(num_layers, layout)):
+            lines.append(f"  stage {stage}: decoder layers {layers.start}-{layers.stop - 1} ({len(layers)})")
+    shown = rank_coordinates(layout)[:_RANKS_SHOWN]
+    lines += [f"  rank {c.rank}: tp {c.tp} pp {c.pp} dp {c.dp} | ep {c.ep} etp {c.etp} edp {c.edp}" for c in shown]
+    if layout.world > _RANKS_SHOWN:
+        lines.append(f"  ... ({layout.world} ranks; rank = tp + TP x (dp + DP x pp))")
+    return "\n".join(lines)
+
+
+_RANKS_SHOWN = 16
