@@ -226,6 +226,8 @@ def _resume(config: RunConfig, train_group, state: RunState) -> tuple[int, "_Dat
         else:
             meta = checkpoint.read_meta(base)
             load_optim = not (ckpt.no_load_optim or ckpt.finetune)
+            if load_optim:  # before any rank loads: the state's TP/PP shards fit this layout only
+                checkpoint.check_resume_layout(base, meta, config.parallel_layout)
             loaded = train_group.load(base, load_optim)
             if not ckpt.finetune:
                 start_rollout = int(meta["next_rollout_id"])
@@ -369,7 +371,8 @@ def _publish(config: RunConfig, train_group, pending: dict[str, Any], state: Run
     base = pending["base"]
     checkpoint.write_meta(base, next_rollout_id=pending["completed"], data_state=pending["data_state"],
                           world_size=train_group.world_size, runs=[*state.resumed_runs, config.run_id],
-                          extra={"streamed_optimizer_state": config.optimizer.stream_optimizer_state_to_disk})
+                          extra={"streamed_optimizer_state": config.optimizer.stream_optimizer_state_to_disk,
+                                 checkpoint.LAYOUT_META: checkpoint.layout_meta(config.parallel_layout)})
     checkpoint.publish(config.checkpoint.save, base)
     state.checkpoints.append(base)
     state.latest_checkpoint = base
