@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["ParallelLayout", "RankCoordinates", "LayoutError", "check_layout", "rank_coordinates",
-           "stage_layer_counts", "stage_layers", "stage_of_layer", "DEFAULT_EXPERT_TENSOR_PARALLEL_SIZE",
+           "stage_layer_counts", "stage_layers", "stage_of_layer", "rank_slices", "DEFAULT_EXPERT_TENSOR_PARALLEL_SIZE",
            "TP_FLAG", "PP_FLAG", "EP_FLAG", "ETP_FLAG", "SP_FLAG", "FIRST_STAGE_FLAG", "LAST_STAGE_FLAG",
            "WORLD_FLAG"]
 
@@ -216,3 +216,11 @@ def check_layout(layout: ParallelLayout, *, num_layers: Optional[int] = None,
                           f"pass an {EP_FLAG} that divides {num_experts}.")
     if num_layers is not None:
         stage_layer_counts(num_layers, layout)
+
+
+def rank_slices(count: int, layout: ParallelLayout) -> list[slice]:
+    """Each global rank's slice of ``count`` samples: split over data parallelism (the first ``count % DP``
+    replicas one more), the same slice for every TP/PP rank of a replica (they compute one model together)."""
+    per, extra = divmod(count, layout.dp)
+    starts = [r * per + min(r, extra) for r in range(layout.dp + 1)]
+    return [slice(starts[c.dp], starts[c.dp + 1]) for c in rank_coordinates(layout)]

@@ -112,3 +112,20 @@ def test_tp_and_pp_together_gather_back_to_hf():
     staged = [tp_gather(row, vocab_size=arch.vocab_size) for row in grid]
     equal_states(megatron_to_hf(pp_unstage(staged, stages, tied_embeddings=False), config,
                                 hf_moe_layout=hf_moe_layout(hf)), hf)
+
+
+def test_the_model_is_built_for_the_layout():
+    from miles.backends.megatron_backend.model import gpt_model_kwargs, transformer_config_from_hf
+
+    config, _ = tiny("qwen3_moe")
+    layout = ParallelLayout(world=8, tp=2, pp=2, ep=2, etp=1, first_stage_layers=2)
+    kw = transformer_config_from_hf(config, params_dtype=torch.bfloat16, expert_model_parallel_size=2, layout=layout,
+                                    sequence_parallel=True)
+    assert (kw["tensor_model_parallel_size"], kw["pipeline_model_parallel_size"], kw["expert_tensor_parallel_size"],
+            kw["expert_model_parallel_size"], kw["sequence_parallel"]) == (2, 2, 1, 2, True)
+    assert (kw["num_layers_in_first_pipeline_stage"], kw["num_layers_in_last_pipeline_stage"]) == (2, None)
+    assert kw["pipeline_dtype"] is torch.bfloat16
+    assert gpt_model_kwargs(config, 2)["vocab_size"] == 256 and gpt_model_kwargs(config)["vocab_size"] == 96
+    single = transformer_config_from_hf(config, params_dtype=torch.bfloat16)
+    assert (single["tensor_model_parallel_size"], single["pipeline_model_parallel_size"]) == (1, 1)
+    assert "pipeline_dtype" not in single

@@ -97,3 +97,13 @@ def test_sequence_parallel_needs_tp():
 def test_etp_within_the_stage_is_accepted():
     check_layout(ParallelLayout(world=8, tp=2, pp=2, ep=2, etp=1), num_experts=4, num_layers=4)
     assert ETP_FLAG  # the flag names exist for the messages
+
+
+def test_samples_split_over_data_parallelism_and_a_replicas_ranks_share_theirs():
+    from miles.parallel.layout import rank_slices
+
+    assert rank_slices(10, ParallelLayout(world=3)) == [slice(0, 4), slice(4, 7), slice(7, 10)]  # DP only: as before
+    tp2_dp2 = rank_slices(8, ParallelLayout(world=4, tp=2))
+    assert tp2_dp2 == [slice(0, 4), slice(0, 4), slice(4, 8), slice(4, 8)]  # ranks 0,1 = replica 0
+    pp2 = rank_slices(6, ParallelLayout(world=4, pp=2))  # DP2: ranks 0,1 stage 0, ranks 2,3 stage 1
+    assert pp2 == [slice(0, 3), slice(3, 6), slice(0, 3), slice(3, 6)]
