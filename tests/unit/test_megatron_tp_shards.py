@@ -124,7 +124,7 @@ def test_the_model_is_built_for_the_layout():
     assert (kw["tensor_model_parallel_size"], kw["pipeline_model_parallel_size"], kw["expert_tensor_parallel_size"],
             kw["expert_model_parallel_size"], kw["sequence_parallel"]) == (2, 2, 1, 2, True)
     assert (kw["num_layers_in_first_pipeline_stage"], kw["num_layers_in_last_pipeline_stage"]) == (2, None)
-    assert kw["pipeline_dtype"] is torch.bfloat16
+    assert kw["pipeline_dtype"] is torch.bfloat16 and kw["variable_seq_lengths"] is True
     assert gpt_model_kwargs(config, 2)["vocab_size"] == 256 and gpt_model_kwargs(config)["vocab_size"] == 96
     single = transformer_config_from_hf(config, params_dtype=torch.bfloat16)
     assert (single["tensor_model_parallel_size"], single["pipeline_model_parallel_size"]) == (1, 1)

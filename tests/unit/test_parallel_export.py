@@ -95,3 +95,49 @@ def test_the_stages_send_the_tp1_export_exactly_in_stage_order(family, layout):
     assert "model.norm.weight" in names[-2:]
     # one gather per part, in stage_parts' order
     assert [len(g.parts) for g in groups] == [len(stage_parts(s, stages)) for s in range(len(stages))]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_every_stage_receives_the_whole_model_over_the_pipeline_group(family):
+    from miles.backends.megatron_backend.parallel_export import iter_model_hf
+
+    config, hf = tiny(family)
+    arch = describe(config)
+    full = hf_to_megatron(hf, config)
+    layout = ParallelLayout(world=4, tp=2, pp=2)
+    stages = stage_layers(arch.num_layers, layout)
+    grid = fake_grid(full, stages, layout.tp, arch.tied_embeddings, arch.vocab_size)
+    # what each owner stage sends, part by part: the "wire" of the fake pipeline group
+    wire = {s: [] for s in range(len(stages))}
+    for s, row in enumerate(grid):
+        def record(owner, items, s=s):
+            assert owner == s and items is not None
+            wire[s].append(items)
+            return items
+        list(iter_model_hf(row[0], stage=s, stages=stages, hf_config=config,
+                           gather=_by_name(FakeTensorParallelGroup(row), s, stages), share=_only_own(record, s),
+                           hf_moe_layout=hf_moe_layout(hf)))
+    reference = list(iter_megatron_to_hf(full, config, hf_moe_layout=hf_moe_layout(hf)))
+    for s, row in enumerate(grid):  # each stage's ranks: their own parts converted, the others' received
+        sent = iter(wire[s])
+        received = {o: iter(wire[o]) for o in wire}
+
+        def share(owner, items, s=s):
+            assert (items is not None) == (owner == s), "only the owner stage converts a part"
+            return next(received[owner]) if items is None else (next(sent), items)[1]
+
+        got = list(iter_model_hf(row[0], stage=s, stages=stages, hf_config=config,
+                                 gather=_by_name(FakeTensorParallelGroup(row), s, stages), share=share,
+                                 hf_moe_layout=hf_moe_layout(hf)))
+        assert sorted(n for n, _ in got) == sorted(n for n, _ in reference)
+        ref = dict(reference)
+        for name, tensor in got:
+            assert torch.equal(tensor, ref[name]), name
+        assert got[0][0] == "model.embed_tokens.weight"
+
+
+def _only_own(record, stage):
+    """A share for the recording pass: the other stages' parts are skipped (an empty hand-over)."""
+    def share(owner, items):
+        return record(owner, items) if owner == stage else []
+    return share

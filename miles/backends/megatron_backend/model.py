@@ -80,6 +80,7 @@ def _parallel_kwargs(layout: Optional[ParallelLayout], params_dtype: torch.dtype
                                   num_layers_in_last_pipeline_stage=layout.last_stage_layers)
     if layout.pp > 1:
         kwargs["pipeline_dtype"] = params_dtype  # what the stages send each other
+        kwargs["variable_seq_lengths"] = True  # micro-batches keep their own shapes (pipeline.py)
     return kwargs
 
 

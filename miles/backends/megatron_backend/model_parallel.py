@@ -10,8 +10,10 @@
   over the TP group (parallel_export.py), with ``broadcast_gather``: TP rank r broadcasts its piece in turn,
   which NCCL and gloo (CUDA tensors: all-reduce and broadcast only) both carry.
 
-Pipeline parallelism is laid out (stages, stage-local names) but not scheduled here: the trainer refuses
-PP > 1 (miles/config/parallel_checks.py).
+Under pipeline parallelism each stage holds its layers; ``iter_hf`` hands every part from the stage holding it
+to the other stages (``broadcast_share``), so every rank feeds its engine the whole model, and pipeline.py runs
+Megatron's schedule. Validation refuses TP/PP > 1 outside --dry-run until the GPU tests pass
+(miles/config/parallel_checks.py).
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ import torch.distributed as dist
 
 from miles.parallel.layout import ParallelLayout, stage_layers
 
-from .parallel_export import TensorParallelGather, iter_stage_hf
+from .parallel_export import PipelineShare, TensorParallelGather, iter_model_hf, iter_stage_hf
 from .tp_shards import padded_vocab_size, pp_stage, tp_shard
 from .vocab_parallel import vocab_parallel_logprobs
 
-__all__ = ["ModelParallelRank", "initialize", "broadcast_gather"]
+__all__ = ["ModelParallelRank", "initialize", "broadcast_gather", "broadcast_share"]
 
 
 def initialize(layout: ParallelLayout) -> None:
@@ -57,6 +59,24 @@ def broadcast_gather(group, group_ranks: list[int]) -> TensorParallelGather:
     return gather
 
 
+def broadcast_share(group, group_ranks: list[int], device: torch.device) -> PipelineShare:
+    """The pipeline hand-over of parallel_export.iter_model_hf: the owner stage's rank broadcasts the names,
+    shapes and dtypes of one part's tensors, then each tensor, to the ranks of its pipeline group."""
+    def share(owner: int, items):
+        src = group_ranks[owner]
+        header = [[(name, tuple(t.shape), t.dtype) for name, t in items] if items is not None else None]
+        dist.broadcast_object_list(header, src=src, group=group)
+        own = [t for _, t in items] if items is not None else [None] * len(header[0])
+        out = []
+        for (name, shape, dtype), tensor in zip(header[0], own):
+            buf = tensor.contiguous() if tensor is not None else torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(buf, src=src, group=group)
+            out.append((name, buf))
+        return out
+
+    return share
+
+
 @dataclass(frozen=True)
 class ModelParallelRank:
     """This process's place in the layout, read from megatron's parallel_state."""
@@ -68,6 +88,8 @@ class ModelParallelRank:
     vocab_size: int  # the HF vocabulary
     tp_group: Any
     tp_ranks: tuple[int, ...]
+    pp_group: Any
+    pp_ranks: tuple[int, ...]
 
     @classmethod
     def of(cls, layout: ParallelLayout, vocab_size: int) -> "ModelParallelRank":
@@ -77,7 +99,9 @@ class ModelParallelRank:
                    pp_rank=ps.get_pipeline_model_parallel_rank(),
                    etp_rank=ps.get_expert_tensor_parallel_rank(), vocab_size=vocab_size,
                    tp_group=ps.get_tensor_model_parallel_group(),
-                   tp_ranks=tuple(dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())))
+                   tp_ranks=tuple(dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())),
+                   pp_group=ps.get_pipeline_model_parallel_group(),
+                   pp_ranks=tuple(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())))
 
     @property
     def sharded(self) -> bool:
@@ -107,7 +131,11 @@ class ModelParallelRank:
 
     def iter_hf(self, local: dict[str, torch.Tensor], hf_config, *, fused_norms: bool,
                 hf_moe_layout: Optional[str], layer_experts=None) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter_stage_hf(local, stage=self.pp_rank, stages=self.stages(hf_config.num_hidden_layers),
-                             hf_config=hf_config, gather=broadcast_gather(self.tp_group, list(self.tp_ranks)),
-                             etp=self.layout.etp, fused_norms=fused_norms, hf_moe_layout=hf_moe_layout,
-                             layer_experts=layer_experts)
+        """The whole model in HF tensors on every rank (a collective of the TP and PP groups)."""
+        common = dict(stage=self.pp_rank, stages=self.stages(hf_config.num_hidden_layers), hf_config=hf_config,
+                      gather=broadcast_gather(self.tp_group, list(self.tp_ranks)), etp=self.layout.etp,
+                      fused_norms=fused_norms, hf_moe_layout=hf_moe_layout, layer_experts=layer_experts)
+        if self.layout.pp == 1:
+            return iter_stage_hf(local, **common)
+        device = next(iter(local.values())).device
+        return iter_model_hf(local, share=broadcast_share(self.pp_group, list(self.pp_ranks), device), **common)

@@ -1,7 +1,8 @@
 """The weight handoff under tensor and pipeline parallelism: a rank's stage-local shards -> full HF tensors.
 
-Every rank of pipeline stage ``s`` runs :func:`iter_stage_hf` over its own shards; the parts of the model come
-out in the engines' order (stage by stage: the embedding, the stage's decoder layers, then the head on the last
+Every rank of pipeline stage ``s`` runs :func:`iter_stage_hf` over its own shards (:func:`iter_model_hf`: and
+receives the other stages' parts over the pipeline group, so that it can feed its engine the whole model); the
+parts of the model come out in the engines' order (stage by stage: the embedding, the stage's decoder layers, then the head on the last
 stage), each part gathered over the tensor-parallel group just before it is converted, so a rank holds at most
 one part's gathered tensors beyond its own shards (the caller drops what it has sent)::
 
@@ -25,7 +26,7 @@ from .architecture import describe
 from .convert import EMBEDDING, HEAD, LayerExperts, part_to_hf
 from .tp_shards import tp_gather
 
-__all__ = ["iter_stage_hf", "stage_parts", "TensorParallelGather"]
+__all__ = ["iter_stage_hf", "iter_model_hf", "stage_parts", "TensorParallelGather", "PipelineShare"]
 
 TensorParallelGather = Callable[[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]
 _EMBEDDING_KEY = "embedding.word_embeddings.weight"
@@ -47,24 +48,50 @@ def _local_part(local: dict[str, torch.Tensor], part, layers: range) -> dict[str
     return {full + k[len(prefix):]: v for k, v in local.items() if k.startswith(prefix)}
 
 
+def _part_hf(local: dict[str, torch.Tensor], part, *, stage: int, stages: Sequence[range], hf_config,
+             gather: TensorParallelGather, etp: int, fused_norms: bool, hf_moe_layout: Optional[str],
+             layer_experts: Optional[LayerExperts]) -> list[tuple[str, torch.Tensor]]:
+    """One part of stage ``stage``, gathered over TP and converted: its ``(hf_name, tensor)`` pairs."""
+    arch = describe(hf_config)
+    full = tp_gather(gather(_local_part(local, part, stages[stage])), etp=etp, vocab_size=arch.vocab_size)
+    if layer_experts is not None and isinstance(part, int) and arch.is_moe_layer(part):
+        prefix = f"decoder.layers.{part}.mlp.experts.local_experts."
+        experts = {k: v for k, v in full.items() if k.startswith(prefix)}
+        full = {**{k: v for k, v in full.items() if not k.startswith(prefix)}, **layer_experts(part, experts)}
+    tied_copy = full.pop("output_layer.weight", None) if arch.tied_embeddings and part == HEAD else None
+    items = list(part_to_hf(part, full, hf_config, fused_norms=fused_norms, hf_moe_layout=hf_moe_layout).items())
+    if arch.tied_embeddings and part == EMBEDDING and len(stages) == 1:
+        items.append(("lm_head.weight", full[_EMBEDDING_KEY]))
+    if tied_copy is not None:
+        items.append(("lm_head.weight", tied_copy))
+    return items
+
+
 def iter_stage_hf(local: dict[str, torch.Tensor], *, stage: int, stages: Sequence[range], hf_config,
                   gather: TensorParallelGather, etp: int = 1, fused_norms: bool = False,
                   hf_moe_layout: Optional[str] = None,
                   layer_experts: Optional[LayerExperts] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The full HF tensors of stage ``stage``, part by part (module doc). A tied output layer is sent as
     ``lm_head.weight`` next to the embedding at PP 1, and from the last stage's copy at PP > 1."""
-    arch = describe(hf_config)
-    tied, last = arch.tied_embeddings, len(stages) - 1
     for part in stage_parts(stage, stages):
-        full = tp_gather(gather(_local_part(local, part, stages[stage])), etp=etp, vocab_size=arch.vocab_size)
-        if layer_experts is not None and isinstance(part, int) and arch.is_moe_layer(part):
-            prefix = f"decoder.layers.{part}.mlp.experts.local_experts."
-            experts = {k: v for k, v in full.items() if k.startswith(prefix)}
-            full = {**{k: v for k, v in full.items() if not k.startswith(prefix)}, **layer_experts(part, experts)}
-        tied_copy = full.pop("output_layer.weight", None) if tied and part == HEAD else None
-        yield from part_to_hf(part, full, hf_config, fused_norms=fused_norms, hf_moe_layout=hf_moe_layout).items()
-        if tied and part == EMBEDDING and last == 0:
-            yield "lm_head.weight", full[_EMBEDDING_KEY]
-        if tied_copy is not None:
-            yield "lm_head.weight", tied_copy
-        del full, tied_copy
+        yield from _part_hf(local, part, stage=stage, stages=stages, hf_config=hf_config, gather=gather, etp=etp,
+                            fused_norms=fused_norms, hf_moe_layout=hf_moe_layout, layer_experts=layer_experts)
+
+
+PipelineShare = Callable[[int, Optional[list]], list]
+
+
+def iter_model_hf(local: dict[str, torch.Tensor], *, stage: int, stages: Sequence[range], hf_config,
+                  gather: TensorParallelGather, share: PipelineShare, etp: int = 1, fused_norms: bool = False,
+                  hf_moe_layout: Optional[str] = None,
+                  layer_experts: Optional[LayerExperts] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every part of the model on every stage's ranks, in the engines' order: the stage holding a part gathers
+    and converts it, and ``share(owner_stage, items)`` hands its ``(hf_name, tensor)`` pairs over the pipeline
+    group (the owner passes its items, the others None and receive them; a collective). So each rank's
+    engine gets the whole model, one part's tensors at a time."""
+    for owner in range(len(stages)):
+        for part in stage_parts(owner, stages):
+            items = (_part_hf(local, part, stage=stage, stages=stages, hf_config=hf_config, gather=gather, etp=etp,
+                              fused_norms=fused_norms, hf_moe_layout=hf_moe_layout, layer_experts=layer_experts)
+                     if owner == stage else None)
+            yield from share(owner, items)

@@ -208,7 +208,19 @@ class MegatronTrainer(TrainBackend):
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
 
+    def policy_gradient(self, samples: list, advantages: list[float], **loss: Any) -> list[float]:
+        if self.parallel.layout.pp == 1:
+            return super().policy_gradient(samples, advantages, **loss)
+        from .pipeline import pipeline_policy_gradient
+
+        return pipeline_policy_gradient(self.ddp, self.parallel, samples, advantages, **loss)
+
     def finish_backward(self) -> None:
+        if self.parallel.sharded:  # + sequence-parallel norm grads over TP, tied embedding grads over PP
+            from megatron.core.distributed import finalize_model_grads
+
+            finalize_model_grads([self.ddp])
+            return
         self.ddp.finish_grad_sync()  # DDP averages over ranks: the sum of the ranks' token means is the mean
 
     def vocab_size(self) -> int:
