@@ -78,15 +78,15 @@ def _check_backend_builds(d: RunConfig) -> None:
 
 
 def _check_batch_split(d: RunConfig) -> None:
-    dp, rollout = d.parallel_layout.dp, d.rollout
+    dp, rollout, world = d.parallel_layout.dp, d.rollout, d.cluster.num_train_ranks
     total = rollout.rollout_batch_size * rollout.n_samples_per_prompt
     if total % dp:
-        over = (f"--num-train-ranks {d.cluster.num_train_ranks}" if dp == d.cluster.num_train_ranks else
-                f"the data-parallel size {dp} (--num-train-ranks {d.cluster.num_train_ranks} / (TP x PP))")
+        over, multiple = ((f"--num-train-ranks {world}", "num-train-ranks") if dp == world else
+                          (f"the data-parallel size {dp} (--num-train-ranks {world} / (TP x PP))", str(dp)))
         raise ArgumentError(
             f"--rollout-batch-size x --n-samples-per-prompt = {total} samples do not split evenly over {over}.",
             ("--rollout-batch-size", "--n-samples-per-prompt", "--num-train-ranks"),
-            f"make rollout-batch-size * n-samples-per-prompt a multiple of {'num-train-ranks' if dp == d.cluster.num_train_ranks else dp}.")
+            f"make rollout-batch-size * n-samples-per-prompt a multiple of {multiple}.")
 
 
 def check_parallel(d: RunConfig, env: Environment) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["ParallelLayout", "RankCoordinates", "LayoutError", "check_layout", "rank_coordinates",
-           "stage_layer_counts", "stage_layers", "stage_of_layer", "rank_slices", "DEFAULT_EXPERT_TENSOR_PARALLEL_SIZE",
+           "stage_layer_counts", "stage_layers", "rank_slices", "DEFAULT_EXPERT_TENSOR_PARALLEL_SIZE",
            "TP_FLAG", "PP_FLAG", "EP_FLAG", "ETP_FLAG", "SP_FLAG", "FIRST_STAGE_FLAG", "LAST_STAGE_FLAG",
            "WORLD_FLAG"]
 
@@ -172,14 +172,6 @@ def stage_layers(num_layers: int, layout: ParallelLayout) -> tuple[range, ...]:
         ranges.append(range(start, start + count))
         start += count
     return tuple(ranges)
-
-
-def stage_of_layer(layer: int, stages: tuple[range, ...]) -> tuple[int, int]:
-    """``(stage, local index)`` of global decoder layer ``layer`` (Megatron's ``decoder.layers.{local}``)."""
-    for stage, layers in enumerate(stages):
-        if layer in layers:
-            return stage, layer - layers.start
-    raise ValueError(f"decoder layer {layer} is in no stage of {stages}")
 
 
 def rank_coordinates(layout: ParallelLayout) -> tuple[RankCoordinates, ...]:

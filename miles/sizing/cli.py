@@ -78,15 +78,7 @@ class PlanArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = PlanArgumentParser(prog="miles plan", description=__doc__.split("\n\n")[0],
-                           formatter_class=DefaultsHelpFormatter)
-    m = p.add_argument_group("model (one of)").add_mutually_exclusive_group(required=True)
-    m.add_argument("--preset", choices=sorted(PRESETS), help="a named model (miles/sizing/presets.py says its source)")
-    m.add_argument("--config", metavar="CONFIG_JSON", help="a transformers config.json")
-    m.add_argument("--params", type=count_flag(PARAMS), help="just a parameter count (e.g. 1.5B): a dense stand-in")
-    p.add_argument("--no-mtp", action="store_true", help="leave out multi-token-prediction layers (not trained)")
-
+def _add_layout_flags(p: argparse.ArgumentParser) -> None:
     lay = p.add_argument_group("parallel layout")
     size = bounded(int, PARALLEL_SIZE)
     # each size also under `miles train`'s (Megatron's) flag name, which the layout's messages use
@@ -99,6 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
         lay.add_argument(flag, type=bounded(int, STAGE_LAYERS), default=None,
                          help=f"decoder layers of the {which} pipeline stage; the stages without a count split the "
                          "rest evenly (default: an even split, as miles train)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = PlanArgumentParser(prog="miles plan", description=__doc__.split("\n\n")[0],
+                           formatter_class=DefaultsHelpFormatter)
+    m = p.add_argument_group("model (one of)").add_mutually_exclusive_group(required=True)
+    m.add_argument("--preset", choices=sorted(PRESETS), help="a named model (miles/sizing/presets.py says its source)")
+    m.add_argument("--config", metavar="CONFIG_JSON", help="a transformers config.json")
+    m.add_argument("--params", type=count_flag(PARAMS), help="just a parameter count (e.g. 1.5B): a dense stand-in")
+    p.add_argument("--no-mtp", action="store_true", help="leave out multi-token-prediction layers (not trained)")
+
+    _add_layout_flags(p)
 
     hw = p.add_argument_group("hardware (per node)")
     for flag, help_ in (

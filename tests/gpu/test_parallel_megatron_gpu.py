@@ -1,4 +1,4 @@
-"""The megatron trainer at TP=2 against TP=1: two processes, driven in-process (no Ray), tiny Llama.
+"""The megatron trainer at TP=2 or PP=2 against TP=PP=1: two processes, driven in-process (no Ray), tiny Llama.
 
 Run on the GPU host: ``python -m pytest -q -s tests/gpu/test_parallel_megatron_gpu.py`` (needs CUDA and
 megatron-core). Two cases:
@@ -10,7 +10,9 @@ megatron-core). Two cases:
   may lack is the distributed optimizer's reduce-scatter / all-gather over the data-parallel group (size 1
   here). EXPECTED: passes, or fails inside megatron's DDP/optimizer naming a gloo collective (then only the
   two-GPU case can show TP on this host class). The test prints each rank's stage of progress.
-- ``two_gpus`` (needs 2 GPUs; NCCL): the same checks.
+- ``two_gpus`` (needs 2 GPUs; NCCL): the same checks, for TP=2 and for PP=2 (Megatron's 1F1B schedule
+  sends activations between the stages point to point, which gloo cannot do with CUDA tensors: PP has no
+  one-GPU case).
 
 Checks: 3 rollouts' losses within bf16 tolerance of TP=1 on the same samples (max |diff| printed); at TP=2 the
 streamed optimizer state gives bit-identical losses and weights to resident Adam; the weights gathered for the
@@ -45,7 +47,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _config(root: str, tp: int, stream: bool):
+def _config(root: str, tp: int, pp: int, stream: bool):
     sys.path.insert(0, REPO)
     from miles.config import parse_args, validate_args
 
@@ -57,8 +59,9 @@ def _config(root: str, tp: int, stream: bool):
     config = validate_args(parse_args(argv))
     # validation refuses TP > 1 outside --dry-run until this test passes: the trainer is driven directly
     return dataclasses.replace(
-        config, cluster=dataclasses.replace(config.cluster, num_train_ranks=tp),
-        training=dataclasses.replace(config.training, train_backend="megatron", tensor_model_parallel_size=tp),
+        config, cluster=dataclasses.replace(config.cluster, num_train_ranks=tp * pp),
+        training=dataclasses.replace(config.training, train_backend="megatron", tensor_model_parallel_size=tp,
+                                     pipeline_model_parallel_size=pp),
         optimizer=dataclasses.replace(config.optimizer, stream_optimizer_state_bucket_numel=20_000))
 
 
@@ -73,8 +76,11 @@ def _rollout(step: int):
     return samples, [1.0, -1.0, 0.5, -0.5]
 
 
-def _rank(rank: int, world: int, port: int, backend: str, gpu: int, root: str, stream: bool, results) -> None:
-    """One TP rank: join the world, build the trainer, train ROLLOUTS rollouts, export the weights."""
+def _rank(rank: int, sizes: tuple[int, int], port: int, backend: str, gpu: int, root: str, stream: bool,
+          results) -> None:
+    """One rank: join the world, build the trainer, train ROLLOUTS rollouts, export the weights."""
+    tp, pp = sizes
+    world = tp * pp
     stage = "start"
     try:
         sys.path.insert(0, REPO)
@@ -83,7 +89,7 @@ def _rank(rank: int, world: int, port: int, backend: str, gpu: int, root: str, s
         torch.cuda.set_device(gpu)
         torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                              world_size=world)
-        config = _config(os.path.join(root, f"{'streamed' if stream else 'resident'}-tp{world}"), world, stream)
+        config = _config(os.path.join(root, f"{'streamed' if stream else 'resident'}-tp{tp}-pp{pp}"), tp, pp, stream)
         trainer = MegatronTrainer(config, rank=rank, world_size=world, rank_dir=config.paths.rank_dir(0, rank))
         stage = "init"
         trainer.init(f"127.0.0.1:{port}")
@@ -94,7 +100,7 @@ def _rank(rank: int, world: int, port: int, backend: str, gpu: int, root: str, s
         stage = "export"
         weights = {k: v.float().tolist() for k, v in trainer.export_weights().items()} if rank == 0 else None
         if rank != 0:
-            trainer.export_weights()  # a collective: every TP rank takes part
+            trainer.export_weights()  # a collective: every TP and PP rank takes part
         stage = "shutdown"
         trainer.shutdown()
         results.put({"rank": rank, "losses": losses, "weights": weights})
@@ -102,12 +108,12 @@ def _rank(rank: int, world: int, port: int, backend: str, gpu: int, root: str, s
         results.put({"rank": rank, "error": f"rank {rank} failed at {stage}:\n{traceback.format_exc()}"})
 
 
-def _run(world: int, backend: str, gpus: list[int], root: str, stream: bool) -> dict:
+def _run(sizes: tuple[int, int], backend: str, gpus: list[int], root: str, stream: bool) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, backend, gpus[r], root, stream, results))
-             for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, sizes, port, backend, gpus[r], root, stream, results))
+             for r in range(sizes[0] * sizes[1])]
     for p in procs:
         p.start()
     try:
@@ -127,20 +133,21 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((torch.tensor(a[k]) - torch.tensor(b[k])).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("placement", ["one_gpu", "two_gpus"])
-def test_tp2_trains_as_tp1_and_streams_bit_identically(tmp_path, placement):
+@pytest.mark.parametrize("sizes,placement", [((2, 1), "one_gpu"), ((2, 1), "two_gpus"), ((1, 2), "two_gpus")],
+                         ids=["tp2-one_gpu", "tp2-two_gpus", "pp2-two_gpus"])
+def test_tp2_or_pp2_trains_as_tp1_and_streams_bit_identically(tmp_path, sizes, placement):
     if placement == "two_gpus" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (this host has one): the one_gpu case covers what one GPU can run")
     backend, gpus = ("gloo", [0, 0]) if placement == "one_gpu" else ("nccl", [0, 1])
-    tp1 = _run(1, backend, [0], str(tmp_path), stream=False)[0]
-    resident = _run(2, backend, gpus, str(tmp_path), stream=False)
-    streamed = _run(2, backend, gpus, str(tmp_path), stream=True)
+    tp1 = _run((1, 1), backend, [0], str(tmp_path), stream=False)[0]
+    resident = _run(sizes, backend, gpus, str(tmp_path), stream=False)
+    streamed = _run(sizes, backend, gpus, str(tmp_path), stream=True)
     loss_diff = max(abs(a - b) for a, b in zip(tp1["losses"], resident[0]["losses"]))
     weight_diff = _max_diff(tp1["weights"], resident[0]["weights"])
-    print(f"\n{placement} ({backend}): losses TP1 {tp1['losses']} TP2 {resident[0]['losses']} "
-          f"streamed {streamed[0]['losses']}; max |loss diff| TP2 vs TP1 {loss_diff:.3g}; "
+    print(f"\nTP{sizes[0]} PP{sizes[1]} {placement} ({backend}): losses TP1 {tp1['losses']} parallel "
+          f"{resident[0]['losses']} streamed {streamed[0]['losses']}; max |loss diff| vs TP1 {loss_diff:.3g}; "
           f"max |weight diff| after {ROLLOUTS} rollouts {weight_diff:.3g}")
-    assert resident[0]["losses"] == resident[1]["losses"], "the TP ranks of one replica report one loss"
+    assert resident[0]["losses"] == resident[1]["losses"], "the ranks of one replica report one loss"
     assert loss_diff < LOSS_TOL
     assert weight_diff < WEIGHT_TOL
     assert streamed[0]["losses"] == resident[0]["losses"], "streamed state is bit-identical to resident Adam"

@@ -10,9 +10,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from miles.backends.megatron_backend.architecture import describe  # noqa: E402
-from miles.backends.megatron_backend.convert import hf_to_megatron, megatron_to_hf, hf_moe_layout, qkv_to_megatron  # noqa: E402,E501
-from miles.backends.megatron_backend.tp_shards import (padded_vocab_size, pp_stage, pp_unstage, split_kind,  # noqa: E402
-                                                       tp_gather, tp_shard)
+from miles.backends.megatron_backend.convert import (hf_moe_layout, hf_to_megatron, megatron_to_hf,  # noqa: E402
+                                                     qkv_to_megatron)
+from miles.backends.megatron_backend.tp_shards import (padded_vocab_size, pp_stage, pp_unstage,  # noqa: E402
+                                                       split_kind, tp_gather, tp_shard)
 from miles.parallel.layout import ParallelLayout, stage_layers  # noqa: E402
 
 from test_megatron_convert import tiny  # noqa: E402
@@ -50,9 +51,10 @@ def test_each_tp_rank_holds_whole_query_groups_and_its_gate_and_up_slices():
         one_group = describe(config).__class__(**{**vars(arch), "num_attention_heads": 2, "num_query_groups": 1})
         assert torch.equal(shard["decoder.layers.0.self_attention.linear_qkv.weight"],
                            qkv_to_megatron(q, k, v, one_group))
-        gate, up = hf[mlp + "gate_proj.weight"][r * 24:(r + 1) * 24], hf[mlp + "up_proj.weight"][r * 24:(r + 1) * 24]
+        rows = slice(r * 24, (r + 1) * 24)
+        gate, up = hf[mlp + "gate_proj.weight"][rows], hf[mlp + "up_proj.weight"][rows]
         assert torch.equal(shard["decoder.layers.0.mlp.linear_fc1.weight"], torch.cat([gate, up]))
-        assert torch.equal(shard["decoder.layers.0.mlp.linear_fc2.weight"], hf[mlp + "down_proj.weight"][:, r * 24:(r + 1) * 24])
+        assert torch.equal(shard["decoder.layers.0.mlp.linear_fc2.weight"], hf[mlp + "down_proj.weight"][:, rows])
         assert torch.equal(shard["decoder.layers.0.self_attention.linear_proj.weight"],
                            hf[attn + "o_proj.weight"][:, r * 16:(r + 1) * 16])
         assert torch.equal(shard["decoder.layers.0.input_layernorm.weight"], hf["model.layers.0.input_layernorm.weight"])

@@ -6,7 +6,7 @@ import pytest
 
 from miles.parallel.layout import (EP_FLAG, ETP_FLAG, FIRST_STAGE_FLAG, LAST_STAGE_FLAG, PP_FLAG, SP_FLAG, TP_FLAG,
                                    LayoutError, ParallelLayout, check_layout, rank_coordinates, stage_layer_counts,
-                                   stage_layers, stage_of_layer)
+                                   stage_layers)
 
 
 def groups(layout, varying):
@@ -50,7 +50,6 @@ def test_the_glm5_layout_tp8_pp4_ep8_etp1():
 def test_stage_ranges_of_glm5s_78_layers_at_pp4():
     uneven = ParallelLayout(world=4, pp=4, first_stage_layers=22, last_stage_layers=18)
     assert stage_layers(78, uneven) == (range(0, 22), range(22, 41), range(41, 60), range(60, 78))
-    assert stage_of_layer(41, stage_layers(78, uneven)) == (2, 0)
     assert stage_layer_counts(78, ParallelLayout(world=4, pp=4, first_stage_layers=21)) == (21, 19, 19, 19)
     assert stage_layer_counts(78, ParallelLayout(world=4, pp=4, last_stage_layers=18)) == (20, 20, 20, 18)
     assert stage_layer_counts(80, ParallelLayout(world=4, pp=4)) == (20, 20, 20, 20)

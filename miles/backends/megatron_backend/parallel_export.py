@@ -2,8 +2,8 @@
 
 Every rank of pipeline stage ``s`` runs :func:`iter_stage_hf` over its own shards (:func:`iter_model_hf`: and
 receives the other stages' parts over the pipeline group, so that it can feed its engine the whole model); the
-parts of the model come out in the engines' order (stage by stage: the embedding, the stage's decoder layers, then the head on the last
-stage), each part gathered over the tensor-parallel group just before it is converted, so a rank holds at most
+parts of the model come out in the engines' order (stage by stage: the embedding, the stage's decoder layers,
+then the head on the last stage), each part gathered over the tensor-parallel group just before it is converted, so a rank holds at most
 one part's gathered tensors beyond its own shards (the caller drops what it has sent)::
 
     for hf_name, tensor in iter_stage_hf(local_state, stage=s, stages=stages, hf_config=cfg,

@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["VOCAB_DIVISIBLE_BY", "padded_vocab_size", "split_kind", "tp_shard", "tp_gather", "pp_stage",
-           "pp_unstage", "stage_keys_of_layer"]
+           "pp_unstage"]
 
 VOCAB_DIVISIBLE_BY = 128  # Megatron-LM's --make-vocab-size-divisible-by default (times TP)
 
@@ -167,14 +167,6 @@ def pp_stage(state: dict[str, torch.Tensor], stages: Sequence[range], stage: int
         elif name in ("decoder.final_layernorm.weight", "output_layer.weight") and last:
             out[name] = tensor
     return out
-
-
-def stage_keys_of_layer(layer: int, stages: Sequence[range]) -> tuple[int, str]:
-    """``(stage, prefix)``: the stage holding global decoder layer ``layer`` and its local key prefix."""
-    for stage, layers in enumerate(stages):
-        if layer in layers:
-            return stage, f"decoder.layers.{layer - layers.start}."
-    raise ValueError(f"decoder layer {layer} is in no stage of {list(stages)}")
 
 
 def pp_unstage(stage_states: Sequence[dict[str, torch.Tensor]], stages: Sequence[range], *,
