@@ -3,6 +3,11 @@
     architecture.py   what a transformers config means for Megatron (pure; rejects what cannot be built)
     model.py          TransformerConfig / GPTModel kwargs from an HF config (pure) and the builder
     convert.py        HF <-> Megatron state dicts (pure: fused QKV, SwiGLU fc1, norms, experts, EP)
+    tp_shards.py      Megatron's TP/ETP/PP cuts of a state dict and their gathers (pure)
+    parallel_export.py  the weight handoff's order under TP/PP: part by part, gathers injected (pure)
+    vocab_parallel.py log-probs from vocab-parallel logits (all-reduces over the TP group)
+    model_parallel.py one rank's place in the TP/PP layout: process groups, shards, log-probs, handoff
+    pipeline.py       the policy-gradient step through Megatron's pipeline schedule (PP > 1)
     trainer.py        MegatronTrainer: the same methods as the torch backend's TorchTrainer
 
 Importing this package does not import megatron-core (it needs Python >= 3.12 and CUDA).

@@ -100,7 +100,7 @@ class MegatronTrainer(TrainBackend):
         return {"train_backend": "megatron",
                 "num_params": sum(p.numel() for p in self.gpt.parameters()),  # this rank's experts only
                 "layer_spec": "transformer_engine" if self.uses_te_spec else "local",
-                "expert_model_parallel_size": self.ep_size}
+                "expert_model_parallel_size": self.ep_size, "parallel_layout": self.parallel.layout.describe()}
 
     def _load_hf_policy(self) -> tuple[dict[str, torch.Tensor], str]:
         hf_model, self.tokenizer, description = load_policy(self.config)
