@@ -69,6 +69,11 @@ def _check_backend_builds(d: RunConfig) -> None:
                             "is data parallel only.", (flag, "--train-backend"),
                             f"add --train-backend megatron, or drop {flag}.")
     layout = d.parallel_layout
+    if layout.tp % layout.etp:
+        raise ArgumentError(
+            f"{ETP_FLAG} {layout.etp} does not divide {TP_FLAG} {layout.tp}: the megatron backend gathers an "
+            "expert's tensor-parallel pieces within a TP group for the weight handoff and checkpoints.",
+            (ETP_FLAG, TP_FLAG), f"pass an {ETP_FLAG} that divides {layout.tp} (1 always does).")
     if not MODEL_PARALLEL_BUILT and layout.tp * layout.pp > 1 and not d.cluster.dry_run:
         raise ArgumentError(
             f"{TP_FLAG} {layout.tp} x {PP_FLAG} {layout.pp}: the megatron trainer of this version builds the layout "

@@ -94,3 +94,15 @@ def test_the_help_lists_megatrons_flag_names():
                  "--expert-tensor-parallel-size", "--decoder-first-pipeline-num-layers",
                  "--decoder-last-pipeline-num-layers", "--dry-run"):
         assert flag in text
+
+
+def test_expert_tensor_parallelism_must_divide_tp_for_the_handoffs_gather():
+    from miles.models import RANDOM_MODEL_PRESETS
+
+    moe = dict(RANDOM_MODEL_PRESETS["qwen3-moe-tiny"], vocab_size=128, max_position_embeddings=256)
+    with pytest.raises(ArgumentError) as e:
+        check(["--hf-checkpoint", "/m", "--dry-run", "--num-train-ranks", "2", "--expert-tensor-parallel-size", "2"],
+              moe)
+    assert "--expert-tensor-parallel-size 2 does not divide --tensor-model-parallel-size 1" in str(e.value)
+    check(["--hf-checkpoint", "/m", "--dry-run", "--num-train-ranks", "2", "--tensor-model-parallel-size", "2",
+           "--expert-tensor-parallel-size", "2"], moe)
