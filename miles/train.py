@@ -37,7 +37,7 @@ from miles import checkpoint
 from miles.config import RunConfig
 from miles.logging_setup import configure_logging, progress_bar, set_driver_env
 from miles.metrics import MetricsSink, format_rollout_line, log_summary, rollout_record
-from miles.parallel.layout import rank_slices
+from miles.parallel.layout import ParallelLayout, rank_slices
 from miles.run_lifecycle import Actors, RunState, StopOnSignal, hold_root_and_run, tear_down
 from miles_plugins.optimizers.streaming.units import GB
 
@@ -84,7 +84,7 @@ def _should_save(config: RunConfig, completed: int) -> bool:
     return (interval is not None and completed % interval == 0) or completed == config.rollout.num_rollout
 
 
-def _shards(samples: list, advantages: list[float], layout) -> list[tuple[list, list[float]]]:
+def _shards(samples: list, advantages: list[float], layout: ParallelLayout) -> list[tuple[list, list[float]]]:
     """Each train rank's samples: split over data parallelism, shared by the TP/PP ranks of a replica."""
     return [(samples[s], advantages[s]) for s in rank_slices(len(samples), layout)]
 
