@@ -260,11 +260,11 @@ class TrainBackend(abc.ABC):
             sums = [math.nan, 0.0, math.nan]
             skipped = f"rank {self.rank}: {problem}" if problem else "another rank's samples are not valid input"
         else:
-            sums = accumulate_policy_gradient(samples, advantages, self.logprobs,
-                                              pad_id=self.tokenizer.pad_token_id,  # load_policy guarantees one
-                                              micro_batches=micro_batches,
-                                              device=self.device, eps_clip=loss_args["eps_clip"],
-                                              temperature=loss_args["temperature"], num_tokens=num_tokens)
+            sums = self.policy_gradient(samples, advantages,
+                                        pad_id=self.tokenizer.pad_token_id,  # load_policy guarantees one
+                                        micro_batches=micro_batches,
+                                        device=self.device, eps_clip=loss_args["eps_clip"],
+                                        temperature=loss_args["temperature"], num_tokens=num_tokens)
             self.finish_backward()
             grads_finite = self.all_reduce([0.0 if self.local_grads_finite() else 1.0])[0] == 0.0
             skipped = None if grads_finite else "non-finite gradients"
@@ -314,6 +314,12 @@ class TrainBackend(abc.ABC):
         if self.store is not None:
             metrics.update(stream_step_metrics(self.streamed_stores(), stepped=skipped is None))
         return metrics
+
+    def policy_gradient(self, samples: list, advantages: list[float], **loss: Any) -> list[float]:
+        """Forward and backward over this rank's samples, grads accumulating in the model; the loss sums of the
+        step's metrics (:func:`~miles.rl.loss.accumulate_policy_gradient`: one ``logprobs`` call per micro-batch).
+        A backend whose forward is not one call per micro-batch (Megatron's pipeline schedule) replaces it."""
+        return accumulate_policy_gradient(samples, advantages, self.logprobs, **loss)
 
     # ---- weights ------------------------------------------------------------------------------
     @contextlib.contextmanager

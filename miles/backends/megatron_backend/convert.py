@@ -46,7 +46,7 @@ from .architecture import Architecture, describe
 from .families import qwen3_5_moe
 
 __all__ = ["hf_to_megatron", "megatron_to_hf", "iter_megatron_to_hf", "experts_to_global", "hf_moe_layout", "HF_MOE_LAYOUTS",
-           "ConversionError"]
+           "ConversionError", "part_to_hf", "EMBEDDING", "HEAD"]
 
 HF_MOE_LAYOUTS = ("fused", "per_expert")
 _EXTRA_STATE = "._extra_state"  # Transformer Engine's fp8 metadata: not a weight
@@ -237,6 +237,37 @@ def _canonical_to_hf(state: dict[str, torch.Tensor], arch: Architecture, layout:
     return out
 
 
+# ---- the model's parts, in the order the weight handoff sends them --------------------------------
+EMBEDDING, HEAD = "embedding", "head"  # the parts around the decoder layers (which are numbered)
+
+
+def _part_rules(arch: Architecture, part: "int | str", fused_norms: bool) -> list[_Rule]:
+    if part == EMBEDDING:
+        return [_Rule(("model.embed_tokens.weight",), "embedding.word_embeddings.weight")]
+    if part == HEAD:
+        tail = [_Rule(("model.norm.weight",), "decoder.final_layernorm.weight")]
+        if not arch.tied_embeddings:
+            tail.append(_Rule(("lm_head.weight",), "output_layer.weight"))
+        return tail
+    return _layer_rules(arch, part, fused_norms)
+
+
+def part_to_hf(part: "int | str", mcore_state: dict[str, torch.Tensor], hf_config: Any, *, fused_norms: bool = False,
+               hf_moe_layout: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """One part of the model in HF names: :data:`EMBEDDING`, decoder layer ``part`` (global number, experts
+    globally numbered) or :data:`HEAD` (final norm, and the output layer unless tied), from the Megatron tensors
+    of that part in ``mcore_state`` (other keys are ignored). Views where the split rules allow."""
+    arch = describe(hf_config)
+    out = {}
+    for rule in _part_rules(arch, part, fused_norms):
+        if rule.mcore not in mcore_state:
+            raise ConversionError(f"the Megatron state of part {part!r} lacks {rule.mcore!r}")
+        out.update(zip(rule.hf, rule.split(mcore_state[rule.mcore])))
+    if isinstance(part, int) and arch.is_moe_layer(part):
+        out = _canonical_to_hf(out, arch, hf_moe_layout or _installed_moe_layout(), layers=(part,))
+    return out
+
+
 # ---- public ---------------------------------------------------------------------------------------
 def _local_experts(arch: Architecture, ep_rank: int, ep_size: int) -> range:
     if ep_size < 1 or not 0 <= ep_rank < ep_size:
@@ -327,7 +358,7 @@ def iter_megatron_to_hf(mcore_state: dict[str, torch.Tensor], hf_config: Any, *,
             out.update(zip(rule.hf, rule.split(state[rule.mcore])))
         return out
 
-    embedding = convert([_Rule(("model.embed_tokens.weight",), "embedding.word_embeddings.weight")], mcore_state)
+    embedding = convert(_part_rules(arch, EMBEDDING, fused_norms), mcore_state)
     yield from embedding.items()
     for i in range(arch.num_layers):
         state = mcore_state
@@ -336,14 +367,11 @@ def iter_megatron_to_hf(mcore_state: dict[str, torch.Tensor], hf_config: Any, *,
             local = {k: v for k, v in mcore_state.items() if k.startswith(prefix)}
             state = {**{k: v for k, v in mcore_state.items() if not k.startswith(prefix)}, **layer_experts(i, local)}
             used.update(local)
-        layer = convert(_layer_rules(arch, i, fused_norms), state)
+        layer = convert(_part_rules(arch, i, fused_norms), state)
         if arch.is_moe_layer(i):
             layer = _canonical_to_hf(layer, arch, layout, layers=(i,))
         yield from layer.items()
-    tail = [_Rule(("model.norm.weight",), "decoder.final_layernorm.weight")]
-    if not arch.tied_embeddings:
-        tail.append(_Rule(("lm_head.weight",), "output_layer.weight"))
-    yield from convert(tail, mcore_state).items()
+    yield from convert(_part_rules(arch, HEAD, fused_norms), mcore_state).items()
     if arch.tied_embeddings:
         yield "lm_head.weight", embedding["model.embed_tokens.weight"]
     unused = sorted(k for k in set(mcore_state) - used if not k.endswith(_EXTRA_STATE))

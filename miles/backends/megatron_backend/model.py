@@ -1,4 +1,4 @@
-"""megatron-core GPTModel from a transformers config (TP = PP = 1, EP >= 1).
+"""megatron-core GPTModel from a transformers config (any TP/PP/EP/ETP layout of miles/parallel/layout.py).
 
 :func:`transformer_config_from_hf` and :func:`gpt_model_kwargs` return plain values (tested on CPU);
 :func:`build_gpt_model` imports megatron-core and builds the model. The layer spec is Transformer
@@ -11,22 +11,29 @@ Qwen3.5-MoE always gets its own spec (``families/qwen3_5_moe_layers.py``), never
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
+from miles.parallel.layout import ParallelLayout
+
 from .architecture import UnsupportedModelError, describe
 from .families import qwen3_5_moe
 from .sdpa_attention import SDPACoreAttention, with_core_attention
+from .tp_shards import padded_vocab_size
 
 __all__ = ["transformer_config_from_hf", "gpt_model_kwargs", "te_available", "build_gpt_model",
            "native_fp32_param_names"]
 
 
 def transformer_config_from_hf(hf_config: Any, *, params_dtype: torch.dtype, expert_model_parallel_size: int = 1,
-                               perform_initialization: bool = False) -> dict[str, Any]:
+                               perform_initialization: bool = False, layout: Optional[ParallelLayout] = None,
+                               sequence_parallel: bool = False) -> dict[str, Any]:
     """Keyword arguments of megatron-core's ``TransformerConfig`` for ``hf_config``.
+
+    ``layout``: the tensor/pipeline/expert-tensor sizes and uneven stages (None: TP = PP = 1, ETP 1; the
+    expert-parallel size is ``expert_model_parallel_size`` either way).
 
     ``perform_initialization=False``: the weights are loaded from the HF model right after building,
     so random initialization would be wasted time (minutes on the CPU for billions of params).
@@ -54,8 +61,7 @@ def transformer_config_from_hf(hf_config: Any, *, params_dtype: torch.dtype, exp
         fp16=params_dtype == torch.float16,
         perform_initialization=perform_initialization,
         use_cpu_initialization=False,
-        tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
+        **_parallel_kwargs(layout, params_dtype, sequence_parallel),
         # The fused kernels need apex / Transformer Engine; the plain paths give the same math.
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -68,6 +74,20 @@ def transformer_config_from_hf(hf_config: Any, *, params_dtype: torch.dtype, exp
         kwargs.update(_moe_kwargs(arch, expert_model_parallel_size))
     if arch.linear_attention is not None:  # Qwen3.5's Gated DeltaNet layers, gated attention, shared expert
         kwargs.update(qwen3_5_moe.transformer_config_kwargs(arch))
+    return kwargs
+
+
+def _parallel_kwargs(layout: Optional[ParallelLayout], params_dtype: torch.dtype,
+                     sequence_parallel: bool) -> dict[str, Any]:
+    """TransformerConfig's model-parallel fields for ``layout`` (Megatron's names)."""
+    layout = layout or ParallelLayout(world=1)
+    kwargs: dict[str, Any] = dict(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                                  expert_tensor_parallel_size=layout.etp, sequence_parallel=sequence_parallel,
+                                  num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+                                  num_layers_in_last_pipeline_stage=layout.last_stage_layers)
+    if layout.pp > 1:
+        kwargs["pipeline_dtype"] = params_dtype  # what the stages send each other
+        kwargs["variable_seq_lengths"] = True  # micro-batches keep their own shapes (pipeline.py)
     return kwargs
 
 
@@ -96,10 +116,12 @@ def _moe_kwargs(arch, expert_model_parallel_size: int) -> dict[str, Any]:
     )
 
 
-def gpt_model_kwargs(hf_config: Any) -> dict[str, Any]:
-    """Keyword arguments of ``GPTModel`` besides ``config`` and ``transformer_layer_spec``."""
+def gpt_model_kwargs(hf_config: Any, tensor_model_parallel_size: int = 1) -> dict[str, Any]:
+    """Keyword arguments of ``GPTModel`` besides ``config`` and ``transformer_layer_spec`` (the vocabulary padded
+    for TP as tp_shards.padded_vocab_size says: unpadded at TP 1)."""
     arch = describe(hf_config)
-    return dict(vocab_size=arch.vocab_size, max_sequence_length=arch.max_position_embeddings,
+    return dict(vocab_size=padded_vocab_size(arch.vocab_size, tensor_model_parallel_size),
+                max_sequence_length=arch.max_position_embeddings,
                 share_embeddings_and_output_weights=arch.tied_embeddings, position_embedding_type="rope",
                 rotary_base=arch.rope_theta, rotary_percent=arch.rotary_percent)
 
@@ -119,8 +141,10 @@ def te_available() -> bool:
 
 
 def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype, expert_model_parallel_size: int = 1,
-                    use_te: bool | None = None, fused_attention: bool = True):
-    """``(GPTModel, TransformerConfig, uses_te_spec)`` on the current CUDA device, weights uninitialized.
+                    use_te: bool | None = None, fused_attention: bool = True,
+                    layout: Optional[ParallelLayout] = None, sequence_parallel: bool = False, pp_rank: int = 0):
+    """``(GPTModel, TransformerConfig, uses_te_spec)`` on the current CUDA device, weights uninitialized: this
+    rank's pipeline stage (``pp_rank`` of ``layout``; the embedding on the first, the output layer on the last).
 
     Needs megatron-core and ``parallel_state.initialize_model_parallel`` to have run (the MoE layers
     read the expert-parallel group). The local spec's attention is torch's scaled_dot_product_attention
@@ -133,7 +157,8 @@ def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype, expert_model_p
 
     use_te = te_available() if use_te is None else use_te
     kwargs = transformer_config_from_hf(hf_config, params_dtype=params_dtype,
-                                        expert_model_parallel_size=expert_model_parallel_size)
+                                        expert_model_parallel_size=expert_model_parallel_size, layout=layout,
+                                        sequence_parallel=sequence_parallel)
     hybrid = kwargs.get("experimental_attention_variant") == "gated_delta_net"  # Qwen3.5: its own spec, never TE's
     if hybrid:
         from .families import qwen3_5_moe_layers
@@ -146,5 +171,7 @@ def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype, expert_model_p
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
         if not use_te and fused_attention:
             spec = with_core_attention(spec, SDPACoreAttention)
-    model = GPTModel(config, spec, **gpt_model_kwargs(hf_config))
+    pp = layout.pp if layout else 1
+    model = GPTModel(config, spec, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
+                     **gpt_model_kwargs(hf_config, layout.tp if layout else 1))
     return model, config, use_te

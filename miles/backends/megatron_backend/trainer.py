@@ -1,6 +1,7 @@
 """The megatron training backend: one :class:`MegatronTrainer` per train actor (data-parallel rank).
 
-megatron-core GPTModel (TP = PP = 1, expert parallelism over the train ranks) built from the policy's
+megatron-core GPTModel (expert parallelism; tensor and pipeline parallelism through model_parallel.py and
+pipeline.py, which validation accepts under --dry-run only until the GPU tests pass) built from the policy's
 transformers config and loaded with its weights, wrapped bf16 (Float16Module) in megatron's
 DistributedDataParallel, stepped by its DistributedOptimizer (a ChainedOptimizer of dense + expert
 members for MoE). With ``--stream-optimizer-state-to-disk`` the store is bound to that optimizer.
@@ -26,12 +27,14 @@ import torch.distributed as dist
 from miles.backends.base import TrainBackend
 from miles.models import load_policy
 
+from .architecture import describe
 from .checkpoint_views import HFModelView, ResidentOptimizerState
 from .convert import hf_moe_layout, hf_to_megatron, iter_megatron_to_hf
 from .expert_gather import gather_layer_experts
 from .grad_buffers import GradBuffers
 from .logprobs import LogprobRequest, output_logprobs
 from .model import build_gpt_model, native_fp32_param_names
+from .model_parallel import ModelParallelRank, initialize
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +55,7 @@ class MegatronTrainer(TrainBackend):
         self.hf_moe_layout: Optional[str] = None
         self.ep_size = config.training.expert_model_parallel_size
         self.ep_rank = 0
+        self.parallel: Optional[ModelParallelRank] = None  # this rank's TP/PP place (model_parallel.py)
         self._model_view: Optional[HFModelView] = None
 
     # ---- setup --------------------------------------------------------------------------------
@@ -69,9 +73,7 @@ class MegatronTrainer(TrainBackend):
         if not dist.is_initialized():
             dist.init_process_group("nccl", init_method=f"tcp://{rendezvous}", rank=self.rank,
                                     world_size=self.world_size, timeout=datetime.timedelta(minutes=30))
-        if not parallel_state.model_parallel_is_initialized():  # one trainer per process, or tests' sequence
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                                     expert_model_parallel_size=self.ep_size)
+        initialize(self.config.parallel_layout)
         self.ep_rank = parallel_state.get_expert_model_parallel_rank()
         return "nccl"
 
@@ -101,7 +103,7 @@ class MegatronTrainer(TrainBackend):
         return {"train_backend": "megatron",
                 "num_params": sum(p.numel() for p in self.gpt.parameters()),  # this rank's experts only
                 "layer_spec": "transformer_engine" if self.uses_te_spec else "local",
-                "expert_model_parallel_size": self.ep_size}
+                "expert_model_parallel_size": self.ep_size, "parallel_layout": self.parallel.layout.describe()}
 
     def _load_hf_policy(self) -> tuple[dict[str, torch.Tensor], str]:
         hf_model, self.tokenizer, description = load_policy(self.config)
@@ -117,8 +119,11 @@ class MegatronTrainer(TrainBackend):
         from megatron.core.transformer.module import Float16Module
 
         opt = self.config.optimizer
-        self.gpt, tconfig, self.uses_te_spec = build_gpt_model(self.hf_config, params_dtype=dtype,
-                                                               expert_model_parallel_size=self.ep_size)
+        self.parallel = ModelParallelRank.of(self.config.parallel_layout, int(self.hf_config.vocab_size))
+        self.gpt, tconfig, self.uses_te_spec = build_gpt_model(
+            self.hf_config, params_dtype=dtype, expert_model_parallel_size=self.ep_size,
+            layout=self.config.parallel_layout, sequence_parallel=self.config.training.sequence_parallel,
+            pp_rank=self.parallel.pp_rank)
         self.gpt.cuda()
         self._load_hf_state(hf_state)  # before DDP: its param buffer takes the values over
         module = Float16Module(tconfig, self.gpt) if dtype != torch.float32 else self.gpt
@@ -149,6 +154,9 @@ class MegatronTrainer(TrainBackend):
         """Copy HF weights into the Megatron params in place (this rank's experts only)."""
         mcore = hf_to_megatron(hf_state, self.hf_config, fused_norms=self.uses_te_spec, ep_rank=self.ep_rank,
                                ep_size=self.ep_size)
+        if self.parallel.sharded:  # this rank's stage, TP and ETP shard
+            arch = describe(self.hf_config)
+            mcore = self.parallel.shard(mcore, arch.num_layers, arch.tied_embeddings)
         result = self.gpt.load_state_dict(mcore, strict=False)
         missing = [k for k in result.missing_keys if not k.endswith(_EXTRA_STATE)]
         if missing or result.unexpected_keys:
@@ -163,6 +171,10 @@ class MegatronTrainer(TrainBackend):
         """HF-layout weights on the device, converted layer by layer; with EP > 1 each MoE layer's experts are
         all-gathered over the expert-parallel group as the iteration reaches it (every rank must iterate)."""
         local = {k: v.detach() for k, v in self.gpt.state_dict().items() if not k.endswith(_EXTRA_STATE)}
+        if self.parallel.sharded:  # gathered over the TP group part by part (a collective)
+            return self.parallel.iter_hf(local, self.hf_config, fused_norms=self.uses_te_spec,
+                                         hf_moe_layout=self.hf_moe_layout,
+                                         layer_experts=self._layer_experts() if self.ep_size > 1 else None)
         return iter_megatron_to_hf(local, self.hf_config, fused_norms=self.uses_te_spec,
                                    hf_moe_layout=self.hf_moe_layout,
                                    layer_experts=self._layer_experts() if self.ep_size > 1 else None)
@@ -182,15 +194,40 @@ class MegatronTrainer(TrainBackend):
         does for an HF model. Rows are right-padded, so the causal mask alone keeps pads out of real tokens."""
         input_ids = batch["input_ids"]
         position_ids = (batch["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
+        if self.parallel.layout.tp > 1:  # this rank's vocabulary slice: [B, L, V/TP]
+            return self.parallel.logprobs(self._tp_logits(input_ids, position_ids)[:, :-1], input_ids[:, 1:],
+                                          temperature)
         # the output layer runs chunk by chunk: no [B, L, V] fp32 logits (logprobs.py)
         return self.ddp(input_ids, position_ids, None, output_processor=output_logprobs,
                         output_processor_context=LogprobRequest(input_ids[:, 1:], temperature))
+
+    def _tp_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """The vocab-parallel logits of ``input_ids``; with sequence parallelism the sequence is right-padded to
+        a multiple of TP (causal: the padding changes no earlier position) and cut back."""
+        length, tp = input_ids.shape[1], self.parallel.layout.tp
+        pad = (-length) % tp if self.config.training.sequence_parallel else 0
+        if pad:
+            input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=0)
+            position_ids = torch.nn.functional.pad(position_ids, (0, pad), value=0)
+        return self.ddp(input_ids, position_ids, None)[:, :length]
 
     def zero_grads(self) -> None:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
 
+    def policy_gradient(self, samples: list, advantages: list[float], **loss: Any) -> list[float]:
+        if self.parallel.layout.pp == 1:
+            return super().policy_gradient(samples, advantages, **loss)
+        from .pipeline import pipeline_policy_gradient
+
+        return pipeline_policy_gradient(self.ddp, self.parallel, samples, advantages, **loss)
+
     def finish_backward(self) -> None:
+        if self.parallel.sharded:  # + sequence-parallel norm grads over TP, tied embedding grads over PP
+            from megatron.core.distributed import finalize_model_grads
+
+            finalize_model_grads([self.ddp])
+            return
         self.ddp.finish_grad_sync()  # DDP averages over ranks: the sum of the ranks' token means is the mean
 
     def vocab_size(self) -> int:
@@ -221,7 +258,7 @@ class MegatronTrainer(TrainBackend):
         return self.optimizer if self.store is not None else ResidentOptimizerState(self.optimizer)
 
     def prepare_save(self) -> None:
-        if self.rank == 0 or self.ep_size > 1:  # the expert gather needs every rank
+        if self.rank == 0 or self.ep_size > 1 or self.parallel.sharded:  # the EP/TP gathers need every rank
             hf_state = self._hf_state()
             if self.rank == 0:
                 self._model_view.prepare_save(hf_state)
