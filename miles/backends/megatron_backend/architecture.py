@@ -10,7 +10,10 @@ scaling, shared experts, a non-SiLU activation) is rejected here with the config
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from .glm_moe_dsa import MlaDsa
 
 # model_type -> which optional pieces the family has
 _FAMILIES = {
@@ -20,7 +23,10 @@ _FAMILIES = {
     "qwen3_moe": dict(qkv_bias=False, qk_norm=True, moe=True),
     "mixtral": dict(qkv_bias=False, qk_norm=False, moe=True),
 }
-SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
+# model_type -> module:function that describes a family with its own module (the function returns the
+# Architecture's keyword arguments; it gets the config and its rope theta)
+_OWN_MODULES = {"glm_moe_dsa": "glm_moe_dsa:describe_glm_moe_dsa"}
+SUPPORTED_MODEL_TYPES = tuple(_FAMILIES) + tuple(_OWN_MODULES)
 
 
 class UnsupportedModelError(ValueError):
@@ -50,6 +56,14 @@ class Architecture:
     moe_ffn_hidden_size: Optional[int] = None
     moe_topk: Optional[int] = None
     moe_renormalize: bool = True  # top-k probabilities renormalized to sum to 1
+    shared_expert_ffn_hidden_size: Optional[int] = None  # shared experts' SwiGLU width (all of them); None: none
+    router_expert_bias: bool = False  # an fp32 per-expert bias added to the scores for the top-k choice only
+    router_score_function: str = "softmax"  # "softmax" | "sigmoid"
+    router_topk_scaling_factor: Optional[float] = None  # the top-k weights are multiplied by it
+    router_num_groups: Optional[int] = None  # group-limited routing: experts in groups ...
+    router_group_topk: Optional[int] = None  # ... of which each token may use this many
+    # Multi-latent attention with a DeepSeek-sparse-attention indexer (GLM-5); None: grouped-query attention
+    mla_dsa: Optional[MlaDsa] = None
 
     @property
     def heads_per_group(self) -> int:
@@ -88,9 +102,22 @@ def _reject(hf_config: Any, field: str, bad: Any, why: str) -> None:
         raise UnsupportedModelError(f"{field}={value!r} is not supported by the Megatron backend: {why}")
 
 
+def _describe_with_own_module(hf_config: Any, model_type: str) -> Architecture:
+    import importlib
+
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"hidden_act={act!r}: the Megatron backend builds SwiGLU MLPs (silu) only")
+    module, function = _OWN_MODULES[model_type].split(":")
+    describe_family = getattr(importlib.import_module(f"{__package__}.{module}"), function)
+    return Architecture(**describe_family(hf_config, _rope_theta(hf_config)))
+
+
 def describe(hf_config: Any) -> Architecture:
     """The :class:`Architecture` of a transformers config; raises :class:`UnsupportedModelError`."""
     model_type = getattr(hf_config, "model_type", None)
+    if model_type in _OWN_MODULES:
+        return _describe_with_own_module(hf_config, model_type)
     if model_type not in _FAMILIES:
         raise UnsupportedModelError(f"model_type {model_type!r} is not supported by the Megatron backend; "
                                     f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (use --train-backend torch)")

@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from . import glm_moe_dsa
 from .architecture import Architecture, describe
 
 __all__ = ["hf_to_megatron", "megatron_to_hf", "iter_megatron_to_hf", "experts_to_global", "hf_moe_layout", "HF_MOE_LAYOUTS",
@@ -109,8 +110,11 @@ def _canonical_router(layer: int) -> str:
     return f"model.layers.{layer}.mlp.gate.weight"
 
 
-def _layer_rules(arch: Architecture, i: int, fused_norms: bool) -> list[_Rule]:
+def _attention_rules(arch: Architecture, i: int, fused_norms: bool) -> list[_Rule]:
     hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+    if arch.mla_dsa is not None:  # GLM-5: its own names, all unchanged layouts; the input norm is never fused
+        return [_Rule((hf + "input_layernorm.weight",), mc + "input_layernorm.weight"),
+                *(_Rule((h,), m) for h, m in glm_moe_dsa.attention_names(arch.mla_dsa, i))]
     attn = hf + "self_attn."
     qkv = lambda ts: qkv_to_megatron(*ts, arch)  # noqa: E731
     unqkv = lambda t: list(qkv_to_hf(t, arch))  # noqa: E731
@@ -126,6 +130,13 @@ def _layer_rules(arch: Architecture, i: int, fused_norms: bool) -> list[_Rule]:
     if arch.qk_norm:
         rules += [_Rule((attn + "q_norm.weight",), mc + "self_attention.q_layernorm.weight"),
                   _Rule((attn + "k_norm.weight",), mc + "self_attention.k_layernorm.weight")]
+    return rules
+
+
+def _layer_rules(arch: Architecture, i: int, fused_norms: bool) -> list[_Rule]:
+    hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+    rules = _attention_rules(arch, i, fused_norms)
+    fused_norms = fused_norms and arch.mla_dsa is None  # the DSA spec keeps every norm separate
     moe = arch.is_moe_layer(i)
     pre_mlp = "mlp.linear_fc1.layer_norm_weight" if fused_norms and not moe else "pre_mlp_layernorm.weight"
     rules.append(_Rule((hf + "post_attention_layernorm.weight",), mc + pre_mlp))
@@ -136,6 +147,13 @@ def _layer_rules(arch: Architecture, i: int, fused_norms: bool) -> list[_Rule]:
             _Rule((hf + "mlp.down_proj.weight",), mc + "mlp.linear_fc2.weight"),
         ]
     rules.append(_Rule((_canonical_router(i),), mc + "mlp.router.weight"))
+    if arch.router_expert_bias:  # DeepSeek-V3 / GLM-5 name; an fp32 buffer on both sides
+        rules.append(_Rule((hf + "mlp.gate.e_score_correction_bias",), mc + "mlp.router.expert_bias"))
+    if arch.shared_expert_ffn_hidden_size:  # DeepSeek-V3 / GLM-5 names: one SwiGLU for all shared experts
+        shared = hf + "mlp.shared_experts."
+        rules += [_Rule((shared + "gate_proj.weight", shared + "up_proj.weight"),
+                        mc + "mlp.shared_experts.linear_fc1.weight", _cat_rows, _halves),
+                  _Rule((shared + "down_proj.weight",), mc + "mlp.shared_experts.linear_fc2.weight")]
     for e in range(arch.num_experts):
         expert = f"{mc}mlp.experts.local_experts.{e}."
         rules += [

@@ -32,6 +32,8 @@ from .convert import hf_moe_layout, hf_to_megatron, iter_megatron_to_hf
 from .expert_gather import gather_layer_experts
 from .grad_buffers import GradBuffers
 from .model import build_gpt_model
+from .router_bias import (clear_router_token_counts, fp32_router_buffers, restore_router_buffers,
+                          step_router_expert_bias)
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ class MegatronTrainer(TrainBackend):
         self.ep_size = config.training.expert_model_parallel_size
         self.ep_rank = 0
         self._model_view: Optional[HFModelView] = None
+        self.router_bias_update_rate: Optional[float] = None  # set for routers with an expert bias (router_bias.py)
 
     # ---- setup --------------------------------------------------------------------------------
     def check_config(self) -> None:
@@ -116,9 +119,13 @@ class MegatronTrainer(TrainBackend):
         opt = self.config.optimizer
         self.gpt, tconfig, self.uses_te_spec = build_gpt_model(self.hf_config, params_dtype=dtype,
                                                                expert_model_parallel_size=self.ep_size)
+        if tconfig.moe_router_enable_expert_bias:
+            self.router_bias_update_rate = tconfig.moe_router_bias_update_rate
         self.gpt.cuda()
         self._load_hf_state(hf_state)  # before DDP: its param buffer takes the values over
+        router_buffers = fp32_router_buffers(self.gpt)
         module = Float16Module(tconfig, self.gpt) if dtype != torch.float32 else self.gpt
+        restore_router_buffers(router_buffers)  # fp32, as megatron's router and transformers keep them
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=True)
         self.ddp = DistributedDataParallel(tconfig, ddp_config, module)
@@ -182,6 +189,8 @@ class MegatronTrainer(TrainBackend):
     def zero_grads(self) -> None:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.router_bias_update_rate is not None:  # a skipped step's token counts must not reach the bias
+            clear_router_token_counts(self.gpt)
 
     def finish_backward(self) -> None:
         self.ddp.finish_grad_sync()  # DDP averages over ranks: the sum of the ranks' token means is the mean
@@ -203,6 +212,8 @@ class MegatronTrainer(TrainBackend):
         if not ok:
             raise RuntimeError(f"rollout {rollout_id}: the Megatron optimizer skipped its step (non-finite grads)")
         self.scheduler.step(1)
+        if self.router_bias_update_rate is not None:
+            step_router_expert_bias(self.gpt, self.router_bias_update_rate)
         return float(grad_norm) if grad_norm is not None else float("nan")
 
     # ---- checkpoints --------------------------------------------------------------------------

@@ -1,0 +1,54 @@
+"""The aux-loss-free load balancing of MoE routers with an expert bias (DeepSeek-V3, GLM-5), for a trainer
+that steps outside megatron's ``finalize_model_grads`` (GPU only: megatron-core).
+
+Each router counts the tokens it sends to each expert during forwards with grad enabled; after an applied
+optimizer step the bias moves by ``config.moe_router_bias_update_rate`` towards balance
+(``megatron.core.transformer.moe.moe_utils.get_updated_expert_bias``: the counts are summed over the
+data-parallel ranks first, so every rank applies the same update). The counts are cleared at the start of
+each step, so a skipped step leaves the bias exactly as it was. The bias is an fp32 buffer, not a
+parameter: no optimizer state, and the HF export carries it as ``e_score_correction_bias``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if getattr(m, "expert_bias", None) is not None]
+
+
+def clear_router_token_counts(model: torch.nn.Module) -> None:
+    for router in _routers(model):
+        router.local_tokens_per_expert.zero_()
+
+
+@torch.no_grad()
+def step_router_expert_bias(model: torch.nn.Module, update_rate: float) -> int:
+    """Apply one balancing step to every router's expert bias from the counts since the last clear;
+    a collective over the data-parallel group. Returns the number of routers updated."""
+    from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
+
+    routers = _routers(model)
+    if not routers:
+        return 0
+    counts = torch.stack([r.local_tokens_per_expert for r in routers])
+    biases = torch.stack([r.expert_bias for r in routers])
+    for router, bias in zip(routers, get_updated_expert_bias(counts, biases, update_rate)):
+        router.expert_bias.copy_(bias)
+    clear_router_token_counts(model)
+    return len(routers)
+
+
+def fp32_router_buffers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor]]:
+    """Copies of every router's expert bias and token counts, to restore with :func:`restore_router_buffers`
+    after megatron's ``Float16Module`` has cast the whole model (buffers too) to bf16: a bf16 bias would
+    lose a checkpoint's values, bf16 counts are exact only up to 256 tokens."""
+    return [(r, r.expert_bias.detach().float().clone(), r.local_tokens_per_expert.detach().float().clone())
+            for r in _routers(model)]
+
+
+def restore_router_buffers(saved: list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor]]) -> None:
+    for router, bias, counts in saved:
+        router.expert_bias = bias  # assigning a registered buffer replaces it in the module's buffers
+        router.local_tokens_per_expert = counts
