@@ -7,9 +7,12 @@ optimizer step the bias moves by ``config.moe_router_bias_update_rate`` towards 
 data-parallel ranks first, so every rank applies the same update). The counts are cleared at the start of
 each step, so a skipped step leaves the bias exactly as it was. The bias is an fp32 buffer, not a
 parameter: no optimizer state, and the HF export carries it as ``e_score_correction_bias``.
+:func:`keep_routers_fp32` keeps these routers' weight, bias and counts fp32 under a bf16 model.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -40,15 +43,18 @@ def step_router_expert_bias(model: torch.nn.Module, update_rate: float) -> int:
     return len(routers)
 
 
-def fp32_router_buffers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor]]:
-    """Copies of every router's expert bias and token counts, to restore with :func:`restore_router_buffers`
-    after megatron's ``Float16Module`` has cast the whole model (buffers too) to bf16: a bf16 bias would
-    lose a checkpoint's values, bf16 counts are exact only up to 256 tokens."""
-    return [(r, r.expert_bias.detach().float().clone(), r.local_tokens_per_expert.detach().float().clone())
-            for r in _routers(model)]
 
-
-def restore_router_buffers(saved: list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor]]) -> None:
-    for router, bias, counts in saved:
+def keep_routers_fp32(model: torch.nn.Module, cast: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """``cast()`` (megatron's ``Float16Module``, which casts every param and buffer to bf16), with the routers
+    that have an expert bias kept in fp32 as transformers keeps GLM-5's: the router weight (then a native-fp32
+    param: the optimizer keeps no separate master, the store binds it under its resident Adam), the bias
+    (a bf16 bias would lose a checkpoint's values) and the token counts (bf16 counts are exact only to 256).
+    Call before DDP, which sizes its buffers by each param's dtype."""
+    saved = [(r, r.weight.detach().float().clone(), r.expert_bias.detach().float().clone(),
+              r.local_tokens_per_expert.detach().float().clone()) for r in _routers(model)]
+    wrapped = cast()
+    for router, weight, bias, counts in saved:
+        router.weight.data = weight
         router.expert_bias = bias  # assigning a registered buffer replaces it in the module's buffers
         router.local_tokens_per_expert = counts
+    return wrapped

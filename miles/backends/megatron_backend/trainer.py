@@ -32,8 +32,7 @@ from .convert import hf_moe_layout, hf_to_megatron, iter_megatron_to_hf
 from .expert_gather import gather_layer_experts
 from .grad_buffers import GradBuffers
 from .model import build_gpt_model
-from .router_bias import (clear_router_token_counts, fp32_router_buffers, restore_router_buffers,
-                          step_router_expert_bias)
+from .router_bias import clear_router_token_counts, keep_routers_fp32, step_router_expert_bias
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +122,8 @@ class MegatronTrainer(TrainBackend):
             self.router_bias_update_rate = tconfig.moe_router_bias_update_rate
         self.gpt.cuda()
         self._load_hf_state(hf_state)  # before DDP: its param buffer takes the values over
-        router_buffers = fp32_router_buffers(self.gpt)
-        module = Float16Module(tconfig, self.gpt) if dtype != torch.float32 else self.gpt
-        restore_router_buffers(router_buffers)  # fp32, as megatron's router and transformers keep them
+        to_bf16 = lambda: Float16Module(tconfig, self.gpt)  # noqa: E731
+        module = self.gpt if dtype == torch.float32 else keep_routers_fp32(self.gpt, to_bf16)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=True)
         self.ddp = DistributedDataParallel(tconfig, ddp_config, module)
