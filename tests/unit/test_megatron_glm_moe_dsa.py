@@ -86,7 +86,8 @@ def test_describe_reads_glm5():
     assert arch.shared_expert_ffn_hidden_size == 32 and arch.router_expert_bias
     assert arch.router_score_function == "sigmoid" and arch.router_topk_scaling_factor == 2.5
     assert arch.router_num_groups is None and arch.num_query_groups == 4 and not arch.tied_embeddings
-    assert mla.indexer_layers == (True, True, False, True) and (mla.index_topk_freq, mla.index_skip_topk_offset) == (2, 2)
+    assert mla.indexer_layers == (True, True, False, True)
+    assert (mla.index_topk_freq, mla.index_skip_topk_offset) == (2, 2)
     assert mla.mtp_layers == 1 and mla.qk_head_dim == 12
 
 
