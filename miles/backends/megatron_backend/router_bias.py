@@ -7,7 +7,8 @@ optimizer step the bias moves by ``config.moe_router_bias_update_rate`` towards 
 data-parallel ranks first, so every rank applies the same update). The counts are cleared at the start of
 each step, so a skipped step leaves the bias exactly as it was. The bias is an fp32 buffer, not a
 parameter: no optimizer state, and the HF export carries it as ``e_score_correction_bias``.
-:func:`keep_routers_fp32` keeps these routers' weight, bias and counts fp32 under a bf16 model.
+:func:`routers_to_fp32` (before loading) and :func:`keep_routers_fp32` (around the bf16 cast) keep these
+routers' weight, bias and counts fp32 in a bf16 model.
 """
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ def step_router_expert_bias(model: torch.nn.Module, update_rate: float) -> int:
 
 
 
+def routers_to_fp32(model: torch.nn.Module) -> None:
+    """Cast the routers that have an expert bias (weight, bias, token counts) to fp32 in place: before the
+    weights are loaded, so that fp32 checkpoint values (transformers keeps GLM-5's router fp32, the
+    trainer's checkpoints hold its fp32 router) land unrounded."""
+    for router in _routers(model):
+        router.weight.data = router.weight.data.float()
+        router.expert_bias = router.expert_bias.float()  # assigning a registered buffer replaces it
+        router.local_tokens_per_expert = router.local_tokens_per_expert.float()
+
+
 def keep_routers_fp32(model: torch.nn.Module, cast: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     """``cast()`` (megatron's ``Float16Module``, which casts every param and buffer to bf16), with the routers
     that have an expert bias kept in fp32 as transformers keeps GLM-5's: the router weight (then a native-fp32
@@ -55,6 +66,6 @@ def keep_routers_fp32(model: torch.nn.Module, cast: Callable[[], torch.nn.Module
     wrapped = cast()
     for router, weight, bias, counts in saved:
         router.weight.data = weight
-        router.expert_bias = bias  # assigning a registered buffer replaces it in the module's buffers
+        router.expert_bias = bias
         router.local_tokens_per_expert = counts
     return wrapped

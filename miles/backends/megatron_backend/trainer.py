@@ -32,7 +32,7 @@ from .convert import hf_moe_layout, hf_to_megatron, iter_megatron_to_hf
 from .expert_gather import gather_layer_experts
 from .grad_buffers import GradBuffers
 from .model import build_gpt_model
-from .router_bias import clear_router_token_counts, keep_routers_fp32, step_router_expert_bias
+from .router_bias import clear_router_token_counts, keep_routers_fp32, routers_to_fp32, step_router_expert_bias
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,7 @@ class MegatronTrainer(TrainBackend):
         if tconfig.moe_router_enable_expert_bias:
             self.router_bias_update_rate = tconfig.moe_router_bias_update_rate
         self.gpt.cuda()
+        routers_to_fp32(self.gpt)  # routers with an expert bias train in fp32 (router_bias.py)
         self._load_hf_state(hf_state)  # before DDP: its param buffer takes the values over
         to_bf16 = lambda: Float16Module(tconfig, self.gpt)  # noqa: E731
         module = self.gpt if dtype == torch.float32 else keep_routers_fp32(self.gpt, to_bf16)
