@@ -212,3 +212,25 @@ def test_the_planners_count_is_the_trained_models(preset):
         config, hf = tiny_glm()
         mcore = hf_to_megatron(hf, config)
         assert planned == sum(v.numel() for k, v in mcore.items() if not k.endswith("expert_bias"))
+
+
+def test_a_checkpoints_mtp_layer_does_not_reach_the_conversion(tmp_path):
+    """A GLM-5 folder holds its multi-token-prediction layer as model.layers.{num_hidden_layers}.*; transformers
+    leaves it out of the loaded model, so the trainer's conversion never sees it (it is not trained)."""
+    from safetensors.torch import load_file, save_file
+
+    config, _ = tiny_glm()
+    torch.manual_seed(0)
+    transformers.GlmMoeDsaForCausalLM(config).save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    state = load_file(path)
+    n = config.num_hidden_layers
+    mtp = {k.replace("model.layers.1.", f"model.layers.{n}."): v.clone() for k, v in state.items()
+           if k.startswith("model.layers.1.")}
+    mtp.update({f"model.layers.{n}.{name}.weight": torch.ones(config.hidden_size) for name in ("enorm", "hnorm")})
+    save_file({**state, **mtp}, path, metadata={"format": "pt"})
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    hf = loaded.state_dict()
+    assert not any(k.startswith(f"model.layers.{n}.") for k in hf)
+    back = megatron_to_hf(hf_to_megatron(hf, loaded.config), loaded.config, hf_moe_layout="fused")
+    assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
