@@ -234,3 +234,19 @@ def test_a_checkpoints_mtp_layer_does_not_reach_the_conversion(tmp_path):
     assert not any(k.startswith(f"model.layers.{n}.") for k in hf)
     back = megatron_to_hf(hf_to_megatron(hf, loaded.config), loaded.config, hf_moe_layout="fused")
     assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def test_the_embedded_engine_decodes_glm5_with_the_dynamic_cache():
+    """The engine's static decoder runs plain causal (packed-GQA) attention: for GLM-5 it would ignore the
+    indexer's top-k, so GLM-5 decodes with transformers' own dynamic cache, and asking for the static
+    one is refused."""
+    from miles.models import build_tiny_tokenizer
+    from miles.rollout import decode
+    from miles.rollout.embedded import EmbeddedRolloutEngine
+
+    config, _ = tiny_glm()
+    torch.manual_seed(0)
+    model = transformers.GlmMoeDsaForCausalLM(config)
+    assert not decode.supports_static_cache(model)
+    with pytest.raises(ValueError, match="sparse"):
+        EmbeddedRolloutEngine(model=model, tokenizer=build_tiny_tokenizer(), device="cpu", static_cache=True)
