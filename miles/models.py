@@ -457,11 +457,12 @@ RANDOM_MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "glm5-2b": dict({k: v for k, v in GLM5_2B_RANDOM.items() if k != "vocab_size"}, rms_norm_eps=1e-5),
     # Tiny versions, for tests. glm5-tiny's indexer keeps 16 tokens (longer sequences attend sparsely) and
     # its last layer reuses the previous layer's top-k (index_topk_freq 2, offset 2: indexer_types full,
-    # full, shared).
+    # full, shared). 8 indexer heads: with 2, a quarter of the keys score exactly 0 after the relu, and the
+    # top-k's ties at its boundary are broken differently by a full forward and a cached decode step.
     "glm5-tiny": dict(model_type="glm_moe_dsa", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                       num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
                       q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                      index_n_heads=2, index_head_dim=16, index_topk=16, index_topk_freq=2, index_skip_topk_offset=2,
+                      index_n_heads=8, index_head_dim=16, index_topk=16, index_topk_freq=2, index_skip_topk_offset=2,
                       n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.5,
                       n_group=1, topk_group=1, norm_topk_prob=True, rms_norm_eps=1e-5, tie_word_embeddings=False),
     "llama-tiny": dict(model_type="llama", **TINY_MODEL_CONFIG),

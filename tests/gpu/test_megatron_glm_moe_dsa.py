@@ -60,11 +60,9 @@ def _perturbed(model):
 
 
 def _tiny_hf(index_topk: int):
-    """glm5-tiny with 8 indexer heads: with its 2, a quarter of the keys score exactly 0 after the relu, and
-    top-k ties at the boundary would be broken differently by two correct implementations."""
     spec = {k: v for k, v in RANDOM_MODEL_PRESETS["glm5-tiny"].items() if k != "model_type"}
     config = transformers.GlmMoeDsaConfig(**{**spec, "vocab_size": 256, "index_topk": index_topk,
-                                             "index_n_heads": 8, "max_position_embeddings": 256})
+                                             "max_position_embeddings": 256})
     assert config.indexer_types == ["full", "full", "shared"] and config.mlp_layer_types[0] == "dense"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
