@@ -10,10 +10,12 @@ scaling, shared experts, a non-SiLU activation) is rejected here with the config
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-if TYPE_CHECKING:
-    from .glm_moe_dsa import MlaDsa
+from .errors import UnsupportedModelError
+from .glm_moe_dsa import MlaDsa, describe_glm_moe_dsa
+
+__all__ = ["Architecture", "describe", "UnsupportedModelError", "SUPPORTED_MODEL_TYPES"]
 
 # model_type -> which optional pieces the family has
 _FAMILIES = {
@@ -23,14 +25,10 @@ _FAMILIES = {
     "qwen3_moe": dict(qkv_bias=False, qk_norm=True, moe=True),
     "mixtral": dict(qkv_bias=False, qk_norm=False, moe=True),
 }
-# model_type -> module:function that describes a family with its own module (the function returns the
-# Architecture's keyword arguments; it gets the config and its rope theta)
-_OWN_MODULES = {"glm_moe_dsa": "glm_moe_dsa:describe_glm_moe_dsa"}
+# model_type -> the describe function of a family with its own module (it returns the Architecture's keyword
+# arguments, from the config and its rope theta)
+_OWN_MODULES = {"glm_moe_dsa": describe_glm_moe_dsa}
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES) + tuple(_OWN_MODULES)
-
-
-class UnsupportedModelError(ValueError):
-    """A transformers config the Megatron backend cannot build exactly (the message says which field)."""
 
 
 @dataclass(frozen=True)
@@ -103,14 +101,10 @@ def _reject(hf_config: Any, field: str, bad: Any, why: str) -> None:
 
 
 def _describe_with_own_module(hf_config: Any, model_type: str) -> Architecture:
-    import importlib
-
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"hidden_act={act!r}: the Megatron backend builds SwiGLU MLPs (silu) only")
-    module, function = _OWN_MODULES[model_type].split(":")
-    describe_family = getattr(importlib.import_module(f"{__package__}.{module}"), function)
-    return Architecture(**describe_family(hf_config, _rope_theta(hf_config)))
+    return Architecture(**_OWN_MODULES[model_type](hf_config, _rope_theta(hf_config)))
 
 
 def describe(hf_config: Any) -> Architecture:

@@ -30,7 +30,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .architecture import UnsupportedModelError
+from .errors import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
