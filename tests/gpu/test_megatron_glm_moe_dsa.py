@@ -149,6 +149,12 @@ def test_glm_streamed_training_is_bit_identical_to_resident(tmp_path, glm_folder
 
     streamed = _trainer(_config(tmp_path / "streamed", glm_folder, stream=True))
     assert streamed.store is not None and streamed.info()["store"]["num_buckets"] >= 2
+    # the fp32 router weights are native-fp32 params: Megatron keeps no master for them, the store's
+    # resident Adam steps them (miles_plugins/optimizers/streaming/bind/megatron_optimizer.py)
+    members = getattr(streamed.optimizer, "chained_optimizers", [streamed.optimizer])
+    native_fp32 = sum(p.numel() for m in members for g in getattr(m, "shard_fp32_groups", []) for p in g)
+    routers = [layer.mlp.router.weight for layer in streamed.gpt.decoder.layers if hasattr(layer.mlp, "router")]
+    assert native_fp32 == sum(w.numel() for w in routers) > 0 and all(w.dtype == torch.float32 for w in routers)
     metrics = _run(streamed, range(3))
     weights = streamed.export_weights()
     streamed.shutdown()
