@@ -212,17 +212,21 @@ def use_packed_gqa_attention(model: torch.nn.Module) -> None:
     model.set_attn_implementation(PACKED_GQA_SDPA)
 
 
-_ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+# Layer types whose attention is plain causal softmax over the (possibly windowed) past: what the static
+# decoder's packed-GQA attention computes. Others (GLM-5's "indexed_attention" / "deepseek_sparse_attention",
+# whose indexer picks each query's keys; linear attention) decode with transformers' dynamic cache.
+_STATIC_DECODER_LAYER_TYPES = frozenset(("full_attention", "sliding_attention"))
 
 
 def supports_static_cache(model: torch.nn.Module) -> bool:
-    """Whether every layer attends to the whole past (the static decoder's mask is plain causal) through a
-    key/value cache: not a model with sliding-window layers, nor one with recurrent layers (Qwen3.5's Gated
-    DeltaNet ``layer_types`` "linear_attention"), whose conv and recurrent states the static decoder does
-    not model; those decode with transformers' own cache (:class:`DynamicCacheDecoder`)."""
+    """Whether every layer attends to the whole past with plain causal attention (the static decoder's mask
+    is plain causal, its attention function dense): not sliding-window layers, nor GLM-5's indexed (DSA)
+    layers, nor recurrent ones (Qwen3.5's Gated DeltaNet "linear_attention", whose conv and recurrent states
+    the static decoder does not model); those decode with transformers' own cache (:class:`DynamicCacheDecoder`)."""
     from transformers import StaticCache
 
-    if set(getattr(model.config, "layer_types", None) or ()) - _ATTENTION_LAYER_TYPES:
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or ()
+    if set(layer_types) - _STATIC_DECODER_LAYER_TYPES:
         return False
     return not any(StaticCache(config=model.config, max_cache_len=1).is_sliding)
 

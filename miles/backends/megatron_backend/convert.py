@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from . import glm_moe_dsa
 from .architecture import Architecture, describe
 from .families import qwen3_5_moe
 
@@ -113,13 +114,11 @@ def _canonical_router(layer: int) -> str:
     return f"model.layers.{layer}.mlp.gate.weight"
 
 
-def _layer_rules(arch: Architecture, i: int, fused_norms: bool) -> list[_Rule]:
-    if arch.linear_attention is not None:  # Qwen3.5's hybrid layers: families/qwen3_5_moe.py
-        if fused_norms:
-            raise ValueError(f"{arch.model_type} is built with its own layer spec, whose norms are never fused "
-                             "into the linear layers: convert with fused_norms=False")
-        return [_Rule(*rule) for rule in qwen3_5_moe.layer_rules(arch, i)] + _routed_expert_rules(arch, i)
+def _attention_rules(arch: Architecture, i: int, fused_norms: bool) -> list[_Rule]:
     hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+    if arch.mla_dsa is not None:  # GLM-5: its own names, all unchanged layouts; the input norm is never fused
+        return [_Rule((hf + "input_layernorm.weight",), mc + "input_layernorm.weight"),
+                *(_Rule((h,), m) for h, m in glm_moe_dsa.attention_names(arch.mla_dsa, i))]
     attn = hf + "self_attn."
     qkv = lambda ts: qkv_to_megatron(*ts, arch)  # noqa: E731
     unqkv = lambda t: list(qkv_to_hf(t, arch))  # noqa: E731
@@ -135,6 +134,18 @@ def _layer_rules(arch: Architecture, i: int, fused_norms: bool) -> list[_Rule]:
     if arch.qk_norm:
         rules += [_Rule((attn + "q_norm.weight",), mc + "self_attention.q_layernorm.weight"),
                   _Rule((attn + "k_norm.weight",), mc + "self_attention.k_layernorm.weight")]
+    return rules
+
+
+def _layer_rules(arch: Architecture, i: int, fused_norms: bool) -> list[_Rule]:
+    if arch.linear_attention is not None:  # Qwen3.5's hybrid layers: families/qwen3_5_moe.py
+        if fused_norms:
+            raise ValueError(f"{arch.model_type} is built with its own layer spec, whose norms are never fused "
+                             "into the linear layers: convert with fused_norms=False")
+        return [_Rule(*rule) for rule in qwen3_5_moe.layer_rules(arch, i)] + _routed_expert_rules(arch, i)
+    hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+    rules = _attention_rules(arch, i, fused_norms)
+    fused_norms = fused_norms and arch.mla_dsa is None  # the DSA spec keeps every norm separate
     moe = arch.is_moe_layer(i)
     pre_mlp = "mlp.linear_fc1.layer_norm_weight" if fused_norms and not moe else "pre_mlp_layernorm.weight"
     rules.append(_Rule((hf + "post_attention_layernorm.weight",), mc + pre_mlp))
@@ -144,6 +155,13 @@ def _layer_rules(arch: Architecture, i: int, fused_norms: bool) -> list[_Rule]:
                   _cat_rows, _halves),
             _Rule((hf + "mlp.down_proj.weight",), mc + "mlp.linear_fc2.weight"),
         ]
+    if arch.router_expert_bias:  # DeepSeek-V3 / GLM-5 name; an fp32 buffer on both sides
+        rules.append(_Rule((hf + "mlp.gate.e_score_correction_bias",), mc + "mlp.router.expert_bias"))
+    if arch.shared_expert_ffn_hidden_size:  # DeepSeek-V3 / GLM-5 names: one SwiGLU for all shared experts
+        shared = hf + "mlp.shared_experts."
+        rules += [_Rule((shared + "gate_proj.weight", shared + "up_proj.weight"),
+                        mc + "mlp.shared_experts.linear_fc1.weight", _cat_rows, _halves),
+                  _Rule((shared + "down_proj.weight",), mc + "mlp.shared_experts.linear_fc2.weight")]
     return rules + _routed_expert_rules(arch, i)
 
 

@@ -5,7 +5,8 @@
 Engine's when ``transformer_engine`` imports, else the local spec (torch RMSNorm) with torch's fused
 scaled_dot_product_attention in place of its unfused attention;
 ``uses_te_spec`` says which, because the weight layout of the norms differs (see ``convert.py``).
-Qwen3.5-MoE always gets its own spec (``families/qwen3_5_moe_layers.py``), never TE's.
+Qwen3.5-MoE always gets its own spec (``families/qwen3_5_moe_layers.py``), never TE's; GLM-5 (multi-latent
+attention + DSA) always gets ``local_dsa_spec``'s spec (no Transformer Engine).
 """
 
 from __future__ import annotations
@@ -20,11 +21,16 @@ from miles.parallel.layout import ParallelLayout
 
 from .architecture import UnsupportedModelError, describe
 from .families import qwen3_5_moe
+from .glm_moe_dsa import log_left_out_mtp, mla_dsa_config_kwargs
 from .sdpa_attention import SDPACoreAttention, with_core_attention
 from .tp_shards import padded_vocab_size
 
 __all__ = ["transformer_config_from_hf", "gpt_model_kwargs", "te_available", "build_gpt_model",
-           "native_fp32_param_names"]
+           "native_fp32_param_names", "ROUTER_BIAS_UPDATE_RATE"]
+
+# The aux-loss-free balancing step of a router's expert bias per optimizer step (DeepSeek-V3's gamma,
+# megatron-core's default): bias += rate * sign(mean load - expert load), after each applied step.
+ROUTER_BIAS_UPDATE_RATE = 1e-3
 
 
 def transformer_config_from_hf(hf_config: Any, *, params_dtype: torch.dtype, expert_model_parallel_size: int = 1,
@@ -74,6 +80,8 @@ def transformer_config_from_hf(hf_config: Any, *, params_dtype: torch.dtype, exp
         kwargs.update(_moe_kwargs(arch, expert_model_parallel_size))
     if arch.linear_attention is not None:  # Qwen3.5's Gated DeltaNet layers, gated attention, shared expert
         kwargs.update(qwen3_5_moe.transformer_config_kwargs(arch))
+    if arch.mla_dsa is not None:
+        kwargs.update(mla_dsa_config_kwargs(arch.mla_dsa, arch.rope_theta))
     return kwargs
 
 
@@ -96,17 +104,26 @@ def _moe_kwargs(arch, expert_model_parallel_size: int) -> dict[str, Any]:
     if arch.moe_topk == 1 and arch.moe_renormalize:
         raise UnsupportedModelError("top-1 routing with renormalized probabilities (weight 1.0 per token) has no "
                                     "megatron-core router equivalent; use a top-k >= 2 model")
+    sigmoid = arch.router_score_function == "sigmoid"
     return dict(
         num_moe_experts=arch.num_experts,
         moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
         moe_router_topk=arch.moe_topk,
         moe_layer_freq=1 if all(arch.moe_layers) else [int(m) for m in arch.moe_layers],
-        # HF: softmax over all experts, top-k, then (Mixtral, Qwen3-MoE norm_topk_prob) renormalize, which
-        # equals softmax over the top-k logits: Megatron's default (pre_softmax False). Without
-        # renormalization the top-k softmax values are used as they are: pre_softmax True.
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not arch.moe_renormalize,
-        moe_router_enable_expert_bias=False,  # neither family has a routing bias
+        # HF softmax routers: softmax over all experts, top-k, then (Mixtral, Qwen3-MoE norm_topk_prob)
+        # renormalize, which equals softmax over the top-k logits: Megatron's default (pre_softmax False).
+        # Without renormalization the top-k softmax values are used as they are: pre_softmax True.
+        # Sigmoid routers (GLM-5) renormalize the chosen sigmoid scores (describe refuses them otherwise).
+        moe_router_score_function=arch.router_score_function,
+        moe_router_pre_softmax=not arch.moe_renormalize and not sigmoid,
+        moe_router_enable_expert_bias=arch.router_expert_bias,
+        moe_router_bias_update_rate=ROUTER_BIAS_UPDATE_RATE,
+        moe_router_topk_scaling_factor=arch.router_topk_scaling_factor,
+        moe_router_num_groups=arch.router_num_groups,
+        moe_router_group_topk=arch.router_group_topk,
+        # GLM-5's router computes its logits in fp32 (transformers casts input and weight)
+        moe_router_dtype="fp32" if sigmoid else None,
+        moe_shared_expert_intermediate_size=arch.shared_expert_ffn_hidden_size,
         # HF's forward adds no load-balancing loss unless output_router_logits; RL follows the policy's loss.
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
@@ -155,11 +172,23 @@ def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype, expert_model_p
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    use_te = te_available() if use_te is None else use_te
     kwargs = transformer_config_from_hf(hf_config, params_dtype=params_dtype,
                                         expert_model_parallel_size=expert_model_parallel_size, layout=layout,
                                         sequence_parallel=sequence_parallel)
-    hybrid = kwargs.get("experimental_attention_variant") == "gated_delta_net"  # Qwen3.5: its own spec, never TE's
+    arch = describe(hf_config)
+    pp = layout.pp if layout else 1
+    stage = dict(pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
+                 **gpt_model_kwargs(hf_config, layout.tp if layout else 1))
+    if arch.mla_dsa is not None:  # GLM-5: megatron's DSA, built without Transformer Engine
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        from .local_dsa_spec import dsa_decoder_block_spec
+
+        config = MLATransformerConfig(**kwargs)
+        log_left_out_mtp(arch.mla_dsa)
+        return GPTModel(config, dsa_decoder_block_spec(config), **stage), config, False
+    use_te = te_available() if use_te is None else use_te
+    hybrid = arch.linear_attention is not None  # Qwen3.5: its own spec, never TE's
     if hybrid:
         from .families import qwen3_5_moe_layers
 
@@ -171,7 +200,4 @@ def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype, expert_model_p
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
         if not use_te and fused_attention:
             spec = with_core_attention(spec, SDPACoreAttention)
-    pp = layout.pp if layout else 1
-    model = GPTModel(config, spec, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
-                     **gpt_model_kwargs(hf_config, layout.tp if layout else 1))
-    return model, config, use_te
+    return GPTModel(config, spec, **stage), config, use_te

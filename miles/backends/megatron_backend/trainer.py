@@ -35,6 +35,7 @@ from .grad_buffers import GradBuffers
 from .logprobs import LogprobRequest, output_logprobs
 from .model import build_gpt_model, native_fp32_param_names
 from .model_parallel import ModelParallelRank, initialize
+from .router_bias import clear_router_token_counts, keep_routers_fp32, routers_to_fp32, step_router_expert_bias
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class MegatronTrainer(TrainBackend):
         self.ep_rank = 0
         self.parallel: Optional[ModelParallelRank] = None  # this rank's TP/PP place (model_parallel.py)
         self._model_view: Optional[HFModelView] = None
+        self.router_bias_update_rate: Optional[float] = None  # set for routers with an expert bias (router_bias.py)
 
     # ---- setup --------------------------------------------------------------------------------
     def check_config(self) -> None:
@@ -124,9 +126,13 @@ class MegatronTrainer(TrainBackend):
             self.hf_config, params_dtype=dtype, expert_model_parallel_size=self.ep_size,
             layout=self.config.parallel_layout, sequence_parallel=self.config.training.sequence_parallel,
             pp_rank=self.parallel.pp_rank)
+        if tconfig.moe_router_enable_expert_bias:
+            self.router_bias_update_rate = tconfig.moe_router_bias_update_rate
         self.gpt.cuda()
+        routers_to_fp32(self.gpt)  # routers with an expert bias train in fp32 (router_bias.py)
         self._load_hf_state(hf_state)  # before DDP: its param buffer takes the values over
-        module = Float16Module(tconfig, self.gpt) if dtype != torch.float32 else self.gpt
+        to_bf16 = lambda: Float16Module(tconfig, self.gpt)  # noqa: E731
+        module = self.gpt if dtype == torch.float32 else keep_routers_fp32(self.gpt, to_bf16)
         for name in native_fp32_param_names(self.gpt, self.hf_config):  # after Float16Module's cast, before DDP
             param = self.gpt.get_parameter(name)
             param.data = param.data.float()
@@ -214,6 +220,8 @@ class MegatronTrainer(TrainBackend):
     def zero_grads(self) -> None:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.router_bias_update_rate is not None:  # a skipped step's token counts must not reach the bias
+            clear_router_token_counts(self.gpt)
 
     def policy_gradient(self, samples: list, advantages: list[float], **loss: Any) -> list[float]:
         if self.parallel.layout.pp == 1:
@@ -247,6 +255,8 @@ class MegatronTrainer(TrainBackend):
         if not ok:
             raise RuntimeError(f"rollout {rollout_id}: the Megatron optimizer skipped its step (non-finite grads)")
         self.scheduler.step(1)
+        if self.router_bias_update_rate is not None:
+            step_router_expert_bias(self.gpt, self.router_bias_update_rate)
         return float(grad_norm) if grad_norm is not None else float("nan")
 
     # ---- checkpoints --------------------------------------------------------------------------

@@ -132,6 +132,5 @@ def transformer_config_kwargs(arch: Architecture) -> dict[str, Any]:
         linear_num_key_heads=gdn.num_key_heads,
         linear_num_value_heads=gdn.num_value_heads,
         attention_output_gate=arch.attention_output_gate,
-        moe_shared_expert_intermediate_size=arch.shared_expert_ffn_hidden_size,
         moe_shared_expert_gate=arch.shared_expert_gate,
     )
