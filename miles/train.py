@@ -251,6 +251,19 @@ class _Loop:
         self.sink, self.state = sink, state
         self.pending = None  # a checkpoint whose streamed optimizer state is still being copied
         self.skipped_in_a_row = 0  # rollouts since the last applied optimizer step
+        # the most KV cache an engine reported freeing at a release (the sleep plan leaves the device room
+        # for it); None: not measured (not colocated, or an engine that does not say: sglang)
+        self.engine_kv_bytes: Optional[int] = None
+
+    def note_engine_kv(self, released: list) -> None:
+        """Keep the largest KV cache the engines freed; an engine that reports 0 (sglang does not say)
+        leaves it unmeasured, so the sleep plan assumes the engine may take the whole device."""
+        from miles.rollout.contract import KV_CACHE
+
+        if self.config.rollout.rollout_engine != "embedded":
+            return
+        seen = max((int(r.get(KV_CACHE, 0)) for r in released if isinstance(r, dict)), default=0)
+        self.engine_kv_bytes = max(seen, self.engine_kv_bytes or 0)
 
     def run(self, rollout_ids) -> None:
         num_rollout = self.config.rollout.num_rollout
@@ -334,7 +347,7 @@ class _Loop:
             samples, rewards, advantages = self.generate(rollout_id)
         with timed("engine_release_seconds"):
             if colocate:
-                self.rollout.release_memory([WEIGHTS, KV_CACHE])
+                self.note_engine_kv(self.rollout.release_memory([WEIGHTS, KV_CACHE]))
         with timed("wake_seconds"):
             wake = self.train_group.wake() if offload else []
         with timed("train_seconds"):
@@ -347,7 +360,7 @@ class _Loop:
         with timed("weight_sync_seconds"):
             handoff = self.weight_sync.push(rollout_id + 1)
         with timed("sleep_seconds"):
-            sleep = self.train_group.sleep() if offload else []
+            sleep = self.train_group.sleep(self.engine_kv_bytes) if offload else []
         with timed("engine_resume_seconds"):
             if colocate:
                 self.rollout.resume_memory([KV_CACHE])

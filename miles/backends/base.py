@@ -45,6 +45,8 @@ from miles import checkpoint
 from miles.config import RunConfig, store_config
 from miles.models import torch_dtype
 from miles.offload import make_offloader
+from miles.offload.plan import OTHER, PLAN_AUTO, Group
+from miles.offload.planned import PlannedOffloader
 from miles.process_memory import peak_rss_bytes
 from miles.rl.loss import accumulate_policy_gradient, training_input_problem
 from miles_plugins.optimizers.nvme_stream import StepStats, StoreGroup, stream_optimizer_state
@@ -149,6 +151,7 @@ class TrainBackend(abc.ABC):
         self.store = None
         self.offloader = None  # the sleep/wake offloader when --offload-train (miles.offload)
         self.weight_group = None  # the weight-update group, when this rank is its source
+        self.engine_kv_bytes: Optional[int] = None  # the engine's KV pool, as the last sleep was told
         self.init_info: dict[str, Any] = {}
         self.closed = False
 
@@ -191,6 +194,9 @@ class TrainBackend(abc.ABC):
         if self.config.trainer_offload_to_disk and self.rank_dir is None:
             raise RuntimeError("--offload-train-target=disk needs the rank directory: build the trainer with "
                                "rank_dir=config.paths.rank_dir(cell, rank)")
+        if offload.offload_train_plan == PLAN_AUTO:  # what moves is decided at each sleep (miles.offload.plan)
+            return PlannedOffloader(offload.target, self.rank_dir, offload.offload_train_disk_chunk_mb,
+                                    run_id=self.config.run_id, lock=self.rank_dir_lock)
         return make_offloader(offload.offload_train_target, self.rank_dir, offload.offload_train_disk_chunk_mb,
                               self.device.type, run_id=self.config.run_id, lock=self.rank_dir_lock)
 
@@ -343,26 +349,45 @@ class TrainBackend(abc.ABC):
                                                load_optimizer=load_optimizer)
 
     # ---- sleep / wake -------------------------------------------------------------------------
-    def sleep(self) -> dict[str, Any]:
-        """Step aside for the rollout engine: offload weights, grads, optimizer state (idempotent)."""
+    def sleep(self, engine_kv_bytes: Optional[int] = None) -> dict[str, Any]:
+        """Step aside for the rollout engine (idempotent). ``--offload-train-plan auto``: move only what the
+        engine's ``engine_kv_bytes`` (its KV pool; None: not measured, taken as the whole device, or the last
+        value given) needs, each tensor by its cheapest exact way back (:mod:`miles.backends.planned_sleep`);
+        ``offload-all``: offload weights, grads and resident optimizer state to the target."""
+        from miles.backends.planned_sleep import offload_all_split, sleep_by_plan
+
         store_wait = settle_store_for_sleep(self.store, self.config.optimizer.stream_optimizer_state_flush_at_sleep)
         if self.offloader is None:
             return {"rank": self.rank, "skipped": True, "reason": "--offload-train is off", **store_wait}
+        if engine_kv_bytes is not None:
+            self.engine_kv_bytes = engine_kv_bytes
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
         released = self.before_offload()
-        stats = self.offloader.sleep(self.offload_tensors())
+        if isinstance(self.offloader, PlannedOffloader):
+            if cuda:
+                torch.cuda.empty_cache()  # the plan measures free device memory: freed blocks count as free
+            moved = sleep_by_plan(self, self.engine_kv_bytes)
+        else:
+            stats = self.offloader.sleep(self.offload_tensors())
+            moved = {**offload_stats(stats), **offload_all_split("sleep", stats.target, stats.bytes, stats.skipped)}
         if cuda:
             torch.cuda.empty_cache()
-        return {"rank": self.rank, **offload_stats(stats), **released, **self.asleep_report(), **store_wait}
+        return {"rank": self.rank, **moved, **released, **self.asleep_report(), **store_wait}
 
     def wake(self) -> dict[str, Any]:
         """Undo :meth:`sleep`, bit-exactly (idempotent)."""
+        from miles.backends.planned_sleep import offload_all_split, wake_by_plan
+
         if self.offloader is None:
             return {"rank": self.rank, "skipped": True, "reason": "--offload-train is off"}
-        stats = self.offloader.wake()
-        return {"rank": self.rank, **offload_stats(stats), **self.after_wake()}
+        if isinstance(self.offloader, PlannedOffloader):
+            moved = wake_by_plan(self)
+        else:
+            stats = self.offloader.wake()
+            moved = {**offload_stats(stats), **offload_all_split("wake", stats.target, stats.bytes, stats.skipped)}
+        return {"rank": self.rank, **moved, **self.after_wake()}
 
     # ---- teardown -----------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -484,6 +509,19 @@ class TrainBackend(abc.ABC):
     @abc.abstractmethod
     def offload_tensors(self) -> list[torch.Tensor]:
         """What the storage offloader backs up at sleep (torch_memory_saver pauses the whole process)."""
+
+    def sleep_groups(self) -> list[tuple[Group, list[torch.Tensor]]]:
+        """What the sleep plan decides over: groups of tensors with the sources that hold them too
+        (:class:`miles.offload.plan.Group`), weights first. Default: :meth:`offload_tensors` as one group
+        that nothing else holds."""
+        from miles.backends.planned_sleep import make_groups
+
+        return make_groups([("state", OTHER, self.offload_tensors(), {})])
+
+    def sleep_rebuilders(self) -> dict[str, Any]:
+        """``{way: callable}`` that rewrites at wake the groups the plan rebuilt (miles.offload.plan's
+        ``rebuild_from_masters`` / ``rebuild_from_engine``); none by default."""
+        return {}
 
     def asleep_report(self) -> dict[str, Any]:
         """At the end of sleep: what the backend reports of the device while asleep."""

@@ -317,6 +317,9 @@ class OptimizerConfig:
                                 "since no backend here implements it.")
 
 
+OFFLOAD_TRAIN_PLANS = ("auto", "offload-all")  # --offload-train-plan; miles.offload.plan decides by it
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     """Trainer offload while the rollout engine runs ("sleep")."""
@@ -329,6 +332,13 @@ class OffloadConfig:
     offload_train_target: Optional[str] = knob(
         None, "Where trainer offload puts its memory (default: cpu).", choices=("cpu", "disk")
     )
+    offload_train_plan: str = knob(
+        "auto", "How a sleeping trainer makes room (docs/advanced/disk-offload.md, 'The sleep plan'): auto moves "
+        "only what must move, each tensor by its cheapest exact way back (kept on the device when it fits beside "
+        "the engine's KV pool, rebuilt from the optimizer store's masters in host RAM, grads discarded, the rest "
+        "to host RAM, then to --offload-train-target); offload-all writes every weight and resident optimizer "
+        "tensor to --offload-train-target at every sleep (the behaviour before the plan; for comparison).",
+        choices=OFFLOAD_TRAIN_PLANS)
     offload_train_disk_dir: Optional[str] = knob(
         None,
         "Root directory of everything on disk (default: a per-run directory under $SCRATCH or the "

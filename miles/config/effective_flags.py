@@ -54,6 +54,7 @@ RULES: tuple[EffectRule, ...] = (
                lambda d: ("trainer offload does not go to disk (the streamed state's chunk is "
                           "--stream-optimizer-state-chunk-mb)", "add --offload-train-target=disk")),
     EffectRule("offload_train_target", lambda d: d.trainer_offload, _offload_off),
+    EffectRule("offload_train_plan", lambda d: d.trainer_offload, _offload_off),
     *(EffectRule(name, lambda d: d.optimizer.optimizer == "adam",
                  lambda d: (f"--optimizer {d.optimizer.optimizer} has no Adam terms", "use --optimizer adam"))
       for name in ("adam_beta1", "adam_beta2", "adam_eps")),

@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from miles.config.arguments import OFFLOAD_TRAIN_PLANS
+
 KEEP = "keep"
 FROM_ENGINE = "rebuild_from_engine"
 FROM_MASTERS = "rebuild_from_masters"
@@ -42,9 +44,8 @@ GRADS = "grads"
 OPTIMIZER_STATE = "optimizer_state"
 OTHER = "other"  # buffers and what no other source holds
 
-PLAN_AUTO = "auto"
-PLAN_OFFLOAD_ALL = "offload-all"
-PLAN_MODES = (PLAN_AUTO, PLAN_OFFLOAD_ALL)
+PLAN_MODES = OFFLOAD_TRAIN_PLANS  # --offload-train-plan's values, named once in the config
+PLAN_AUTO, PLAN_OFFLOAD_ALL = PLAN_MODES
 
 # Device memory left free beyond the engine's KV pool: the caching allocator's fragmentation, the engine's
 # decode buffers and CUDA graphs. 1 GiB: measured residue of a released embedded engine is far below it.

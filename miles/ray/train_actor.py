@@ -93,8 +93,8 @@ class TrainActor:
         return self.trainer.load(base, load_optimizer)
 
     @reports_logs
-    def sleep(self) -> dict[str, Any]:
-        return self.trainer.sleep()
+    def sleep(self, engine_kv_bytes: Optional[int] = None) -> dict[str, Any]:
+        return self.trainer.sleep(engine_kv_bytes)
 
     @reports_logs
     def wake(self) -> dict[str, Any]:

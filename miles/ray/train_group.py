@@ -8,7 +8,7 @@ hang in a collective.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 from miles.config import RunConfig
 
@@ -73,8 +73,10 @@ class RayTrainGroup:
     def finish_save(self) -> list[Any]:
         return self._all("finish_save")
 
-    def sleep(self) -> list[dict[str, Any]]:
-        out = self._all("sleep")
+    def sleep(self, engine_kv_bytes: Optional[int] = None) -> list[dict[str, Any]]:
+        """``engine_kv_bytes``: what the colocated engine allocates after the trainer sleeps (None: not
+        measured; see :meth:`miles.backends.base.TrainBackend.sleep`)."""
+        out = self._all("sleep", engine_kv_bytes)
         self.asleep = True
         return out
 

@@ -160,6 +160,35 @@ class TorchTrainer(TrainBackend):
                 tensors += [v for v in state.values() if torch.is_tensor(v)]
         return tensors
 
+    def sleep_groups(self):
+        """Weights (rebuilt from the store's masters when it streams them), the rest of the model (buffers,
+        frozen params), grads (discarded), and the resident optimizer state (none when streamed)."""
+        from miles.backends.planned_sleep import make_groups
+        from miles.offload.plan import GRADS, OPTIMIZER_STATE, OTHER, WEIGHTS
+
+        params = list(self.model.parameters())
+        streams_mains = self.store is not None and all(s.streams_main for s in self.streamed_stores())
+        specs = [("weights", WEIGHTS, [p for p in params if p.requires_grad], {"from_masters": streams_mains}),
+                 ("model_other", OTHER, [p for p in params if not p.requires_grad] + list(self.model.buffers()), {}),
+                 ("grads", GRADS, [p.grad for p in params], {})]
+        if self.store is None:
+            opt = self.optimizer
+            state = [s.master for s in opt.shards]
+            state += [v for st in opt.inner.state.values() for v in st.values() if torch.is_tensor(v)]
+            specs.append(("optimizer_state", OPTIMIZER_STATE, state, {}))
+        return make_groups(specs)
+
+    def sleep_rebuilders(self):
+        from miles.offload.plan import FROM_MASTERS
+
+        return {FROM_MASTERS: self._weights_from_masters} if self.store is not None else {}
+
+    def _weights_from_masters(self) -> None:
+        """Weights <- the store's masters cast (this rank's shard), then every rank's shards all-gathered:
+        what the last step's publish and gather wrote."""
+        self.store.publish_mains()
+        self.optimizer.gather_params()
+
 
 class _DataParallelSGD:
     """--optimizer sgd on the torch backend: grads averaged over DP ranks, plain SGD on the params."""
