@@ -6,8 +6,7 @@ chose, wake brings every group back, bit-exactly.
     off.wake()                                      # re-allocates, reads back, then calls the rebuilders
 
 keep: nothing happens. discard / rebuild_from_engine / rebuild_from_masters: the storages are freed
-(``resize_(0)``) without a copy; wake re-allocates them at their old size (discarded ones zero-filled)
-and calls ``rebuilders[way]()``, which must rewrite every byte of its groups (the backend's: the store's
+(``resize_(0)``) without a copy; wake re-allocates them at their old size, zero-filled, and calls ``rebuilders[way]()``, which must rewrite every byte of its groups (the backend's: the store's
 masters published, or the engine's copy converted back). to_ram / to_disk: a
 :class:`~miles.offload.storage.StorageOffloader` of target ``cpu`` / ``disk`` each. A storage behind two
 groups belongs to the first (the backend lists weights first). Both calls are idempotent, as the other
@@ -107,11 +106,12 @@ class PlannedOffloader:
         if not self._asleep:
             return {"skipped": True}
         start = time.perf_counter()
-        for way, freed in self._freed.items():
+        for freed in self._freed.values():
             for s, nbytes in freed:
                 s.resize_(nbytes)
-                if way == DISCARD:
-                    s.fill_(0)
+                # defined bytes where a rebuild writes none (a param buffer's alignment padding, zeros
+                # when it was made) and the discarded grads' zeros
+                s.fill_(0)
         report = {"wake_from_ram": self._ram.wake().bytes,
                   "wake_from_disk": self._disk.wake().bytes if self._disk is not None else 0}
         for way in _REBUILT:

@@ -36,6 +36,7 @@ from .model import build_gpt_model
 logger = logging.getLogger(__name__)
 
 _EXTRA_STATE = "_extra_state"  # Transformer Engine metadata in state dicts, not a weight
+_LOW_PRECISION = (torch.bfloat16, torch.float16)  # param buffers whose masters the optimizer keeps in fp32
 
 
 class MegatronTrainer(TrainBackend):
@@ -233,6 +234,48 @@ class MegatronTrainer(TrainBackend):
                         tensors.append(p)
                         tensors += [v for v in member.optimizer.state.get(p, {}).values() if torch.is_tensor(v)]
         return [t for t in tensors if t is not None and t.is_cuda]
+
+    def sleep_groups(self):
+        """For the sleep plan: the bf16 param buffers (the weights: the store's masters cast, when it streams
+        them), the rest of the model (native-fp32 param buffers, params outside DDP's buffers, buffers), and
+        the optimizer state on the device (all of it when resident; the resident Adam's of native-fp32 params
+        when streamed). The grad buffers are not a group: :meth:`before_offload` drops them."""
+        from miles.backends.planned_sleep import make_groups
+        from miles.offload.plan import OPTIMIZER_STATE, OTHER, WEIGHTS
+
+        buffers = self.ddp.buffers + self.ddp.expert_parallel_buffers
+        low = [b.param_data for b in buffers if b.param_data is not None and b.param_data.dtype in _LOW_PRECISION]
+        streams_mains = self.store is not None and all(s.streams_main for s in self.streamed_stores())
+        other = [b.param_data for b in buffers if b.param_data is not None and b.param_data.dtype not in _LOW_PRECISION]
+        other += list(self.gpt.parameters()) + list(self.gpt.buffers())
+        specs = [("weights", WEIGHTS, low, {"from_masters": streams_mains}), ("model_other", OTHER, other, {}),
+                 ("optimizer_state", OPTIMIZER_STATE, self._device_optimizer_state(), {})]
+        return make_groups([(n, k, [t for t in ts if t is not None and t.is_cuda], src) for n, k, ts, src in specs])
+
+    def _device_optimizer_state(self) -> list[torch.Tensor]:
+        if self.store is None:
+            return [t for t in self.offload_tensors() if t.dtype == torch.float32]  # masters and moments
+        tensors = []
+        for store in self.streamed_stores():
+            adam = store.resident_adam.optimizer if store.resident_adam is not None else None
+            for state in (adam.state.values() if adam is not None else ()):
+                tensors += [v for v in state.values() if torch.is_tensor(v)]
+        return tensors
+
+    def sleep_rebuilders(self):
+        from miles.offload.plan import FROM_MASTERS
+
+        return {FROM_MASTERS: self._weights_from_masters} if self.store is not None else {}
+
+    def _weights_from_masters(self) -> None:
+        """The bf16 param buffers <- the store's masters cast (this rank's shards), then all-gathered over the
+        data-parallel ranks as the step's tail does (the binding's step_with_ready_grads)."""
+        self.store.publish_mains()
+        if self.world_size > 1:
+            for member in getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]:
+                if not member.is_stub_optimizer:
+                    member.start_param_sync_for_bucket_group_subset()
+        torch.cuda.synchronize()
 
     def before_offload(self) -> dict[str, Any]:
         # Before the offloader: torch_memory_saver must never see the grad buffers (grad_buffers.py).
