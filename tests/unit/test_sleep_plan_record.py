@@ -45,8 +45,9 @@ def test_record_sums_the_ranks_split_by_source():
     rec.pop("stream_read_gb")
     assert "sleep 5.61 (6.00 GB) wake 4.27 (42.0 GB)" in format_rollout_line(rec, 1000)  # room for the bytes
     rec.pop("weight_handoff_seconds")
+    rec.update(sleep_to_ram_bytes=6 * GB, sleep_to_disk_bytes=0, wake_from_ram_bytes=6 * GB, wake_from_disk_bytes=0)
     line = format_rollout_line(rec, 1000)  # room for the bytes and where they went
-    assert "sleep 5.61 (6.00 GB ram 4.00 disk 2.00) wake 4.27 (42.0 GB masters 36.0 ram 4.00 disk 2.00)" in line
+    assert "sleep 5.61 (6.00 GB ram) wake 4.27 (42.0 GB masters 36.0 ram 6.00)" in line
     assert len(line) <= ROLLOUT_LINE_WIDTH, (len(line), line)
 
 
