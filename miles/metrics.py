@@ -141,7 +141,7 @@ def _stream_record(ranks: list[dict], sleep: list[dict]) -> dict[str, Any]:
 _SLEEP_SPLIT = ("moved_bytes", "kept_bytes", "discarded_bytes", "to_ram_bytes", "to_disk_bytes",
                 "released_for_engine_bytes", "released_for_masters_bytes")
 _WAKE_SPLIT = ("moved_bytes", "from_ram_bytes", "from_disk_bytes", "rebuilt_from_engine_bytes",
-               "rebuilt_from_masters_bytes")
+               "rebuilt_from_masters_bytes", "masters_read_bytes")
 
 
 def _sleep_wake_record(sleep: list[dict], wake: list[dict]) -> dict[str, Any]:

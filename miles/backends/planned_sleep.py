@@ -9,7 +9,7 @@ What each call moved comes back in keys the rollout record sums (:mod:`miles.met
     sleep: moved_bytes (written to RAM or disk), kept_bytes, discarded_bytes, to_ram_bytes, to_disk_bytes,
            released_for_engine_bytes, released_for_masters_bytes, plan_need_bytes, plan_shortfall_bytes, plan_notes
     wake:  moved_bytes (copied back), from_ram_bytes, from_disk_bytes, rebuilt_from_engine_bytes,
-           rebuilt_from_masters_bytes
+           rebuilt_from_masters_bytes, masters_read_bytes (the fp32 masters read for them)
 """
 
 from __future__ import annotations
@@ -119,7 +119,9 @@ def wake_split(report: dict) -> dict[str, Any]:
     return {"moved_bytes": report["wake_from_ram"] + report["wake_from_disk"] + rebuilt,
             "from_ram_bytes": report["wake_from_ram"], "from_disk_bytes": report["wake_from_disk"],
             "rebuilt_from_engine_bytes": report[f"wake_{FROM_ENGINE}"],
-            "rebuilt_from_masters_bytes": report[f"wake_{FROM_MASTERS}"]}
+            "rebuilt_from_masters_bytes": report[f"wake_{FROM_MASTERS}"],
+            # what crossed host->device to rebuild them: the fp32 masters (twice the bf16 weights' bytes)
+            "masters_read_bytes": report[f"wake_{FROM_MASTERS}_read"]}
 
 
 def offload_all_split(action: str, target: str, nbytes: int, skipped: bool) -> dict[str, Any]:

@@ -7,7 +7,7 @@ chose, wake brings every group back, bit-exactly.
 
 keep: nothing happens. discard / rebuild_from_engine / rebuild_from_masters: the storages are freed
 (``resize_(0)``) without a copy; wake re-allocates them at their old size, zero-filled, and calls ``rebuilders[way]()``, which must rewrite every byte of its groups (the backend's: the store's
-masters published, or the engine's copy converted back). to_ram / to_disk: a
+masters published, or the engine's copy converted back) and returns the bytes it read to do so. to_ram / to_disk: a
 :class:`~miles.offload.storage.StorageOffloader` of target ``cpu`` / ``disk`` each. A storage behind two
 groups belongs to the first (the backend lists weights first). Both calls are idempotent, as the other
 offloaders'.
@@ -116,9 +116,9 @@ class PlannedOffloader:
                   "wake_from_disk": self._disk.wake().bytes if self._disk is not None else 0}
         for way in _REBUILT:
             nbytes = sum(n for _, n in self._freed.get(way, []))
-            if nbytes:
-                self._rebuilders[way]()
+            read = self._rebuilders[way]() if nbytes else 0
             report[f"wake_{way}"] = nbytes
+            report[f"wake_{way}_read"] = int(read or 0)  # what the rebuild read to write them (fp32 masters)
         report["wake_discarded_zeroed"] = sum(n for _, n in self._freed.get(DISCARD, []))
         report["wake_seconds"] = time.perf_counter() - start
         self._freed, self._rebuilders, self._asleep = {}, {}, False

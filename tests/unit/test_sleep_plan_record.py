@@ -62,3 +62,39 @@ def test_nothing_moved_says_zero_and_offload_all_says_its_target():
         forced.pop(key)
     assert "sleep 5.61 (0.00 GB) wake 4.27 (0.00 GB)" in format_rollout_line(rec, 1000)
     assert "sleep 5.61 (2.00 GB disk) wake 4.27 (2.00 GB disk)" in format_rollout_line(forced, 1000)
+
+
+def _bench_record(**moved):
+    rec = {"samples": 4, "response_len_mean": 10.0, "generate_seconds": 2.0, "train_seconds": 1.5,
+           "forward_backward_seconds": 1.0, "optimizer_step_seconds": 0.2, "train_rank_seconds": 1.3,
+           "other_seconds": 0.1, "weight_sync_seconds": 0.2, "weight_handoff_seconds": 0.1,
+           "weight_handoff_bytes": 4e9, "weight_handoff_buckets": 8, "offload_bytes": 0, "sleep_seconds": 0.01,
+           "wake_seconds": 0.5, "engine_release_seconds": 0.1, "engine_resume_seconds": 0.1, "step_seconds": 6.0}
+    for phase, keys in (("sleep", ("moved_bytes", "to_ram_bytes", "to_disk_bytes")),
+                        ("wake", ("moved_bytes", "from_ram_bytes", "from_disk_bytes", "masters_read_bytes",
+                                  "rebuilt_from_masters_bytes", "rebuilt_from_engine_bytes"))):
+        for key in keys:
+            rec[f"{phase}_{key}"] = moved.get(f"{phase}_{key}", 0)
+    return rec
+
+
+def test_bench_floors_are_the_bytes_the_plan_moved_over_their_links():
+    from miles.bench.rl import format_report, phase_report
+
+    rates = {"device_copy": 2e12, "d2h_pinned": 50e9, "h2d_pinned": 25e9, "disk_write": 2e9, "disk_read": 1e9}
+    kept = phase_report([_bench_record()], "disk", rates)
+    assert kept["sleep"]["floor"] == 0 and kept["wake"]["floor"] == 0 and kept["sleep"]["ratio"] is None
+    rec = _bench_record(sleep_moved_bytes=3e9, sleep_to_ram_bytes=1e9, sleep_to_disk_bytes=2e9,
+                        wake_moved_bytes=5e9, wake_from_ram_bytes=1e9, wake_from_disk_bytes=2e9,
+                        wake_rebuilt_from_masters_bytes=2e9, wake_masters_read_bytes=4e9)
+    report = phase_report([rec], "disk", rates)
+    assert report["sleep"]["floor"] == 1e9 / 50e9 + 2e9 / 2e9
+    assert report["wake"]["floor"] == 1e9 / 25e9 + 2e9 / 1e9 + 4e9 / 25e9  # masters: their fp32 bytes over PCIe
+    assert report["wake"]["bytes"] == 5e9
+    text = format_report({"model": "m", "backend": "torch", "workload": "w", "rates": rates,
+                          "arms": [{"arm": "stream", "rollouts": 2, "reward_first": 0.0, "reward_last": 0.0,
+                                    "phases": report},
+                                   {"arm": "kept", "rollouts": 2, "reward_first": 0.0, "reward_last": 0.0,
+                                    "phases": kept}]})
+    assert "(5.000 GB moved: ram 1.000, disk 2.000, masters 4.000 GB)" in text
+    assert "floor   0.000 s  ratio      -  (0.000 GB moved)" in text

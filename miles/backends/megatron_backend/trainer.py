@@ -267,15 +267,16 @@ class MegatronTrainer(TrainBackend):
 
         return {FROM_MASTERS: self._weights_from_masters} if self.store is not None else {}
 
-    def _weights_from_masters(self) -> None:
+    def _weights_from_masters(self) -> int:
         """The bf16 param buffers <- the store's masters cast (this rank's shards), then all-gathered over the
         data-parallel ranks as the step's tail does (the binding's step_with_ready_grads)."""
-        self.store.publish_mains()
+        read = self.store.publish_mains()
         if self.world_size > 1:
             for member in getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]:
                 if not member.is_stub_optimizer:
                     member.start_param_sync_for_bucket_group_subset()
         torch.cuda.synchronize()
+        return read
 
     def before_offload(self) -> dict[str, Any]:
         # Before the offloader: torch_memory_saver must never see the grad buffers (grad_buffers.py).

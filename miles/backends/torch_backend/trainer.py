@@ -183,11 +183,12 @@ class TorchTrainer(TrainBackend):
 
         return {FROM_MASTERS: self._weights_from_masters} if self.store is not None else {}
 
-    def _weights_from_masters(self) -> None:
+    def _weights_from_masters(self) -> int:
         """Weights <- the store's masters cast (this rank's shard), then every rank's shards all-gathered:
         what the last step's publish and gather wrote."""
-        self.store.publish_mains()
+        read = self.store.publish_mains()
         self.optimizer.gather_params()
+        return read
 
 
 class _DataParallelSGD:
