@@ -45,7 +45,7 @@ from miles import checkpoint
 from miles.config import RunConfig, store_config
 from miles.models import torch_dtype
 from miles.offload import make_offloader
-from miles.offload.plan import OTHER, PLAN_AUTO, Group
+from miles.offload.plan import OTHER, PLAN_AUTO, EngineNeeds, Group
 from miles.offload.planned import PlannedOffloader
 from miles.process_memory import peak_rss_bytes
 from miles.rl.loss import accumulate_policy_gradient, training_input_problem
@@ -151,7 +151,8 @@ class TrainBackend(abc.ABC):
         self.store = None
         self.offloader = None  # the sleep/wake offloader when --offload-train (miles.offload)
         self.weight_group = None  # the weight-update group, when this rank is its source
-        self.engine_kv_bytes: Optional[int] = None  # the engine's KV pool, as the last sleep was told
+        self.engine_needs = EngineNeeds()  # what the last sleep was told of the colocated engine
+        self.engine_weights = None  # at wake: the engine's weights by reference (miles.weights.readback)
         self.init_info: dict[str, Any] = {}
         self.closed = False
 
@@ -349,18 +350,19 @@ class TrainBackend(abc.ABC):
                                                load_optimizer=load_optimizer)
 
     # ---- sleep / wake -------------------------------------------------------------------------
-    def sleep(self, engine_kv_bytes: Optional[int] = None) -> dict[str, Any]:
+    def sleep(self, engine: Optional[EngineNeeds] = None) -> dict[str, Any]:
         """Step aside for the rollout engine (idempotent). ``--offload-train-plan auto``: move only what the
-        engine's ``engine_kv_bytes`` (its KV pool; None: not measured, taken as the whole device, or the last
-        value given) needs, each tensor by its cheapest exact way back (:mod:`miles.backends.planned_sleep`);
-        ``offload-all``: offload weights, grads and resident optimizer state to the target."""
+        ``engine`` needs (:class:`~miles.offload.plan.EngineNeeds`; None: what the last sleep was told, at
+        first nothing measured), each tensor by its cheapest exact way back
+        (:mod:`miles.backends.planned_sleep`); ``offload-all``: offload weights, grads and resident
+        optimizer state to the target."""
         from miles.backends.planned_sleep import offload_all_split, sleep_by_plan
 
         store_wait = settle_store_for_sleep(self.store, self.config.optimizer.stream_optimizer_state_flush_at_sleep)
         if self.offloader is None:
             return {"rank": self.rank, "skipped": True, "reason": "--offload-train is off", **store_wait}
-        if engine_kv_bytes is not None:
-            self.engine_kv_bytes = engine_kv_bytes
+        if engine is not None:
+            self.engine_needs = engine
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
@@ -368,7 +370,7 @@ class TrainBackend(abc.ABC):
         if isinstance(self.offloader, PlannedOffloader):
             if cuda:
                 torch.cuda.empty_cache()  # the plan measures free device memory: freed blocks count as free
-            moved = sleep_by_plan(self, self.engine_kv_bytes)
+            moved = sleep_by_plan(self, self.engine_needs)
         else:
             stats = self.offloader.sleep(self.offload_tensors())
             moved = {**offload_stats(stats), **offload_all_split("sleep", stats.target, stats.bytes, stats.skipped)}
@@ -376,14 +378,20 @@ class TrainBackend(abc.ABC):
             torch.cuda.empty_cache()
         return {"rank": self.rank, **moved, **released, **self.asleep_report(), **store_wait}
 
-    def wake(self) -> dict[str, Any]:
-        """Undo :meth:`sleep`, bit-exactly (idempotent)."""
+    def wake(self, engine_weights: Optional[list] = None) -> dict[str, Any]:
+        """Undo :meth:`sleep`, bit-exactly (idempotent). ``engine_weights``: the colocated engine's weights
+        by reference (``share_weights()``), which a sleep told ``copy_at_wake`` may have planned to rebuild
+        from."""
         from miles.backends.planned_sleep import offload_all_split, wake_by_plan
 
         if self.offloader is None:
             return {"rank": self.rank, "skipped": True, "reason": "--offload-train is off"}
         if isinstance(self.offloader, PlannedOffloader):
-            moved = wake_by_plan(self)
+            self.engine_weights = engine_weights
+            try:
+                moved = wake_by_plan(self)
+            finally:
+                self.engine_weights = None  # the references die with this wake: the engine releases them next
         else:
             stats = self.offloader.wake()
             moved = {**offload_stats(stats), **offload_all_split("wake", stats.target, stats.bytes, stats.skipped)}

@@ -15,11 +15,11 @@ What each call moved comes back in keys the rollout record sums (:mod:`miles.met
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
-from miles.offload.plan import (DISCARD, FROM_ENGINE, FROM_MASTERS, Group, MemoryFacts, SleepPlan,
+from miles.offload.plan import (DISCARD, FROM_ENGINE, FROM_MASTERS, EngineNeeds, Group, MemoryFacts, SleepPlan,
                                 host_ram_budget, plan_sleep)
 from miles.offload.planned import stats_of
 from miles.offload.storage import unique_storages
@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 # Why the trainer cannot read the engine's copy, by --rollout-engine: both engines keep their weights in
 # their own process (a Ray actor, or sglang's scheduler), and nothing maps them into the trainer's.
 ENGINE_COPY_UNREADABLE = {
-    "embedded": "the embedded engine's weights live in its own Ray actor process, not mapped into the trainer's",
+    "embedded": "the loop reads the embedded engine's weights back (CUDA IPC) only on GPU, with an engine on "
+                "every train rank's GPU",
     "sglang": "sglang's weights live in its own processes, in its own layout",
 }
 
@@ -55,10 +56,48 @@ def make_groups(specs: list[tuple[str, str, list, dict]]) -> list[tuple[Group, l
     return out
 
 
-def memory_facts(device: torch.device, engine_kv_bytes: Optional[int], store, ranks_on_node: int,
+def copy_from_engine(named: Iterable[tuple[str, torch.Tensor]], targets: dict[str, torch.Tensor]) -> int:
+    """Copy the engine's weights (``named``, in the trainer's layout already) into ``targets`` (name ->
+    the trainer's tensor), each bit for bit: a name, shape or dtype that differs raises, and so does a
+    target no name reached (the rebuild must rewrite every byte the sleep dropped). Names of ``named``
+    that are not targets are skipped (the caller rebuilds only the group the plan released). Returns
+    the bytes copied."""
+    done, nbytes = set(), 0
+    for name, src in named:
+        dst = targets.get(name)
+        if dst is None:
+            continue
+        if tuple(src.shape) != tuple(dst.shape) or src.dtype != dst.dtype:
+            raise RuntimeError(f"rebuilding {name} from the rollout engine's copy: it holds {src.dtype} "
+                               f"{tuple(src.shape)}, the trainer {dst.dtype} {tuple(dst.shape)}; an exact rebuild "
+                               "needs both equal (run the engine in the trainer's dtype, or "
+                               "--offload-train-plan offload-all)")
+        dst.copy_(src)
+        done.add(name)
+        nbytes += dst.numel() * dst.element_size()
+    missing = [n for n in targets if n not in done]
+    if missing:
+        raise RuntimeError(f"rebuilding from the rollout engine's copy: it did not hold {missing[:5]}"
+                           f"{' and more' if len(missing) > 5 else ''}; those bytes are lost. Use "
+                           "--offload-train-plan offload-all, and report this")
+    return nbytes
+
+
+def engine_weights_or_fail(backend) -> list:
+    """The engine's shared weights handed to this wake; a plan that released the weights for them cannot
+    wake without them."""
+    if backend.engine_weights is None:
+        raise RuntimeError(f"rank {backend.rank}: the sleep released the weights to rebuild them from the "
+                           "rollout engine's copy, but this wake was not handed it (wake(engine_weights=...)); "
+                           "the driver promised it with EngineNeeds(copy_at_wake=True)")
+    return backend.engine_weights
+
+
+def memory_facts(device: torch.device, engine: EngineNeeds, store, ranks_on_node: int,
                  rollout_engine: str) -> MemoryFacts:
-    """What the rank measures at sleep. ``engine_kv_bytes`` None (not measured: the engine does not say
-    what it allocates) is taken as the whole device: the plan then releases everything releasable."""
+    """What the rank measures at sleep, with what the driver measured of the engine (``engine``). A KV
+    pool not measured (the engine does not say what it allocates) is taken as the whole device: the plan
+    then releases everything releasable."""
     available = available_host_memory()
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -69,23 +108,25 @@ def memory_facts(device: torch.device, engine_kv_bytes: Optional[int], store, ra
     tier_growth = sum(max(0, s.stats.host_cache_bytes - s.stats.ram_state_bytes) for s in stores)
     return MemoryFacts(
         device_total=int(total), device_free=int(free),
-        engine_kv=int(total) if engine_kv_bytes is None else int(engine_kv_bytes),
+        engine_kv=int(total) if engine.kv_bytes is None else int(engine.kv_bytes),
+        engine_weights=int(engine.weight_bytes),
         host_ram_budget=host_ram_budget(available, reserve_mb * MiB, ranks_on_node, tier_growth),
         masters_in_host_ram=bool(stores) and all(s.mains_in_host_ram for s in stores),
-        engine_copy_unreadable_because=ENGINE_COPY_UNREADABLE.get(rollout_engine, f"engine {rollout_engine!r}"),
+        engine_copy_unreadable_because=None if engine.copy_at_wake else ENGINE_COPY_UNREADABLE.get(
+            rollout_engine, f"engine {rollout_engine!r}"),
         device_is_host=device.type != "cuda")
 
 
-def sleep_by_plan(backend, engine_kv_bytes: Optional[int]) -> dict[str, Any]:
+def sleep_by_plan(backend, engine: EngineNeeds) -> dict[str, Any]:
     """Plan and execute this rank's sleep; returns the report (module docstring)."""
     config = backend.config
     groups = backend.sleep_groups()
-    facts = memory_facts(backend.device, engine_kv_bytes, backend.store, backend.ranks_on_node,
+    facts = memory_facts(backend.device, engine, backend.store, backend.ranks_on_node,
                          config.rollout.rollout_engine)
     plan = plan_sleep([g for g, _ in groups], facts, config.offload.offload_train_plan,
                       config.offload.offload_train_target or "cpu")
     report = backend.offloader.sleep({g.name: tensors for g, tensors in groups}, plan, backend.sleep_rebuilders())
-    if plan.shortfall_bytes and engine_kv_bytes is not None:  # unmeasured, the need is the whole device
+    if plan.shortfall_bytes and engine.kv_bytes is not None:  # unmeasured, the need is the whole device
         logger.warning("rank %d: sleep plan: the engine needs %.3f GB more than the trainer can release "
                        "(%s)", backend.rank, plan.shortfall_bytes / GB, "; ".join(plan.notes))
     return {**_as_offload_stats(report, "sleep", plan), **sleep_split(plan, report)}

@@ -90,6 +90,19 @@ class MemoryFacts:
 
 
 @dataclass(frozen=True)
+class EngineNeeds:
+    """What the driver measured of the colocated rollout engine and promises for the next wake (picklable:
+    it travels to every train rank's sleep). ``kv_bytes``: the KV pool it allocates after the trainer sleeps
+    (None: not measured, taken as the whole device). ``weight_bytes``: its weights on the device.
+    ``copy_at_wake``: the driver hands each rank the engine's weights by reference at the next wake,
+    before releasing them (only then may the plan rebuild from them)."""
+
+    kv_bytes: Optional[int] = None
+    weight_bytes: int = 0
+    copy_at_wake: bool = False
+
+
+@dataclass(frozen=True)
 class Decision:
     group: str
     kind: str

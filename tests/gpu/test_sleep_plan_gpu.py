@@ -21,8 +21,9 @@ from megatron.core import parallel_state  # noqa: E402
 
 from miles.backends.megatron_backend.trainer import MegatronTrainer  # noqa: E402
 from miles.config import parse_args, validate_args  # noqa: E402
+from miles.offload.plan import EngineNeeds  # noqa: E402
 
-HUGE = 1 << 60  # an engine KV pool no device has: the plan releases everything releasable
+HUGE = EngineNeeds(kv_bytes=1 << 60)  # a KV pool no device has: the plan releases everything releasable
 
 
 @pytest.fixture(autouse=True)
@@ -71,12 +72,12 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _rollouts(trainer, engine_kv: int) -> tuple[list[float], list[dict], list[dict]]:
+def _rollouts(trainer, engine: EngineNeeds) -> tuple[list[float], list[dict], list[dict]]:
     losses, sleeps, wakes = [], [], []
     for step in range(3):
         losses.append(trainer.train(step, *_rollout(step))["loss"])
         before = _weights(trainer)
-        sleeps.append(trainer.sleep(engine_kv))
+        sleeps.append(trainer.sleep(engine))
         wakes.append(trainer.wake())
         assert _same(_weights(trainer), before), f"rollout {step}: the weights changed across sleep/wake"
     return losses, sleeps, wakes
@@ -106,7 +107,7 @@ def test_plan_rebuilds_from_masters_and_trains_as_offload_all(tmp_path):
 def test_plan_keeps_what_fits_and_writes_what_has_no_other_source(tmp_path):
     trainer = _trainer(tmp_path / "a", "--stream-optimizer-state-host-cache-mb", "0")
     assert not trainer.store.mains_in_host_ram
-    _, sleeps, wakes = _rollouts(trainer, 0)  # the engine needs nothing on this device: nothing moves
+    _, sleeps, wakes = _rollouts(trainer, EngineNeeds(kv_bytes=0))  # the engine needs nothing on this device: nothing moves
     assert all(s["moved_bytes"] == 0 and s["kept_bytes"] > 0 for s in sleeps)
     assert all(w["moved_bytes"] == 0 for w in wakes)
     _, sleeps, wakes = _rollouts(trainer, HUGE)  # masters on disk only: the weights go to RAM or disk

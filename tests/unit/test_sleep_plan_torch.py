@@ -8,9 +8,10 @@ import torch
 
 from miles.backends.torch_backend.trainer import TorchTrainer
 from miles.config import parse_args, validate_args
+from miles.offload.plan import EngineNeeds
 from miles.rollout.types import Sample
 
-HUGE = 1 << 60  # an engine KV pool no device has: the plan must release everything releasable
+HUGE = EngineNeeds(kv_bytes=1 << 60)  # a KV pool no device has: the plan must release everything releasable
 STREAM = ("--stream-optimizer-state-to-disk", "--stream-optimizer-state-bucket-numel", "20000")
 
 
@@ -58,14 +59,14 @@ def trainers():
         t.shutdown()
 
 
-def _run(t, engine_kv, rollouts=3):
+def _run(t, engine, rollouts=3):
     """Train, sleep, wake per rollout; after every wake the weights equal those before the sleep."""
     samples, adv = _samples()
     losses, sleeps, wakes = [], [], []
     for i in range(rollouts):
         losses.append(t.train(i, samples, adv)["loss"])
         before = _weights(t)
-        sleeps.append(t.sleep(engine_kv))
+        sleeps.append(t.sleep(engine))
         wakes.append(t.wake())
         assert _same(_weights(t), before), f"rollout {i}: weights changed across sleep/wake"
     return losses, sleeps, wakes
@@ -118,6 +119,70 @@ def test_resident_state_and_room_to_spare(tmp_path, trainers):
     trainers.append(t)
     _, sleeps, wakes = _run(t, HUGE, rollouts=2)  # no store: weights and Adam state to disk
     assert sleeps[0]["to_disk_bytes"] > 0 and wakes[0]["from_disk_bytes"] == sleeps[0]["to_disk_bytes"]
-    _, sleeps, wakes = _run(t, 0, rollouts=1)  # the engine needs nothing: nothing moves
+    _, sleeps, wakes = _run(t, EngineNeeds(kv_bytes=0), rollouts=1)  # the engine needs nothing: nothing moves
     assert sleeps[0]["moved_bytes"] == 0 and wakes[0]["moved_bytes"] == 0 and sleeps[0]["kept_bytes"] > 0
     assert all(p.untyped_storage().nbytes() > 0 for p in t.model.parameters())
+
+
+def _engine_holding(trainer, version):
+    """An embedded engine (in-process, CPU) holding the trainer's weights, as after the handoff."""
+    import copy
+
+    from miles.rollout.embedded import EmbeddedRolloutEngine
+
+    engine = EmbeddedRolloutEngine(model=copy.deepcopy(trainer.model), tokenizer=trainer.tokenizer, device="cpu",
+                                   backup="cpu")
+    engine.begin_weight_update(version)
+    engine.update_weights_from_tensor(list(trainer.hf_weights()), load_format=None)
+    engine.end_weight_update(version)
+    return engine
+
+
+def test_weights_come_back_from_the_engine_copy(tmp_path, trainers):
+    """The driver promises the engine's copy at the next wake: the weights are released without a copy and
+    rebuilt from it, torch.equal, and 3 rollouts train as the forced offload."""
+    copy_at_wake = EngineNeeds(kv_bytes=1 << 60, weight_bytes=1 << 20, copy_at_wake=True)
+    ref = _trainer(tmp_path, "forced", "--offload-train-plan", "offload-all")
+    trainers.append(ref)
+    ref_losses, _, _ = _run(ref, HUGE)
+
+    t = _trainer(tmp_path, "engine")
+    trainers.append(t)
+    samples, adv = _samples()
+    losses = []
+    for i in range(3):
+        losses.append(t.train(i, samples, adv)["loss"])
+        engine = _engine_holding(t, i + 1)
+        before = _weights(t)
+        weight_bytes = {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in t.model.parameters()}
+        s = t.sleep(copy_at_wake)
+        assert s["released_for_engine_bytes"] == sum(weight_bytes.values()) > 0  # freed without a copy
+        assert all(p.untyped_storage().nbytes() == 0 for p in t.model.parameters())
+        w = t.wake(engine.share_weights())
+        assert w["rebuilt_from_engine_bytes"] == s["released_for_engine_bytes"]
+        assert _same(_weights(t), before)
+        engine.close()
+    assert losses == ref_losses and _same(_weights(t), _weights(ref))
+
+
+def test_a_wake_without_the_promised_engine_copy_says_so(tmp_path, trainers):
+    t = _trainer(tmp_path, "broken")
+    trainers.append(t)
+    samples, adv = _samples()
+    t.train(0, samples, adv)
+    t.sleep(EngineNeeds(kv_bytes=1 << 60, copy_at_wake=True))
+    with pytest.raises(RuntimeError, match="was not handed it"):
+        t.wake()
+
+
+def test_an_engine_copy_in_another_dtype_is_refused(tmp_path, trainers):
+    t = _trainer(tmp_path, "dtype")
+    trainers.append(t)
+    samples, adv = _samples()
+    t.train(0, samples, adv)
+    engine = _engine_holding(t, 1)
+    engine.model.float()  # the engine now holds fp32: not a bit-equal copy of bf16 weights
+    t.sleep(EngineNeeds(kv_bytes=1 << 60, copy_at_wake=True))
+    with pytest.raises(RuntimeError, match="an exact rebuild needs both equal"):
+        t.wake(engine.share_weights())
+    engine.close()

@@ -248,7 +248,8 @@ class MegatronTrainer(TrainBackend):
         streams_mains = self.store is not None and all(s.streams_main for s in self.streamed_stores())
         other = [b.param_data for b in buffers if b.param_data is not None and b.param_data.dtype not in _LOW_PRECISION]
         other += list(self.gpt.parameters()) + list(self.gpt.buffers())
-        specs = [("weights", WEIGHTS, low, {"from_masters": streams_mains}), ("model_other", OTHER, other, {}),
+        specs = [("weights", WEIGHTS, low, {"from_masters": streams_mains, "engine_copy": True}),
+                 ("model_other", OTHER, other, {}),
                  ("optimizer_state", OPTIMIZER_STATE, self._device_optimizer_state(), {})]
         return make_groups([(n, k, [t for t in ts if t is not None and t.is_cuda], src) for n, k, ts, src in specs])
 
@@ -263,9 +264,28 @@ class MegatronTrainer(TrainBackend):
         return tensors
 
     def sleep_rebuilders(self):
-        from miles.offload.plan import FROM_MASTERS
+        from miles.offload.plan import FROM_ENGINE, FROM_MASTERS
 
-        return {FROM_MASTERS: self._weights_from_masters} if self.store is not None else {}
+        rebuilders = {FROM_ENGINE: self._weights_from_engine}
+        if self.store is not None:
+            rebuilders[FROM_MASTERS] = self._weights_from_masters
+        return rebuilders
+
+    def _weights_from_engine(self) -> int:
+        """The bf16 params <- the engine's HF-layout copy through the inverse of the handoff's conversion
+        (convert.hf_to_megatron; this rank's experts); the native-fp32 params are not rebuilt from it (the
+        plan keeps or writes them out)."""
+        from miles.backends.planned_sleep import copy_from_engine, engine_weights_or_fail
+        from miles.weights.readback import open_named_tensors
+
+        hf_state = dict(open_named_tensors(engine_weights_or_fail(self)))
+        mcore = hf_to_megatron(hf_state, self.hf_config, fused_norms=self.uses_te_spec, ep_rank=self.ep_rank,
+                               ep_size=self.ep_size)
+        targets = {k: v for k, v in self.gpt.state_dict().items()
+                   if torch.is_tensor(v) and not k.endswith(_EXTRA_STATE) and v.dtype in _LOW_PRECISION}
+        nbytes = copy_from_engine(mcore.items(), targets)
+        torch.cuda.synchronize()
+        return nbytes
 
     def _weights_from_masters(self) -> int:
         """The bf16 param buffers <- the store's masters cast (this rank's shards), then all-gathered over the

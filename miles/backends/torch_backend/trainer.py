@@ -168,7 +168,8 @@ class TorchTrainer(TrainBackend):
 
         params = list(self.model.parameters())
         streams_mains = self.store is not None and all(s.streams_main for s in self.streamed_stores())
-        specs = [("weights", WEIGHTS, [p for p in params if p.requires_grad], {"from_masters": streams_mains}),
+        specs = [("weights", WEIGHTS, [p for p in params if p.requires_grad],
+                  {"from_masters": streams_mains, "engine_copy": True}),
                  ("model_other", OTHER, [p for p in params if not p.requires_grad] + list(self.model.buffers()), {}),
                  ("grads", GRADS, [p.grad for p in params], {})]
         if self.store is None:
@@ -179,9 +180,22 @@ class TorchTrainer(TrainBackend):
         return make_groups(specs)
 
     def sleep_rebuilders(self):
-        from miles.offload.plan import FROM_MASTERS
+        from miles.offload.plan import FROM_ENGINE, FROM_MASTERS
 
-        return {FROM_MASTERS: self._weights_from_masters} if self.store is not None else {}
+        rebuilders = {FROM_ENGINE: self._weights_from_engine}
+        if self.store is not None:
+            rebuilders[FROM_MASTERS] = self._weights_from_masters
+        return rebuilders
+
+    def _weights_from_engine(self) -> int:
+        """The trainable weights <- the engine's copy, by name (the handoff hands the state dict's names
+        over as they are)."""
+        from miles.backends.planned_sleep import copy_from_engine, engine_weights_or_fail
+        from miles.weights.readback import open_named_tensors
+
+        trainable = {id(p) for p in self.model.parameters() if p.requires_grad}
+        targets = {n: p.detach() for n, p in self.model.named_parameters() if id(p) in trainable}
+        return copy_from_engine(open_named_tensors(engine_weights_or_fail(self)), targets)
 
     def _weights_from_masters(self) -> int:
         """Weights <- the store's masters cast (this rank's shard), then every rank's shards all-gathered:
