@@ -6,11 +6,12 @@ chose, wake brings every group back, bit-exactly.
     off.wake()                                      # re-allocates, reads back, then calls the rebuilders
 
 keep: nothing happens. discard / rebuild_from_engine / rebuild_from_masters: the storages are freed
-(``resize_(0)``) without a copy; wake re-allocates them at their old size, zero-filled, and calls ``rebuilders[way]()``, which must rewrite every byte of its groups (the backend's: the store's
-masters published, or the engine's copy converted back) and returns the bytes it read to do so. to_ram / to_disk: a
-:class:`~miles.offload.storage.StorageOffloader` of target ``cpu`` / ``disk`` each. A storage behind two
-groups belongs to the first (the backend lists weights first). Both calls are idempotent, as the other
-offloaders'.
+(``resize_(0)``) without a copy; wake re-allocates them at their old size, zero-filled, and calls
+``rebuilders[way]()``, which must rewrite every byte of its groups (the backend's: the store's masters
+published, or the engine's copy converted back) and returns the bytes it read to do so. to_ram /
+to_disk: a :class:`~miles.offload.storage.StorageOffloader` of target ``cpu`` / ``disk`` each. A storage
+behind two groups belongs to the first (the backend lists weights first). Both calls are idempotent, as
+the other offloaders'.
 """
 
 from __future__ import annotations

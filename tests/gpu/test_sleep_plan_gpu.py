@@ -72,13 +72,18 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _rollouts(trainer, engine: EngineNeeds) -> tuple[list[float], list[dict], list[dict]]:
+def _rollouts(trainer, engine: EngineNeeds, engine_copy=None) -> tuple[list[float], list[dict], list[dict]]:
+    """3 rollouts of train, sleep, wake; ``engine_copy(trainer, step)``: an engine holding the trainer's
+    weights, whose copy the wake is handed."""
     losses, sleeps, wakes = [], [], []
     for step in range(3):
         losses.append(trainer.train(step, *_rollout(step))["loss"])
         before = _weights(trainer)
+        rollout_engine = engine_copy(trainer, step) if engine_copy else None
         sleeps.append(trainer.sleep(engine))
-        wakes.append(trainer.wake())
+        wakes.append(trainer.wake(rollout_engine.share_weights() if rollout_engine else None))
+        if rollout_engine:
+            rollout_engine.close()
         assert _same(_weights(trainer), before), f"rollout {step}: the weights changed across sleep/wake"
     return losses, sleeps, wakes
 
@@ -96,7 +101,8 @@ def test_plan_rebuilds_from_masters_and_trains_as_offload_all(tmp_path):
     weights = _weights(planned)
     planned.shutdown()
     print(f"\nforced offload: sleep moved {[s['moved_bytes'] for s in ref_sleeps]}; plan: sleep moved "
-          f"{[s['moved_bytes'] for s in sleeps]}, rebuilt from masters {[w['rebuilt_from_masters_bytes'] for w in wakes]}")
+          f"{[s['moved_bytes'] for s in sleeps]}, rebuilt from masters "
+          f"{[w['rebuilt_from_masters_bytes'] for w in wakes]}")
     assert losses == ref_losses
     assert _same(weights, ref_weights)
     assert all(s["released_for_masters_bytes"] > 0 for s in sleeps)
@@ -107,10 +113,41 @@ def test_plan_rebuilds_from_masters_and_trains_as_offload_all(tmp_path):
 def test_plan_keeps_what_fits_and_writes_what_has_no_other_source(tmp_path):
     trainer = _trainer(tmp_path / "a", "--stream-optimizer-state-host-cache-mb", "0")
     assert not trainer.store.mains_in_host_ram
-    _, sleeps, wakes = _rollouts(trainer, EngineNeeds(kv_bytes=0))  # the engine needs nothing on this device: nothing moves
+    _, sleeps, wakes = _rollouts(trainer, EngineNeeds(kv_bytes=0))  # the engine needs nothing here: nothing moves
     assert all(s["moved_bytes"] == 0 and s["kept_bytes"] > 0 for s in sleeps)
     assert all(w["moved_bytes"] == 0 for w in wakes)
     _, sleeps, wakes = _rollouts(trainer, HUGE)  # masters on disk only: the weights go to RAM or disk
     assert all(s["released_for_masters_bytes"] == 0 and s["moved_bytes"] > 0 for s in sleeps)
     assert all(w["moved_bytes"] == s["moved_bytes"] for s, w in zip(sleeps, wakes))
     trainer.shutdown()
+
+
+def _engine_holding(trainer, step):
+    """An embedded engine holding the trainer's weights in HF layout, as after the handoff. On the CPU: its
+    weights reach the trainer through /dev/shm, and the trainer's side (the inverse of the handoff's
+    conversion, the copy) is what runs in the loop; the loop's CUDA IPC is the handoff's transport."""
+    from miles.models import load_policy
+    from miles.rollout.embedded import EmbeddedRolloutEngine
+
+    hf_model, tokenizer, _ = load_policy(trainer.config)
+    engine = EmbeddedRolloutEngine(model=hf_model.to(torch.bfloat16), tokenizer=tokenizer, device="cpu", backup="cpu")
+    engine.begin_weight_update(step + 1)
+    engine.update_weights_from_tensor(list(trainer.hf_weights()), load_format=None)
+    engine.end_weight_update(step + 1)
+    return engine
+
+
+def test_plan_rebuilds_from_the_engine_copy_through_the_inverse_conversion(tmp_path):
+    forced = _trainer(tmp_path / "forced", "--offload-train-plan", "offload-all")
+    ref_losses, _, _ = _rollouts(forced, HUGE)
+    ref_weights = _weights(forced)
+    forced.shutdown()
+
+    planned = _trainer(tmp_path / "planned")
+    copy_at_wake = EngineNeeds(kv_bytes=1 << 60, weight_bytes=1 << 20, copy_at_wake=True)
+    losses, sleeps, wakes = _rollouts(planned, copy_at_wake, engine_copy=_engine_holding)
+    weights = _weights(planned)
+    planned.shutdown()
+    assert losses == ref_losses and _same(weights, ref_weights)
+    assert all(s["released_for_engine_bytes"] > 0 for s in sleeps)
+    assert all(w["rebuilt_from_engine_bytes"] == s["released_for_engine_bytes"] for s, w in zip(sleeps, wakes))
