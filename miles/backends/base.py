@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import importlib
 import logging
 import math
@@ -297,8 +298,8 @@ class TrainBackend(abc.ABC):
         try:
             yield
         finally:
-            if was_asleep:
-                self.sleep()
+            if was_asleep:  # no driver hands this rank the engine's copy at the wake after this sleep
+                self.sleep(dataclasses.replace(self.engine_needs, copy_at_wake=False))
 
     def export_weights(self) -> dict[str, Any]:
         """A host copy of :meth:`hf_weights` (checks and tests; the RL loop hands weights over by reference)."""

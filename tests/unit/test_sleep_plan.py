@@ -111,3 +111,24 @@ def test_host_ram_budget_follows_the_auto_tier_accounting():
     assert host_ram_budget(None, 0, 1, 0) == 0
     assert host_ram_budget(100 * GB, 16 * GB, 2, 10 * GB) == 32 * GB
     assert host_ram_budget(10 * GB, 16 * GB, 1, 0) == 0
+
+
+def test_measured_facts_under_sglang_and_the_embedded_engine():
+    """What a rank measures: sglang's copy is never readable and its unmeasured KV pool is the whole device;
+    the embedded engine's copy is readable only when the driver promised it for the next wake."""
+    import torch
+
+    from miles.backends.planned_sleep import memory_facts
+    from miles.offload.plan import EngineNeeds
+
+    sglang = memory_facts(torch.device("cpu"), EngineNeeds(), None, 1, "sglang")
+    assert "sglang" in sglang.engine_copy_unreadable_because and sglang.engine_kv == sglang.device_total
+    assert sglang.device_is_host and not sglang.masters_in_host_ram
+    plan = plan_sleep(_groups(grads=0), sglang, "auto", "disk")
+    assert plan.way_of("weights") == TO_DISK and any("sglang" in n for n in plan.notes)
+    promised = memory_facts(torch.device("cpu"), EngineNeeds(kv_bytes=5, weight_bytes=7, copy_at_wake=True),
+                            None, 1, "embedded")
+    assert promised.engine_copy_unreadable_because is None and promised.engine_kv == 5
+    assert promised.engine_weights == 7
+    unpromised = memory_facts(torch.device("cpu"), EngineNeeds(kv_bytes=5), None, 1, "embedded")
+    assert "only on GPU" in unpromised.engine_copy_unreadable_because
