@@ -528,9 +528,25 @@ class TrainBackend(abc.ABC):
         return make_groups([("state", OTHER, self.offload_tensors(), {})])
 
     def sleep_rebuilders(self) -> dict[str, Any]:
-        """``{way: callable}`` that rewrites at wake the groups the plan rebuilt (miles.offload.plan's
-        ``rebuild_from_masters`` / ``rebuild_from_engine``); none by default."""
-        return {}
+        """``{way: callable}`` that rewrites at wake the groups the plan rebuilt: ``rebuild_from_engine`` by
+        :meth:`weights_from_engine`, ``rebuild_from_masters`` by :meth:`weights_from_masters` (with a store)."""
+        from miles.offload.plan import FROM_ENGINE, FROM_MASTERS
+
+        rebuilders = {FROM_ENGINE: self.weights_from_engine}
+        if self.store is not None:
+            rebuilders[FROM_MASTERS] = self.weights_from_masters
+        return rebuilders
+
+    def weights_from_engine(self) -> int:
+        """At wake: rewrite the groups :meth:`sleep_groups` marks ``engine_copy`` from ``self.engine_weights``
+        (the engine's weights by reference, HF layout); returns the bytes copied. Only a backend that marks
+        such a group implements it."""
+        raise NotImplementedError(f"{type(self).__name__} marks no sleep group as held by the engine")
+
+    def weights_from_masters(self) -> int:
+        """At wake: rewrite the groups :meth:`sleep_groups` marks ``from_masters`` from the store's masters;
+        returns the bytes read. Only a backend that marks such a group implements it."""
+        raise NotImplementedError(f"{type(self).__name__} marks no sleep group as the store's masters")
 
     def asleep_report(self) -> dict[str, Any]:
         """At the end of sleep: what the backend reports of the device while asleep."""

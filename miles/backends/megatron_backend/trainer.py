@@ -263,15 +263,7 @@ class MegatronTrainer(TrainBackend):
                 tensors += [v for v in state.values() if torch.is_tensor(v)]
         return tensors
 
-    def sleep_rebuilders(self):
-        from miles.offload.plan import FROM_ENGINE, FROM_MASTERS
-
-        rebuilders = {FROM_ENGINE: self._weights_from_engine}
-        if self.store is not None:
-            rebuilders[FROM_MASTERS] = self._weights_from_masters
-        return rebuilders
-
-    def _weights_from_engine(self) -> int:
+    def weights_from_engine(self) -> int:
         """The bf16 params <- the engine's HF-layout copy through the inverse of the handoff's conversion
         (convert.hf_to_megatron; this rank's experts); the native-fp32 params are not rebuilt from it (the
         plan keeps or writes them out)."""
@@ -287,7 +279,7 @@ class MegatronTrainer(TrainBackend):
         torch.cuda.synchronize()
         return nbytes
 
-    def _weights_from_masters(self) -> int:
+    def weights_from_masters(self) -> int:
         """The bf16 param buffers <- the store's masters cast (this rank's shards), then all-gathered over the
         data-parallel ranks as the step's tail does (the binding's step_with_ready_grads)."""
         read = self.store.publish_mains()

@@ -179,15 +179,7 @@ class TorchTrainer(TrainBackend):
             specs.append(("optimizer_state", OPTIMIZER_STATE, state, {}))
         return make_groups(specs)
 
-    def sleep_rebuilders(self):
-        from miles.offload.plan import FROM_ENGINE, FROM_MASTERS
-
-        rebuilders = {FROM_ENGINE: self._weights_from_engine}
-        if self.store is not None:
-            rebuilders[FROM_MASTERS] = self._weights_from_masters
-        return rebuilders
-
-    def _weights_from_engine(self) -> int:
+    def weights_from_engine(self) -> int:
         """The trainable weights <- the engine's copy, by name (the handoff hands the state dict's names
         over as they are)."""
         from miles.backends.planned_sleep import copy_from_engine, engine_weights_or_fail
@@ -197,7 +189,7 @@ class TorchTrainer(TrainBackend):
         targets = {n: p.detach() for n, p in self.model.named_parameters() if id(p) in trainable}
         return copy_from_engine(open_named_tensors(engine_weights_or_fail(self)), targets)
 
-    def _weights_from_masters(self) -> int:
+    def weights_from_masters(self) -> int:
         """Weights <- the store's masters cast (this rank's shard), then every rank's shards all-gathered:
         what the last step's publish and gather wrote."""
         read = self.store.publish_mains()
