@@ -46,7 +46,7 @@ from miles import checkpoint
 from miles.config import RunConfig, store_config
 from miles.models import torch_dtype
 from miles.offload import make_offloader
-from miles.offload.plan import OTHER, PLAN_AUTO, EngineNeeds, Group
+from miles.offload.plan import OTHER, EngineNeeds, Group
 from miles.offload.planned import PlannedOffloader
 from miles.process_memory import peak_rss_bytes
 from miles.rl.loss import accumulate_policy_gradient, training_input_problem
@@ -196,7 +196,7 @@ class TrainBackend(abc.ABC):
         if self.config.trainer_offload_to_disk and self.rank_dir is None:
             raise RuntimeError("--offload-train-target=disk needs the rank directory: build the trainer with "
                                "rank_dir=config.paths.rank_dir(cell, rank)")
-        if offload.offload_train_plan == PLAN_AUTO:  # what moves is decided at each sleep (miles.offload.plan)
+        if not offload.offload_all:  # the sleep plan: what moves is decided at each sleep (miles.offload.plan)
             return PlannedOffloader(offload.target, self.rank_dir, offload.offload_train_disk_chunk_mb,
                                     run_id=self.config.run_id, lock=self.rank_dir_lock)
         return make_offloader(offload.offload_train_target, self.rank_dir, offload.offload_train_disk_chunk_mb,

@@ -358,6 +358,12 @@ class OffloadConfig:
         return self.offload_train_target or "cpu"
 
     @property
+    def offload_all(self) -> bool:
+        """``--offload-train-plan offload-all``: every sleep writes the trainer's memory to the target
+        (torch_memory_saver's process-wide pause on GPU), instead of the sleep plan."""
+        return self.offload_train_plan == OFFLOAD_TRAIN_PLANS[1]
+
+    @property
     def target_is_disk(self) -> bool:
         """The one test of "trainer offload goes to disk" (whether offload is on is the RunConfig's
         :attr:`~miles.config.run_config.RunConfig.trainer_offload_to_disk`)."""

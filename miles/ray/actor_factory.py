@@ -17,7 +17,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.config import RunConfig
 from miles.config.backends import BACKENDS
-from miles.offload.plan import PLAN_OFFLOAD_ALL
 
 from . import layout, placement_group
 from .train_actor import TrainActor
@@ -50,7 +49,7 @@ def make_train_actors(cfg: RunConfig, pg, use_gpu: bool, cell: int = 0) -> list:
     n = cfg.cluster.num_train_ranks
     # torch_memory_saver pauses the whole process at sleep: what --offload-train-plan offload-all does; the
     # sleep plan moves tensors one by one (miles.offload.planned) and needs no hook
-    offload = cfg.offload.offload_train and cfg.offload.offload_train_plan == PLAN_OFFLOAD_ALL
+    offload = cfg.offload.offload_train and cfg.offload.offload_all
     tms = layout.tms_preload_library() if use_gpu and offload else None
     if use_gpu and offload and tms is None:
         logger.warning("torch_memory_saver is not installed: GPU trainer offload falls back to the storage "
