@@ -556,6 +556,41 @@ def _saved_streamed(base: str, meta: dict[str, Any]) -> Optional[bool]:
     return saved if isinstance(saved, bool) else None
 
 
+# ---- the parallel layout a checkpoint's optimizer state was cut for ----------------------------------------
+LAYOUT_META = "parallel_layout"  # meta.json's record of the layout (write_meta's extra)
+# The sizes that cut the optimizer state into differently shaped shards (data parallelism does not: the store
+# reshards over it), by Megatron flag; a checkpoint without the record was saved at TP = PP = 1, even stages.
+_SHARD_SHAPING = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                  "expert_tensor_parallel_size": 1, "decoder_first_pipeline_num_layers": None,
+                  "decoder_last_pipeline_num_layers": None}
+
+
+def layout_meta(layout) -> dict[str, Any]:
+    """The meta.json record of a :class:`~miles.parallel.layout.ParallelLayout` (Megatron's flag names)."""
+    return {"tensor_model_parallel_size": layout.tp, "pipeline_model_parallel_size": layout.pp,
+            "expert_model_parallel_size": layout.ep, "expert_tensor_parallel_size": layout.etp,
+            "decoder_first_pipeline_num_layers": layout.first_stage_layers,
+            "decoder_last_pipeline_num_layers": layout.last_stage_layers, "world_size": layout.world}
+
+
+def check_resume_layout(base: str, meta: dict[str, Any], layout) -> None:
+    """Refuse to load ``base``'s optimizer state into a run whose tensor/pipeline layout differs from the one it
+    was saved with, naming the flags that would resume it (the weights are saved whole and load anywhere)."""
+    saved = meta.get(LAYOUT_META) or {}
+    now = layout_meta(layout)
+    differ = [name for name, default in _SHARD_SHAPING.items() if saved.get(name, default) != now[name]]
+    if not differ:
+        return
+    flags = lambda record: " ".join(f"--{n.replace('_', '-')} {record.get(n, _SHARD_SHAPING[n])}"  # noqa: E731
+                                    for n in differ if record.get(n, _SHARD_SHAPING[n]) is not None) or "(unset)"
+    saved_flags = flags(saved)
+    raise CheckpointError(
+        f"{base} holds optimizer state sharded for {saved_flags} and this run has {flags(now)}: the state of a "
+        "tensor- or pipeline-parallel shard resumes only onto the same layout (a change of data-parallel size is "
+        f"resharded). Resume with {saved_flags} (and --num-train-ranks a multiple of TP x PP), or pass "
+        "--no-load-optim to load the weights alone (saved whole) with fresh optimizer state")
+
+
 def _incomplete(base: str, what: str) -> CheckpointError:
     return CheckpointError(f"{base} lacks {what}, which its save wrote: the checkpoint is incomplete. Resume from "
                            "another checkpoint, or pass --no-load-optim to resume the weights alone with fresh "

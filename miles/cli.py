@@ -95,6 +95,14 @@ def train_main(argv: Sequence[str]) -> int:
     except ArgumentError as e:  # one line: the message names the flags and the fix; the usage would bury it
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     configure_logging(config.logging.log_level)
+    if config.cluster.dry_run:  # validated: flags, layout, placement, disk and memory here; nothing started
+        from miles.config.parallel_checks import layout_summary
+        from miles.config.environment import Environment
+
+        print(layout_summary(config, Environment()))
+        print("miles train --dry-run: the flags, the parallel layout, placement, disk and memory check out on this "
+              "machine; stopping before Ray and the actors start")
+        return 0
     try:
         train_mod = importlib.import_module("miles.train")
     except ModuleNotFoundError as e:

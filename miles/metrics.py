@@ -160,6 +160,18 @@ def _sleep_wake_record(sleep: list[dict], wake: list[dict]) -> dict[str, Any]:
     return rec
 
 
+def _mfu_record(ranks: list[dict], fwd_bwd: float) -> dict[str, Any]:
+    """The model FLOPs of the ranks' forward/backward passes (miles.sizing.flops), the seconds they would
+    take at the devices' bf16 peak (the work spread evenly), and the MFU that makes of the slowest rank's
+    forward/backward: None where a rank's model or device could not be counted (a CPU)."""
+    flops = [r.get("model_flops") for r in ranks]
+    peaks = [r.get("device_peak_flops") for r in ranks]
+    total = sum(flops) if all(f is not None for f in flops) else None
+    at_peak = total / sum(peaks) if total is not None and all(p is not None for p in peaks) else None
+    return {"train_model_flops": total, "forward_backward_floor_seconds": at_peak,
+            "train_mfu": at_peak / fwd_bwd if at_peak is not None and fwd_bwd > 0 else None}
+
+
 def rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, saved,
                    handoff=()) -> dict[str, Any]:
     """One rollout's record: the driver's ``timings`` (``*_seconds`` as the driver saw them) and the ranks'
@@ -203,6 +215,9 @@ def rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, sa
     rec["host_rss_peak_gb"] = max(int(r["host_rss_peak_bytes"]) for r in ranks) / GB  # the largest rank's
     if "optimizer_step_device_peak_bytes" in r0:
         rec["optimizer_step_device_peak_gb"] = max(int(r["optimizer_step_device_peak_bytes"]) for r in ranks) / GB
+    if "forward_backward_device_peak_bytes" in r0:
+        rec["forward_backward_device_peak_gb"] = max(int(r["forward_backward_device_peak_bytes"]) for r in ranks) / GB
+    rec.update(_mfu_record(ranks, fwd_bwd))
     if any("device_used_bytes_asleep" in s for s in sleep):  # GPU backends: device memory in use while asleep
         rec["device_used_gb_asleep"] = max(s.get("device_used_bytes_asleep", 0) for s in sleep) / GB
     if "stream_bytes_read" in r0:
@@ -222,10 +237,11 @@ def _short(x: float) -> str:
 
 def format_rollout_line(rec: dict[str, Any], num_rollout: int) -> str:
     """The rollout's one log line (at most ROLLOUT_LINE_WIDTH characters): reward, loss, where the step's
-    seconds went (the train call: forward/backward, optimizer step, the rest), the streamed GB read +
-    written (of which disk) and a saved checkpoint; a skipped optimizer step says so in place of the
-    stream figures (nothing streamed); what each sleep and wake moved and from where, as much of it as the
-    width leaves room for. Every field, and more, is in the metrics record."""
+    seconds went (the train call: forward/backward, optimizer step, and the rest of the call, or on a GPU
+    forward/backward's MFU in its place), the streamed GB read + written (of which disk) and a saved
+    checkpoint; a skipped optimizer step says so in place of the stream figures (nothing streamed); what
+    each sleep and wake moved and from where, as much of it as the width leaves room for. Every field, and
+    more, is in the metrics record."""
     for detail in ("sources", "bytes"):
         line = _rollout_line(rec, num_rollout, detail)
         if len(line) <= ROLLOUT_LINE_WIDTH:
@@ -234,8 +250,11 @@ def format_rollout_line(rec: dict[str, Any], num_rollout: int) -> str:
 
 
 def _rollout_line(rec: dict[str, Any], num_rollout: int, moved_detail) -> str:
+    # forward/backward's MFU where it is counted (a GPU), in place of the rest of the call (train - fb - opt)
+    rest = (f"mfu {100 * rec['train_mfu']:.0f}%" if rec.get("train_mfu") is not None
+            else f"other {_short(rec['other_seconds'])}")
     train = (f"train {_short(rec['train_seconds'])} (fb {_short(rec['forward_backward_seconds'])} opt "
-             f"{_short(rec['optimizer_step_seconds'])} other {_short(rec['other_seconds'])})")
+             f"{_short(rec['optimizer_step_seconds'])} {rest})")
     seconds = [f"gen {_short(rec['generate_seconds'])}", train]
     if "weight_handoff_seconds" in rec:
         seconds.append(f"weights {_short(rec['weight_handoff_seconds'])}")

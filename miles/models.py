@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 if TYPE_CHECKING:  # annotations only, from the leaf that defines it: miles.config's validation imports this module
     from miles.config.run_config import RunConfig
 from miles.sizing.bounds import HIDDEN, LAYERS, WIDTH, Bound, shown
-from miles.sizing.presets import LLAMA_9B_RANDOM
+from miles.sizing.presets import GLM5_2B_RANDOM, LLAMA_9B_RANDOM, QWEN3_5_MOE_1B_RANDOM
 
 logger = logging.getLogger(__name__)
 
@@ -452,12 +452,34 @@ RANDOM_MODEL_PRESETS: dict[str, dict[str, Any]] = {
                          num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
                          mlp_only_layers=[], rms_norm_eps=1e-6, tie_word_embeddings=False),
-    # Tiny versions of both, for tests.
+    # Qwen3.5-MoE layout (Gated DeltaNet + gated attention, routed + shared experts), 1.03B params
+    # (miles/sizing/presets.py: QWEN3_5_MOE_1B_RANDOM, `miles plan --preset qwen3.5-moe-1b-random`).
+    "qwen3.5-moe-1b": dict({k: v for k, v in QWEN3_5_MOE_1B_RANDOM.items() if k != "vocab_size"}, rms_norm_eps=1e-6),
+    # GLM-5's architecture (glm_moe_dsa) at 1.86B params (miles/sizing/presets.py: GLM5_2B_RANDOM, which
+    # `miles plan --preset glm5-2b-random` sizes).
+    "glm5-2b": dict({k: v for k, v in GLM5_2B_RANDOM.items() if k != "vocab_size"}, rms_norm_eps=1e-5),
+    # Tiny versions, for tests. glm5-tiny's indexer keeps 16 tokens (longer sequences attend sparsely) and
+    # its last layer reuses the previous layer's top-k (index_topk_freq 2, offset 2: indexer_types full,
+    # full, shared). 8 indexer heads: with 2, a quarter of the keys score exactly 0 after the relu, and the
+    # top-k's ties at its boundary are broken differently by a full forward and a cached decode step.
+    "glm5-tiny": dict(model_type="glm_moe_dsa", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                      num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+                      q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                      index_n_heads=8, index_head_dim=16, index_topk=16, index_topk_freq=2, index_skip_topk_offset=2,
+                      n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.5,
+                      n_group=1, topk_group=1, norm_topk_prob=True, rms_norm_eps=1e-5, tie_word_embeddings=False),
     "llama-tiny": dict(model_type="llama", **TINY_MODEL_CONFIG),
     "qwen3-moe-tiny": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
                            mlp_only_layers=[], rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # 2 Gated DeltaNet + 2 gated attention layers; head sizes of 32, the smallest the GPU kernels take comfortably.
+    "qwen3.5-moe-tiny": dict(model_type="qwen3_5_moe_text", hidden_size=128, num_hidden_layers=4,
+                             full_attention_interval=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                             linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=64, shared_expert_intermediate_size=64, rms_norm_eps=1e-6,
+                             tie_word_embeddings=False),
 }
 
 

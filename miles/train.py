@@ -37,6 +37,7 @@ from miles import checkpoint
 from miles.config import RunConfig
 from miles.logging_setup import configure_logging, progress_bar, set_driver_env
 from miles.metrics import MetricsSink, format_rollout_line, log_summary, rollout_record
+from miles.parallel.layout import ParallelLayout, rank_slices
 from miles.run_lifecycle import Actors, RunState, StopOnSignal, hold_root_and_run, tear_down
 from miles_plugins.optimizers.streaming.units import GB
 
@@ -83,15 +84,9 @@ def _should_save(config: RunConfig, completed: int) -> bool:
     return (interval is not None and completed % interval == 0) or completed == config.rollout.num_rollout
 
 
-def _shards(samples: list, advantages: list[float], world: int) -> list[tuple[list, list[float]]]:
-    n = len(samples)
-    per, extra = divmod(n, world)
-    out, start = [], 0
-    for r in range(world):
-        stop = start + per + (1 if r < extra else 0)
-        out.append((samples[start:stop], advantages[start:stop]))
-        start = stop
-    return out
+def _shards(samples: list, advantages: list[float], layout: ParallelLayout) -> list[tuple[list, list[float]]]:
+    """Each train rank's samples: split over data parallelism, shared by the TP/PP ranks of a replica."""
+    return [(samples[s], advantages[s]) for s in rank_slices(len(samples), layout)]
 
 
 def _init_ray(config: RunConfig) -> bool:
@@ -226,6 +221,8 @@ def _resume(config: RunConfig, train_group, state: RunState) -> tuple[int, "_Dat
         else:
             meta = checkpoint.read_meta(base)
             load_optim = not (ckpt.no_load_optim or ckpt.finetune)
+            if load_optim:  # before any rank loads: the state's TP/PP shards fit this layout only
+                checkpoint.check_resume_layout(base, meta, config.parallel_layout)
             loaded = train_group.load(base, load_optim)
             if not ckpt.finetune:
                 start_rollout = int(meta["next_rollout_id"])
@@ -368,7 +365,7 @@ class _Loop:
             if readback:
                 self.note_engine_release(self.rollout.release_memory([WEIGHTS]))
         with timed("train_seconds"):
-            ranks = self.train_group.train(rollout_id, _shards(samples, advantages, self.train_group.world_size))
+            ranks = self.train_group.train(rollout_id, _shards(samples, advantages, self.config.parallel_layout))
         with timed("save_seconds"):
             saved = self.save_if_due(rollout_id + 1)
         with timed("engine_resume_seconds"):
@@ -400,7 +397,8 @@ def _publish(config: RunConfig, train_group, pending: dict[str, Any], state: Run
     base = pending["base"]
     checkpoint.write_meta(base, next_rollout_id=pending["completed"], data_state=pending["data_state"],
                           world_size=train_group.world_size, runs=[*state.resumed_runs, config.run_id],
-                          extra={"streamed_optimizer_state": config.optimizer.stream_optimizer_state_to_disk})
+                          extra={"streamed_optimizer_state": config.optimizer.stream_optimizer_state_to_disk,
+                                 checkpoint.LAYOUT_META: checkpoint.layout_meta(config.parallel_layout)})
     checkpoint.publish(config.checkpoint.save, base)
     state.checkpoints.append(base)
     state.latest_checkpoint = base

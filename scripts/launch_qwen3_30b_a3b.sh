@@ -5,6 +5,8 @@
 # Size it first (what fits, buckets, disk per node, step floor):
 #   python -m miles.sizing.cli --preset qwen3-30b-a3b --nodes 1 --gpus-per-node 8 --ep 8 --moment-dtype bf16
 #
+# Check a node before the run (every node: the flags, the layout against the model, this node's disk and
+# memory; nothing starts):   NODE_RANK=1 HEAD_ADDR=10.0.0.1 NUM_NODES=2 bash scripts/launch_qwen3_30b_a3b.sh --dry-run
 # Run this script on every node, the head node first:
 #   NODE_RANK=0 HEAD_ADDR=10.0.0.1 NUM_NODES=2 bash scripts/launch_qwen3_30b_a3b.sh   # head: starts Ray, trains
 #   NODE_RANK=1 HEAD_ADDR=10.0.0.1 NUM_NODES=2 bash scripts/launch_qwen3_30b_a3b.sh   # others: join Ray, wait
@@ -25,7 +27,45 @@ DISK_DIR=${DISK_DIR:-/local_nvme/miles}                    # node-local disk: st
 SAVE_DIR=${SAVE_DIR:-/shared/checkpoints/qwen3-30b-a3b}   # shared storage, seen by every node
 MOMENT_DTYPE=${MOMENT_DTYPE:-bf16}                         # fp32 is bit-exact; bf16 streams 8 B/param, not 12
 EP=${EP:-8}                                                # data parallel over all GPUs, experts split EP ways
+TP=${TP:-1}                                                # TP x PP > 1: --dry-run only until the trainer builds it
+PP=${PP:-1}
 export RAY_USAGE_STATS_ENABLED=0
+
+DRY_RUN=0
+if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; fi
+TRAIN_ARGS=(
+  --train-backend megatron
+  --hf-checkpoint "$MODEL_DIR"
+  --model-dtype bf16
+  --num-train-ranks $((NUM_NODES * GPUS_PER_NODE))
+  --tensor-model-parallel-size "$TP"
+  --pipeline-model-parallel-size "$PP"
+  --expert-model-parallel-size "$EP"
+  --num-rollout-engines "$NUM_NODES"
+  --rollout-engine embedded
+  --colocate
+  --prompt-data "$PROMPT_DATA"
+  --num-rollout 100
+  --rollout-batch-size 32
+  --n-samples-per-prompt 8
+  --rollout-max-response-len 4096
+  --micro-batch-size 1
+  --optimizer adam
+  --lr 1e-6
+  --stream-optimizer-state-to-disk
+  --stream-optimizer-state-moment-dtype "$MOMENT_DTYPE"
+  --offload-train-target=disk
+  --offload-train-disk-dir "$DISK_DIR"
+  --save "$SAVE_DIR"
+  --save-interval 20
+)
+
+# Before Ray starts, on this node: the flags, the layout against the model, this node's disk and memory. Several
+# nodes: RAY_ADDRESS (not yet reachable) makes validation judge this node's share of the ranks.
+if [[ "$NUM_NODES" -gt 1 ]]; then export RAY_ADDRESS="$HEAD_ADDR:$RAY_PORT"; fi
+miles train "${TRAIN_ARGS[@]}" --dry-run
+unset RAY_ADDRESS
+if [[ "$DRY_RUN" == 1 ]]; then exit 0; fi
 
 if [[ "$NODE_RANK" != 0 ]]; then
   ray start --address "$HEAD_ADDR:$RAY_PORT" --num-gpus "$GPUS_PER_NODE" --block
@@ -37,26 +77,4 @@ until [[ $(python -c 'import ray; ray.init(); print(sum(n["Alive"] for n in ray.
   echo "waiting for $NUM_NODES Ray nodes ..."; sleep 5
 done
 
-miles train \
-  --train-backend megatron \
-  --hf-checkpoint "$MODEL_DIR" \
-  --model-dtype bf16 \
-  --num-train-ranks $((NUM_NODES * GPUS_PER_NODE)) \
-  --num-rollout-engines "$NUM_NODES" \
-  --rollout-engine embedded \
-  --colocate \
-  --prompt-data "$PROMPT_DATA" \
-  --num-rollout 100 \
-  --rollout-batch-size 32 \
-  --n-samples-per-prompt 8 \
-  --rollout-max-response-len 4096 \
-  --micro-batch-size 1 \
-  --optimizer adam \
-  --lr 1e-6 \
-  --stream-optimizer-state-to-disk \
-  --stream-optimizer-state-moment-dtype "$MOMENT_DTYPE" \
-  --offload-train-target=disk \
-  --offload-train-disk-dir "$DISK_DIR" \
-  --save "$SAVE_DIR" \
-  --save-interval 20 \
-  --expert-model-parallel-size "$EP"
+miles train "${TRAIN_ARGS[@]}"

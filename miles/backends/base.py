@@ -49,6 +49,9 @@ from miles.offload import make_offloader
 from miles.offload.plan import OTHER, EngineNeeds, Group
 from miles.offload.planned import PlannedOffloader
 from miles.process_memory import peak_rss_bytes
+from miles.rl.batching import padded_tokens, plan_micro_batches, sample_lengths
+from miles.sizing.flops import mfu, model_flops, peak_bf16_flops, train_flops
+from miles.sizing.model_params import ModelConfigError
 from miles.rl.loss import accumulate_policy_gradient, training_input_problem
 from miles_plugins.optimizers.nvme_stream import StepStats, StoreGroup, stream_optimizer_state
 from miles_plugins.optimizers.streaming.io.ownership import DirectoryLock, claim_directory, remove_created
@@ -155,6 +158,8 @@ class TrainBackend(abc.ABC):
         self.engine_needs = EngineNeeds()  # what the last sleep was told of the colocated engine
         self.engine_weights = None  # at wake: the engine's weights by reference (miles.weights.readback)
         self.init_info: dict[str, Any] = {}
+        self.flops = None  # the policy's ModelFlops (miles.sizing.flops), None when its config cannot be counted
+        self.peak_flops: Optional[float] = None  # the device's bf16 peak FLOP/s, None on CPU or unknown GPUs
         self.closed = False
 
     # ---- setup --------------------------------------------------------------------------------
@@ -168,6 +173,7 @@ class TrainBackend(abc.ABC):
         self.claim_rank_dir()
         self.seed(config.training.seed)
         description = self.build_model()
+        self.flops, self.peak_flops = self.count_flops()
         if config.optimizer.stream_optimizer_state_to_disk:
             self.store = stream_optimizer_state(self.optimizer,
                                                 config=store_config(config, self.rank, self.ranks_on_node))
@@ -202,6 +208,15 @@ class TrainBackend(abc.ABC):
         return make_offloader(offload.offload_train_target, self.rank_dir, offload.offload_train_disk_chunk_mb,
                               self.device.type, run_id=self.config.run_id, lock=self.rank_dir_lock)
 
+    def count_flops(self) -> tuple[Any, Optional[float]]:
+        """The policy's FLOP coefficients and the device's peak, for the step's ``train_mfu``."""
+        peak = peak_bf16_flops(torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None)
+        try:
+            return model_flops(self.policy_config(), name="the policy"), peak
+        except ModelConfigError as e:
+            logger.warning("rank %d: model FLOPs not counted, so no train_mfu: %s", self.rank, e)
+            return None, peak
+
     def streamed_stores(self) -> list:
         """The stores this rank streams through (none when the state is resident)."""
         return StoreGroup.of(self.store).stores if self.store is not None else []
@@ -231,29 +246,41 @@ class TrainBackend(abc.ABC):
         loss_args = loss_arguments(self.config)
         local_tokens = float(sum(len(s.response_ids) for s in samples))
         problem = training_input_problem(samples, advantages, self.vocab_size())
-        global_tokens, _, bad_input_ranks = self.all_reduce([local_tokens, float(len(samples)),
-                                                             float(problem is not None)])
+        lengths = sample_lengths(samples)
+        micro_batches = plan_micro_batches(lengths, self.config.training)
+        # with the micro-batch count of every rank (one slot each): ranks agree on the largest, since expert
+        # parallelism's forward is a collective
+        global_tokens, _, bad_input_ranks, *counts = self.all_reduce(
+            [local_tokens, float(len(samples)), float(problem is not None),
+             *(float(len(micro_batches)) if r == self.rank else 0.0 for r in range(self.world_size))])
+        if max(counts) > len(micro_batches):
+            micro_batches = plan_micro_batches(lengths, self.config.training, min_batches=int(max(counts)))
         num_tokens = max(1.0, global_tokens) / self.world_size
 
         self.zero_grads()
         if self.store is not None:  # read-ahead: the disk is idle during forward/backward
             self.store.prefetch()
+        cuda = self.device.type == "cuda"
+        if cuda:  # the forward/backward's own device peak: weights, grads, activations, logits
+            torch.cuda.reset_peak_memory_stats(self.device)
         fwd_bwd = time.perf_counter()
         if bad_input_ranks:
             sums = [math.nan, 0.0, math.nan]
             skipped = f"rank {self.rank}: {problem}" if problem else "another rank's samples are not valid input"
         else:
-            sums = accumulate_policy_gradient(samples, advantages, self.logprobs,
-                                              pad_id=self.tokenizer.pad_token_id,  # load_policy guarantees one
-                                              micro_batch_size=self.config.training.micro_batch_size,
-                                              device=self.device, eps_clip=loss_args["eps_clip"],
-                                              temperature=loss_args["temperature"], num_tokens=num_tokens)
+            sums = self.policy_gradient(samples, advantages,
+                                        pad_id=self.tokenizer.pad_token_id,  # load_policy guarantees one
+                                        micro_batches=micro_batches,
+                                        device=self.device, eps_clip=loss_args["eps_clip"],
+                                        temperature=loss_args["temperature"], num_tokens=num_tokens)
             self.finish_backward()
             grads_finite = self.all_reduce([0.0 if self.local_grads_finite() else 1.0])[0] == 0.0
             skipped = None if grads_finite else "non-finite gradients"
         fwd_bwd = time.perf_counter() - fwd_bwd
+        fwd_bwd_peak = torch.cuda.max_memory_allocated(self.device) if cuda else None
+        # the model's arithmetic over the real tokens (none when nothing was computed)
+        flops = train_flops(self.flops, lengths) if self.flops is not None and not bad_input_ranks else None
 
-        cuda = self.device.type == "cuda"
         if cuda:  # the step's own device peak: weights, grads and what the optimizer (or store) holds
             torch.cuda.reset_peak_memory_stats(self.device)
         step_start = time.perf_counter()
@@ -277,16 +304,30 @@ class TrainBackend(abc.ABC):
             "step_skipped": skipped,
             "samples": len(samples),
             "response_tokens": int(local_tokens),
+            "micro_batches": len(micro_batches),
+            # what the forward passes ran: rows x the longest row of each micro-batch, and the real tokens
+            "padded_tokens": sum(padded_tokens(lengths, b) for b in micro_batches),
+            "sequence_tokens": sum(lengths),
             "forward_backward_seconds": fwd_bwd,
+            "model_flops": flops,
+            "device_peak_flops": self.peak_flops,
+            "train_mfu": mfu(flops, self.peak_flops, fwd_bwd) if flops is not None else None,
             "optimizer_step_seconds": step_seconds,
             "train_seconds": time.perf_counter() - start,
             "host_rss_peak_bytes": peak_rss_bytes(),  # this rank's process, since it started
         }
         if cuda:
+            metrics["forward_backward_device_peak_bytes"] = fwd_bwd_peak
             metrics["optimizer_step_device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
         if self.store is not None:
             metrics.update(stream_step_metrics(self.streamed_stores(), stepped=skipped is None))
         return metrics
+
+    def policy_gradient(self, samples: list, advantages: list[float], **loss: Any) -> list[float]:
+        """Forward and backward over this rank's samples, grads accumulating in the model; the loss sums of the
+        step's metrics (:func:`~miles.rl.loss.accumulate_policy_gradient`: one ``logprobs`` call per micro-batch).
+        A backend whose forward is not one call per micro-batch (Megatron's pipeline schedule) replaces it."""
+        return accumulate_policy_gradient(samples, advantages, self.logprobs, **loss)
 
     # ---- weights ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -465,6 +506,10 @@ class TrainBackend(abc.ABC):
     def build_model(self) -> str:
         """Build the model, ``self.tokenizer`` and ``self.optimizer`` in ``self.dtype`` on ``self.device``;
         returns the policy's description."""
+
+    @abc.abstractmethod
+    def policy_config(self) -> dict[str, Any]:
+        """The policy's transformers config as a dict (what :func:`miles.sizing.flops.model_flops` reads)."""
 
     @abc.abstractmethod
     def describe(self) -> dict[str, Any]:

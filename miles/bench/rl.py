@@ -6,7 +6,9 @@ the first) next to the floor measured in this same run:
 
   phase          floor
   generate       (reported as tokens/s; no floor)
-  train          forward/backward + optimizer step as the train rank measured them (the rest is overhead)
+  train          forward/backward's model FLOPs at the GPU's bf16 peak (miles.sizing.flops; the MFU is
+                 shown beside it) + the optimizer step as the train rank measured it; on CPU forward/
+                 backward as measured
   weights        the handed-over bytes at the device's own copy bandwidth (cudaMemcpy device to device;
                  on CPU: memcpy)
   sleep / wake   the bytes the sleep plan moved, each over the link it crossed: to/from host RAM at pinned
@@ -142,6 +144,19 @@ def arm_command(arm: str, model: str, backend: str, args, arm_dir: str) -> list[
             "--metrics-file", os.path.join(arm_dir, "metrics.jsonl"), *ARMS[arm], *args.train_arg]
 
 
+def _counted(records: list[dict]) -> bool:
+    """Every record has the model FLOPs at the device's peak (a GPU whose peak is known)."""
+    return all(r.get("forward_backward_floor_seconds") is not None for r in records)
+
+
+def _train_floor(record: dict) -> float:
+    """The train call's floor: the model FLOPs of forward/backward at the device's bf16 peak
+    (miles.sizing.flops) plus the optimizer step as the rank timed it; where the FLOPs are not counted (a
+    CPU), forward/backward as timed."""
+    fwd_bwd = record.get("forward_backward_floor_seconds")
+    return (record["forward_backward_seconds"] if fwd_bwd is None else fwd_bwd) + record["optimizer_step_seconds"]
+
+
 def phase_report(records: list[dict], target: str, rates: dict[str, float]) -> dict[str, dict]:
     """Median seconds and floor per phase over ``records`` (the steady rollouts of one arm; pure)."""
     def med(key):
@@ -151,10 +166,10 @@ def phase_report(records: list[dict], target: str, rates: dict[str, float]) -> d
     out = {
         "generate": {"seconds": med("generate_seconds"), "floor": None,
                      "tokens_per_second": median([t / r["generate_seconds"] for t, r in zip(tokens, records)])},
-        "train": {"seconds": med("train_seconds"),
-                  "floor": median([r["forward_backward_seconds"] + r["optimizer_step_seconds"] for r in records]),
+        "train": {"seconds": med("train_seconds"), "floor": median([_train_floor(r) for r in records]),
                   "rank_seconds": med("train_rank_seconds"), "forward_backward": med("forward_backward_seconds"),
-                  "optimizer_step": med("optimizer_step_seconds"), "other": med("other_seconds")},
+                  "optimizer_step": med("optimizer_step_seconds"), "other": med("other_seconds"),
+                  "mfu": median([r["train_mfu"] for r in records]) if _counted(records) else None},
         "weights": {"seconds": med("weight_sync_seconds"), "rank_seconds": med("weight_handoff_seconds"),
                     "floor": med("weight_handoff_bytes") / rates["device_copy"],
                     "bytes": med("weight_handoff_bytes"), "buckets": med("weight_handoff_buckets")},
@@ -250,7 +265,8 @@ def format_report(result: dict) -> str:
             if name == "generate":
                 extra = f"  {ph['tokens_per_second']:.0f} tokens/s"
             elif name == "train":
-                extra = (f"  (rank: fwd/bwd {ph['forward_backward']:.3f} + optimizer {ph['optimizer_step']:.3f} + "
+                mfu = f", MFU {100 * ph['mfu']:.1f}%" if ph["mfu"] is not None else ""
+                extra = (f"  (rank: fwd/bwd {ph['forward_backward']:.3f}{mfu} + optimizer {ph['optimizer_step']:.3f} + "
                          f"other {ph['other']:.3f})")
             elif name == "weights":
                 extra = f"  ({ph['bytes'] / 1e9:.3f} GB in {ph['buckets']:.0f} buckets; rank {ph['rank_seconds']:.3f} s)"

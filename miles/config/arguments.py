@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 from miles.config.backends import BACKENDS
+from miles.parallel.layout import DEFAULT_EXPERT_TENSOR_PARALLEL_SIZE
 from miles_plugins.optimizers.streaming.config import (DEFAULT_BUCKET_NUMEL, DEFAULT_CHUNK_MB,
                                                        DEFAULT_HOST_CACHE_RESERVE_MB, HOST_CACHE_AUTO, MOMENT_DTYPES)
 
@@ -137,7 +138,12 @@ def int_or_text(text: str) -> int | str:
 class ClusterConfig:
     """Where the actors run."""
 
-    num_train_ranks: int = knob(1, "Number of training (data-parallel) ranks, one Ray actor each.", at_least=1)
+    num_train_ranks: int = knob(1, "Number of training ranks, one Ray actor each: TP x PP x DP (data-parallel "
+                                "ranks only, unless --tensor-model-parallel-size or "
+                                "--pipeline-model-parallel-size is given).", at_least=1)
+    dry_run: bool = knob(False, "Validate everything (flags, the parallel layout against the model, placement, disk "
+                         "and memory on this machine), print the parallel layout, and exit before Ray or any actor "
+                         "starts.")
     num_rollout_engines: int = knob(1, "Number of rollout engine actors.", at_least=1)
     colocate: bool = knob(
         False,
@@ -236,10 +242,39 @@ class TrainingConfig:
         choices=tuple(BACKENDS),
     )
     expert_model_parallel_size: int = knob(
-        1, "Expert parallelism of a MoE model (megatron backend): experts are split over this many train ranks; "
-        "it must divide --num-train-ranks.", metavar="N")
+        1, "Expert parallelism of a MoE model (megatron backend): each layer's experts are split over this many "
+        "ranks of a pipeline stage; EP x --expert-tensor-parallel-size must divide TP x DP.", metavar="N",
+        at_least=1)
+    tensor_model_parallel_size: int = knob(
+        1, "Tensor parallelism (megatron backend): each layer's matrices are split over this many ranks "
+        "(Megatron's column/row-parallel layers, vocab-parallel embedding and output). --num-train-ranks is "
+        "TP x PP x DP; TP must divide the model's attention heads and query groups.", metavar="N", at_least=1)
+    pipeline_model_parallel_size: int = knob(
+        1, "Pipeline parallelism (megatron backend): the decoder layers are cut into this many contiguous stages "
+        "(evenly, or with --decoder-first/last-pipeline-num-layers), one per group of TP x DP ranks.",
+        metavar="N", at_least=1)
+    sequence_parallel: bool = knob(
+        False, "Megatron's sequence parallelism: activations outside attention and MLP are split over the "
+        "tensor-parallel ranks; needs --tensor-model-parallel-size > 1.")
+    expert_tensor_parallel_size: int = knob(
+        DEFAULT_EXPERT_TENSOR_PARALLEL_SIZE, "Tensor parallelism inside each routed expert (megatron backend). "
+        "Megatron-core defaults it to TP; miles to 1, as MoE recipes do.", metavar="N", at_least=1)
+    decoder_first_pipeline_num_layers: Optional[int] = knob(
+        None, "Decoder layers of the first pipeline stage (Megatron's uneven pipeline); the stages without a "
+        "count split the rest evenly. Unset: an even split.", metavar="N", at_least=1)
+    decoder_last_pipeline_num_layers: Optional[int] = knob(
+        None, "Decoder layers of the last pipeline stage (Megatron's uneven pipeline); the stages without a "
+        "count split the rest evenly. Unset: an even split.", metavar="N", at_least=1)
     micro_batch_size: int = knob(4, "Samples per forward/backward on one rank (gradient accumulation over the rest).",
                                 at_least=1)
+    use_dynamic_batch_size: bool = knob(
+        False, "Fill each micro-batch up to --max-tokens-per-gpu tokens instead of --micro-batch-size samples: the "
+        "rank's samples are sorted by length and cut into micro-batches whose padded tokens (rows x longest row) "
+        "stay within the budget, so padding stays small (miles/slime's flag). The loss is the same token mean.")
+    max_tokens_per_gpu: Optional[int] = knob(
+        None, "With --use-dynamic-batch-size: padded tokens one micro-batch may hold on one rank (production runs "
+        "use 8192-16384). A sample longer than this trains alone in its own micro-batch.", metavar="N",
+        at_least=1, what="an int", fix="pass a token budget such as --max-tokens-per-gpu 16384")
     max_consecutive_skipped_steps: int = knob(
         3, "Stop the run when this many rollouts in a row skipped their optimizer step. A step is skipped, "
         "leaving weights and optimizer state untouched, when its grads are not finite or the rollout engine "

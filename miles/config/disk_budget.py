@@ -73,11 +73,12 @@ class DiskBudget:
         return " + ".join(f"{n / GIB:.2f} GiB {what}" for n, what in terms if n) or "nothing"
 
 
-def model_tensors_of_run(model_source: str, hf_config: dict | None):
+def model_tensors_of_run(model_source: str, hf_config: dict | None, tp: int = 1):
     """The policy's tensors as :mod:`miles.sizing` counts them (a ``ModelTensors``, dense and expert apart):
     from ``--hf-checkpoint``'s config.json, the embedded default's count, or the tiny model's config. None
     when the config describes an architecture the counter does not know (the free-space checks are then
-    skipped rather than guessed)."""
+    skipped rather than guessed). ``tp``: the tensor-parallel size the vocabulary is padded for (Megatron's
+    128 x TP)."""
     from miles.sizing.model_params import ModelConfigError, flat_model, model_tensors
 
     if model_source == "smollm2":
@@ -86,9 +87,9 @@ def model_tensors_of_run(model_source: str, hf_config: dict | None):
         from miles.models import TINY_MODEL_CONFIG
 
         # the tiny char vocabulary is under 128 tokens; the counter pads any vocabulary to 128
-        return model_tensors({**TINY_MODEL_CONFIG, "vocab_size": 128}, "tiny")
+        return model_tensors({**TINY_MODEL_CONFIG, "vocab_size": 128}, "tiny", tp=tp)
     try:
-        return model_tensors(hf_config or {}, "--hf-checkpoint")
+        return model_tensors(hf_config or {}, "--hf-checkpoint", tp=tp)
     except (ModelConfigError, KeyError, TypeError, ValueError):
         return None
 
@@ -139,7 +140,10 @@ def rank_disk_need(cfg: RunConfig, model, ranks_on_node: int, memory_available: 
                         bucket_numel=opt.stream_optimizer_state_bucket_numel, weight_dtype=cfg.model.model_dtype,
                         offload_train_to_disk=cfg.trainer_offload_to_disk, stream_optimizer_state=stream,
                         checkpoint_copies=0)
-    plan = estimate(model, Parallelism(dp=n, ep=cfg.training.expert_model_parallel_size),
+    layout = cfg.parallel_layout  # the largest stage's rank decides: plan.binding
+    par = Parallelism(tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep, etp=layout.etp,
+                      first_stage_layers=layout.first_stage_layers, last_stage_layers=layout.last_stage_layers)
+    plan = estimate(model, par,
                     Hardware(nodes=1, gpus_per_node=n, device_budget_mb=opt.stream_optimizer_state_device_budget_mb),
                     training)
     stage = plan.binding

@@ -55,6 +55,12 @@ RULES: tuple[EffectRule, ...] = (
                           "--stream-optimizer-state-chunk-mb)", "add --offload-train-target=disk")),
     EffectRule("offload_train_target", lambda d: d.trainer_offload, _offload_off),
     EffectRule("offload_train_plan", lambda d: d.trainer_offload, _offload_off),
+    EffectRule("max_tokens_per_gpu", lambda d: d.training.use_dynamic_batch_size,
+               lambda d: ("micro-batches hold --micro-batch-size samples unless --use-dynamic-batch-size",
+                          "add --use-dynamic-batch-size")),
+    EffectRule("micro_batch_size", lambda d: not d.training.use_dynamic_batch_size,
+               lambda d: ("--use-dynamic-batch-size fills micro-batches up to --max-tokens-per-gpu tokens",
+                          "drop --use-dynamic-batch-size")),
     *(EffectRule(name, lambda d: d.optimizer.optimizer == "adam",
                  lambda d: (f"--optimizer {d.optimizer.optimizer} has no Adam terms", "use --optimizer adam"))
       for name in ("adam_beta1", "adam_beta2", "adam_eps")),

@@ -27,6 +27,7 @@ from miles.config.arguments import (
     TrainingConfig,
 )
 from miles.config.paths import RunPaths
+from miles.parallel.layout import ParallelLayout
 from miles_plugins.optimizers.streaming.config import StreamConfig
 
 MODEL_SOURCES = ("hf_checkpoint", "smollm2", "tiny")
@@ -78,6 +79,17 @@ class RunConfig:
     def uses_rank_dirs(self) -> bool:
         """True when a disk mechanism is on, i.e. each train actor needs its ``cell<i>_rank<j>`` directory."""
         return self.trainer_offload_to_disk or self.optimizer.stream_optimizer_state_to_disk
+
+
+    @property
+    def parallel_layout(self) -> ParallelLayout:
+        """The ranks' Megatron layout (miles/parallel/layout.py): world = --num-train-ranks, the parallel flags."""
+        t = self.training
+        return ParallelLayout(world=self.cluster.num_train_ranks, tp=t.tensor_model_parallel_size,
+                              pp=t.pipeline_model_parallel_size, ep=t.expert_model_parallel_size,
+                              etp=t.expert_tensor_parallel_size,
+                              first_stage_layers=t.decoder_first_pipeline_num_layers,
+                              last_stage_layers=t.decoder_last_pipeline_num_layers)
 
 
 def field_value(config: RunConfig, name: str) -> Any:

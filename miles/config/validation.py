@@ -64,6 +64,7 @@ from miles.config.arguments import CONFIG_GROUPS, STREAM_FLAG, ModelConfig, flag
 from miles.config.effective_flags import first_ineffective_flag, is_given
 from miles.config.environment import Environment
 from miles.config.errors import ArgumentError
+from miles.config.parallel_checks import check_parallel
 from miles.config.paths import RunPaths, default_root, new_run_id
 from miles.config.resource_checks import (check_disk, check_fits_this_machine, check_outputs_outside_scratch,
                                           check_root_is_the_runs_own)
@@ -83,7 +84,8 @@ DEFAULT_LR_TINY = 1e-2
 
 
 def _check_ranges(d: RunConfig) -> None:
-    """Every field's declared :class:`~miles.config.arguments.Range`, then the one range across fields."""
+    """Every field's declared :class:`~miles.config.arguments.Range` (the rollout batch's split over the ranks
+    is parallel_checks': it splits over data parallelism)."""
     for title, cls in CONFIG_GROUPS:
         group = getattr(d, title)
         for f in dataclasses.fields(cls):
@@ -92,15 +94,6 @@ def _check_ranges(d: RunConfig) -> None:
             if problem:
                 message, fix = problem
                 raise ArgumentError(message, (flag_name(f.name),), fix)
-    ranks, rollout = d.cluster.num_train_ranks, d.rollout
-    total = rollout.rollout_batch_size * rollout.n_samples_per_prompt
-    if total % ranks:
-        raise ArgumentError(
-            f"--rollout-batch-size x --n-samples-per-prompt = {total} samples do not split evenly over "
-            f"--num-train-ranks {ranks}.",
-            ("--rollout-batch-size", "--n-samples-per-prompt", "--num-train-ranks"),
-            "make rollout-batch-size * n-samples-per-prompt a multiple of num-train-ranks.",
-        )
 
 
 _STREAM_REJECTS = (
@@ -157,6 +150,15 @@ def _check_streaming(d: RunConfig) -> None:
             f"{STREAM_FLAG} supports only --optimizer adam (got {d.optimizer.optimizer}).",
             (STREAM_FLAG, "--optimizer"), f"use --optimizer adam or drop {STREAM_FLAG}.",
         )
+
+
+def _check_batching(d: RunConfig) -> None:
+    training = d.training
+    if training.use_dynamic_batch_size and training.max_tokens_per_gpu is None:
+        raise ArgumentError(
+            "--use-dynamic-batch-size needs --max-tokens-per-gpu: the token budget is what fills each micro-batch.",
+            ("--use-dynamic-batch-size", "--max-tokens-per-gpu"),
+            "add --max-tokens-per-gpu N (e.g. 16384), or drop --use-dynamic-batch-size.")
 
 
 def _check_flags_take_effect(d: RunConfig, env: Environment) -> None:
@@ -224,11 +226,8 @@ def _check_backend(d: RunConfig, env: Environment) -> None:
             "publishes its fp32 mains into bf16/fp16/fp32 params).",
             ("--fp8-param",),
             "drop --fp8-param.")
-    ep, ranks = d.training.expert_model_parallel_size, d.cluster.num_train_ranks
-    if ep < 1 or ranks % ep:
-        raise ArgumentError(f"--expert-model-parallel-size {ep} must be >= 1 and divide --num-train-ranks "
-                            f"{ranks}.", ("--expert-model-parallel-size", "--num-train-ranks"),
-                            "pick an expert-parallel size that divides the number of train ranks.")
+    check_parallel(d, env)  # Megatron's layout rules, what each backend builds, the batch over data parallelism
+    ep = d.training.expert_model_parallel_size
     backend = d.training.train_backend
     if backend == "megatron":
         _check_megatron(d, env)
@@ -433,6 +432,7 @@ def validate_args(args: argparse.Namespace, env: Environment | None = None) -> R
     _check_ranges(draft)
     _check_model(draft, env)
     _check_streaming(draft)
+    _check_batching(draft)
     _check_flags_take_effect(draft, env)
     _check_backend(draft, env)
     _check_rollout(draft, env)

@@ -144,7 +144,7 @@ def check_node_disks(cfg: RunConfig, pg) -> list[NodeDisk]:
 
     if not cfg.uses_rank_dirs:
         return []
-    model = model_tensors_of_run(cfg.model_source, _hf_config(cfg))
+    model = model_tensors_of_run(cfg.model_source, _hf_config(cfg), tp=cfg.training.tensor_model_parallel_size)
     if model is None:  # as in validation: skipped, not guessed
         logger.warning("per-node disk check skipped: the model's architecture is unknown to `miles plan`")
         return []

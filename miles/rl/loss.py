@@ -13,18 +13,25 @@ Public API::
                                          batch["loss_mask"], eps_clip=args.eps_clip,
                                          num_tokens=total_response_tokens)
     token_logprobs(logits, targets, temperature) -> [B, T]
+    chunked_token_logprobs(hidden, targets, output_layer, temperature)  # the same, a chunk of logits at a time
     problem = training_input_problem(samples, advantages, vocab_size)   # None, or why not to train on them
+    for indices, batch in micro_batch_inputs(samples, advantages, plan, pad_id=0, device=d): ...
+    sums = accumulate_policy_gradient(samples, advantages, logprobs_fn, micro_batches=plan, ...)
+
+A plan (``micro_batches``) is a list of index lists, :mod:`miles.rl.batching`'s.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
+import torch.utils.checkpoint
 
 __all__ = ["token_logprobs", "forward_logprobs", "collate_samples", "policy_gradient_loss",
-           "training_input_problem"]
+           "training_input_problem", "micro_batch_inputs", "accumulate_policy_gradient", "chunked_token_logprobs",
+           "LOGPROB_CHUNK_TOKENS"]
 
 
 def training_input_problem(samples: Sequence[Any], advantages: Sequence[float], vocab_size: int) -> Optional[str]:
@@ -52,27 +59,75 @@ def training_input_problem(samples: Sequence[Any], advantages: Sequence[float], 
     return None
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32, or as it is when it is fp64 (the loss's math keeps fp64 inputs exact, for tests)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``log_softmax(logits / temperature)[..., target]`` in fp32; ``logits`` ``[B, T, V]`` already aligned
-    with ``targets`` ``[B, T]`` (i.e. logits at position t predict targets[t]). This is exactly the
-    quantity the embedded rollout engine reports (temperature applied, top-p not applied)."""
-    x = logits.float()
+    """``log_softmax(logits / temperature)[..., target]`` in fp32 (fp64 for fp64 logits); ``logits``
+    ``[B, T, V]`` already aligned with ``targets`` ``[B, T]`` (i.e. logits at position t predict
+    targets[t]). This is exactly the quantity the embedded rollout engine reports (temperature applied,
+    top-p not applied)."""
+    x = at_least_fp32(logits)
     if temperature and temperature != 1.0:
         x = x / temperature
     return torch.log_softmax(x, dim=-1).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
 
 
-def forward_logprobs(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
+# Tokens whose fp32 logits exist at once in chunked_token_logprobs: 2048 x a 152k vocabulary is 1.2 GiB,
+# small beside the [tokens, vocab] tensors of the whole micro-batch (16k tokens: 10 GiB, twice over with the
+# log-softmax autograd keeps) and large enough that each chunk's matmul keeps the GPU busy.
+LOGPROB_CHUNK_TOKENS = 2048
+
+# transformers families whose causal LM's logits are exactly ``lm_head(decoder(...).last_hidden_state)`` (no
+# soft-capping or scaling): forward_logprobs computes theirs chunk by chunk.
+PLAIN_HEAD_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, logits_of, temperature: float) -> torch.Tensor:
+    return token_logprobs(logits_of(hidden), targets, temperature)
+
+
+def chunked_token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, logits_of, temperature: float = 1.0,
+                           chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> torch.Tensor:
+    """:func:`token_logprobs` of ``logits_of(hidden)`` without the logits of every token at once:
+    ``hidden`` ``[N, ..., H]`` (the last hidden states, token-major), ``targets`` ``[N, ...]``,
+    ``logits_of`` the output layer (``[n, ..., H] -> [n, ..., V]``). Each chunk of ``chunk_tokens``
+    tokens is checkpointed, so the backward pass recomputes its logits rather than keeping them: the fp32
+    logits of one chunk exist at a time, in either pass, at the price of one more output-layer matmul.
+    Returns log-probs of ``targets``' shape, equal to the unchunked computation (same math per token)."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1 (got {chunk_tokens})")
+    parts = []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
+        if torch.is_grad_enabled():
+            parts.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, h, t, logits_of, temperature,
+                                                           use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(h, t, logits_of, temperature))
+    return torch.cat(parts) if parts else hidden.new_zeros(targets.shape, dtype=torch.float32)
+
+
+def forward_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     temperature: float = 1.0, chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> torch.Tensor:
     """Run the causal LM and return log-probs of ``input_ids[:, 1:]`` (``[B, L-1]``).
 
     Position ids come from the attention mask (``cumsum - 1``), as in the rollout engine, so left- and
-    right-padded rows see the same positions.
+    right-padded rows see the same positions. For the families of :data:`PLAIN_HEAD_MODEL_TYPES` the
+    output layer runs chunk by chunk (:func:`chunked_token_logprobs`); other models' logits come whole.
     """
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    return token_logprobs(out.logits[:, :-1], input_ids[:, 1:], temperature)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    head = model.get_output_embeddings()
+    if model.config.model_type not in PLAIN_HEAD_MODEL_TYPES or type(head) is not torch.nn.Linear:
+        return token_logprobs(model(**inputs).logits[:, :-1], input_ids[:, 1:], temperature)
+    hidden = model.get_decoder()(**inputs).last_hidden_state[:, :-1]
+    rows, length = hidden.shape[:2]
+    logp = chunked_token_logprobs(hidden.reshape(rows * length, -1), input_ids[:, 1:].reshape(-1), head,
+                                  temperature, chunk_tokens)
+    return logp.view(rows, length)
 
 
 def collate_samples(
@@ -144,7 +199,7 @@ def policy_gradient_loss(
     adv = advantages.to(torch.float32)
     old = rollout_logprobs.to(torch.float32).detach()
     high = eps_clip if eps_clip_high is None else eps_clip_high
-    log_ratio = (logprobs.float() - old) * mask
+    log_ratio = (at_least_fp32(logprobs) - old) * mask
     ratio = torch.exp(log_ratio)
     surr1 = ratio * adv
     surr2 = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + high) * adv
@@ -165,17 +220,27 @@ def policy_gradient_loss(
     return loss, metrics
 
 
+def micro_batch_inputs(samples: Sequence[Any], advantages: Sequence[float], micro_batches: Sequence[Sequence[int]], *,
+                       pad_id: int, device: Any) -> Iterator[tuple[Sequence[int], dict[str, torch.Tensor]]]:
+    """``(indices, batch)`` per micro-batch of the plan (:mod:`miles.rl.batching`): the collated tensors of
+    ``samples[indices]`` on ``device``; row ``k`` of the batch is sample ``indices[k]``."""
+    for indices in micro_batches:
+        rows = [samples[i] for i in indices]
+        batch = collate_samples(rows, pad_id, [advantages[i] for i in indices])
+        yield indices, {k: v.to(device) for k, v in batch.items()}
+
+
 def accumulate_policy_gradient(samples: Sequence[Any], advantages: Sequence[float], logprobs, *, pad_id: int,
-                               micro_batch_size: int, device: Any, eps_clip: float, temperature: float,
-                               num_tokens: float) -> list[float]:
-    """Forward and backward of :func:`policy_gradient_loss` over micro-batches of ``samples``; the grads
-    accumulate in the model. ``logprobs(batch, temperature)`` gives the ``[B, L-1]`` token log-probs of a
-    collated batch (each backend runs its own model). Returns the sums ``[loss, clipped tokens,
+                               micro_batches: Sequence[Sequence[int]], device: Any, eps_clip: float,
+                               temperature: float, num_tokens: float) -> list[float]:
+    """Forward and backward of :func:`policy_gradient_loss` over the micro-batches of ``samples`` that
+    ``micro_batches`` names (index lists, :mod:`miles.rl.batching`); the grads accumulate in the model.
+    Every micro-batch divides by ``num_tokens``, the token count of the whole batch, so the plan changes
+    only the order of the sums. ``logprobs(batch, temperature)`` gives the ``[B, L-1]`` token log-probs of
+    a collated batch (each backend runs its own model). Returns the sums ``[loss, clipped tokens,
     |train - rollout log-prob| over tokens]`` for the step's metrics."""
     sums = [0.0, 0.0, 0.0]
-    for start in range(0, len(samples), micro_batch_size):
-        sl = slice(start, min(len(samples), start + micro_batch_size))
-        batch = {k: v.to(device) for k, v in collate_samples(samples[sl], pad_id, advantages[sl]).items()}
+    for _, batch in micro_batch_inputs(samples, advantages, micro_batches, pad_id=pad_id, device=device):
         logp = logprobs(batch, temperature)
         loss, m = policy_gradient_loss(logp, batch["rollout_logprobs"], batch["advantages"], batch["loss_mask"],
                                        eps_clip=eps_clip, num_tokens=num_tokens)

@@ -12,7 +12,8 @@ It never copies to the host inside the loop except for the all-finished check, m
   4-D additive attention mask, positions and input tokens in static buffers updated in place. With a
   4-D mask transformers builds no mask of its own (no data-dependent host sync in the forward), so on
   CUDA one decode step is captured as a CUDA graph and replayed for every token. A capture that fails
-  logs one line and the decoder steps eagerly. The CUDA default; full-attention models only. The
+  logs one line and the decoder steps eagerly. The CUDA default; full-attention models only (hybrid
+  models with recurrent layers, e.g. Qwen3.5's Gated DeltaNet, use the dynamic decoder). The
   model's attention runs through :func:`packed_gqa_sdpa`, which reads the cache once per KV head.
 
 Sampling draws exactly what ``torch.multinomial(probs, 1, generator)`` draws (its exponential race,
@@ -211,10 +212,22 @@ def use_packed_gqa_attention(model: torch.nn.Module) -> None:
     model.set_attn_implementation(PACKED_GQA_SDPA)
 
 
+# Layer types whose attention is plain causal softmax over the (possibly windowed) past: what the static
+# decoder's packed-GQA attention computes. Others (GLM-5's "indexed_attention" / "deepseek_sparse_attention",
+# whose indexer picks each query's keys; linear attention) decode with transformers' dynamic cache.
+_STATIC_DECODER_LAYER_TYPES = frozenset(("full_attention", "sliding_attention"))
+
+
 def supports_static_cache(model: torch.nn.Module) -> bool:
-    """Whether every layer attends to the whole past (the static decoder's mask is plain causal)."""
+    """Whether every layer attends to the whole past with plain causal attention (the static decoder's mask
+    is plain causal, its attention function dense): not sliding-window layers, nor GLM-5's indexed (DSA)
+    layers, nor recurrent ones (Qwen3.5's Gated DeltaNet "linear_attention", whose conv and recurrent states
+    the static decoder does not model); those decode with transformers' own cache (:class:`DynamicCacheDecoder`)."""
     from transformers import StaticCache
 
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or ()
+    if set(layer_types) - _STATIC_DECODER_LAYER_TYPES:
+        return False
     return not any(StaticCache(config=model.config, max_cache_len=1).is_sliding)
 
 

@@ -167,8 +167,9 @@ class EmbeddedRolloutEngine:
     def _choose_decoding(self, static_cache: Optional[bool], cuda_graphs: Optional[bool]) -> tuple[bool, bool]:
         supported = decode.supports_static_cache(self.model)
         if static_cache and not supported:
-            raise ValueError(f"static_cache=True: {self.description} has sliding-window layers, which the static "
-                             "decoder's causal mask does not model; leave static_cache unset")
+            raise ValueError(f"static_cache=True: {self.description} has sliding-window, sparse (DSA) or linear "
+                             "(recurrent) attention layers, which the static decoder's plain causal attention does "
+                             "not model; leave static_cache unset")
         static = (self.device.type == "cuda" and supported) if static_cache is None else bool(static_cache)
         if cuda_graphs and not (static and self.device.type == "cuda"):
             raise ValueError(f"cuda_graphs=True needs a static cache on CUDA (device {self.device}, static_cache="

@@ -19,10 +19,11 @@ import sys
 from typing import Callable, Optional
 
 from miles.cli import DefaultsHelpFormatter
+from miles.parallel.layout import EP_FLAG, ETP_FLAG, FIRST_STAGE_FLAG, LAST_STAGE_FLAG, PP_FLAG, TP_FLAG
 from miles_plugins.optimizers.streaming.config import DEFAULT_BUCKET_NUMEL, MOMENT_DTYPES
 
 from .bounds import (BUCKET_NUMEL, CHECKPOINT_COPIES, HARDWARE, MAX_JSON_BYTES, PARALLEL_SIZE, PARAMS, PIPELINE_SIZE,
-                     TIMING, Bound, PlanInputError, check_bound, shown, shown_path)
+                     STAGE_LAYERS, TIMING, Bound, PlanInputError, check_bound, shown, shown_path)
 from .estimate import GB, GRAD_BYTES, Hardware, SizingError, Training, estimate, short_decimal
 from .model_params import ModelTensors, flat_model, model_tensors
 from .presets import PRESETS, preset_config
@@ -59,13 +60,6 @@ def count_flag(bound: Bound) -> Callable[[str], int]:
     return bounded(parse_count, bound, " (e.g. 1.5B, 200M, 4096)")
 
 
-def _layers(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{shown(text)}: give decoder layers per stage, e.g. 21,19,19,19") from None
-
-
 def _hw_default(name: str):
     return next(f.default for f in dataclasses.fields(Hardware) if f.name == name)
 
@@ -84,6 +78,21 @@ class PlanArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
+def _add_layout_flags(p: argparse.ArgumentParser) -> None:
+    lay = p.add_argument_group("parallel layout")
+    size = bounded(int, PARALLEL_SIZE)
+    # each size also under `miles train`'s (Megatron's) flag name, which the layout's messages use
+    lay.add_argument("--tp", TP_FLAG, type=size, default=1, help="tensor parallel size")
+    lay.add_argument("--pp", PP_FLAG, type=bounded(int, PIPELINE_SIZE), default=1, help="pipeline parallel size")
+    lay.add_argument("--dp", type=size, default=None, help="data parallel size (default: GPUs / (TP x PP))")
+    lay.add_argument("--ep", EP_FLAG, type=size, default=1, help="expert parallel size")
+    lay.add_argument("--etp", ETP_FLAG, type=size, default=DEFAULT_ETP, help="expert tensor parallel size")
+    for flag, which in ((FIRST_STAGE_FLAG, "first"), (LAST_STAGE_FLAG, "last")):
+        lay.add_argument(flag, type=bounded(int, STAGE_LAYERS), default=None,
+                         help=f"decoder layers of the {which} pipeline stage; the stages without a count split the "
+                         "rest evenly (default: an even split, as miles train)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = PlanArgumentParser(prog="miles plan", description=__doc__.split("\n\n")[0],
                            formatter_class=DefaultsHelpFormatter)
@@ -93,15 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--params", type=count_flag(PARAMS), help="just a parameter count (e.g. 1.5B): a dense stand-in")
     p.add_argument("--no-mtp", action="store_true", help="leave out multi-token-prediction layers (not trained)")
 
-    lay = p.add_argument_group("parallel layout")
-    size = bounded(int, PARALLEL_SIZE)
-    lay.add_argument("--tp", type=size, default=1, help="tensor parallel size")
-    lay.add_argument("--pp", type=bounded(int, PIPELINE_SIZE), default=1, help="pipeline parallel size")
-    lay.add_argument("--dp", type=size, default=None, help="data parallel size (default: GPUs / (TP x PP))")
-    lay.add_argument("--ep", type=size, default=1, help="expert parallel size")
-    lay.add_argument("--etp", type=size, default=DEFAULT_ETP, help="expert tensor parallel size")
-    lay.add_argument("--pipeline-layers", type=_layers, default=None,
-                     help="decoder layers per pipeline stage, e.g. 21,19,19,19 (default: even split)")
+    _add_layout_flags(p)
 
     hw = p.add_argument_group("hardware (per node)")
     for flag, help_ in (
@@ -259,7 +260,9 @@ def plan_from_args(argv: list[str]):
     args = build_parser().parse_args(argv)
     hw = _hardware(args)
     dp = data_parallel_size(args, hw)
-    par = Parallelism(tp=args.tp, pp=args.pp, dp=dp, ep=args.ep, etp=args.etp, pipeline_layers=args.pipeline_layers)
+    par = Parallelism(tp=args.tp, pp=args.pp, dp=dp, ep=args.ep, etp=args.etp,
+                      first_stage_layers=args.decoder_first_pipeline_num_layers,
+                      last_stage_layers=args.decoder_last_pipeline_num_layers)
     training = Training(moment_dtype=args.moment_dtype, bucket_numel=args.bucket_numel, grad_dtype=args.grad_dtype,
                         offload_train_to_disk=not args.no_offload_train_to_disk,
                         checkpoint_copies=args.checkpoint_copies)

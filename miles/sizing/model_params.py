@@ -7,7 +7,8 @@ What is modelled (Megatron-core's GPT layout, which is what the megatron backend
       - MLA (DeepSeek-V3/GLM-5): q down/up (or a direct q projection without `q_lora_rank`), kv
         down/up, output projection, the two latent norms; the down projections are replicated
         across tensor parallelism (Megatron-core builds them "duplicated"), the rest is split;
-      - a DeepSeek sparse-attention indexer when `index_n_heads` is set (replicated: small);
+      - a DeepSeek sparse-attention indexer when `index_n_heads` is set (replicated: small), on the layers
+        that compute their own top-k (GLM-5's `indexer_types`: "shared" layers reuse another's);
       - Gated DeltaNet linear attention on the layers `layer_types` marks "linear_attention"
         (Qwen3-Next/3.5): fused in-projection (q, k, v, z, b, a), depthwise conv, A_log, dt_bias,
         gated norm, out-projection;
@@ -154,7 +155,9 @@ def _gqa(cfg: dict, h: int, p: str) -> list[Tensor]:
             raise ModelConfigError(f"num_attention_heads = {heads} must divide hidden_size = {h} when the config "
                                    "gives no head_dim")
         hd = h // heads
-    q_out = heads * hd * (2 if _flag(cfg, "attn_output_gate") else 1)
+    # Qwen3-Next / Qwen3.5 always gate (transformers has no switch; their config.json may not say so)
+    gated = _flag(cfg, "attn_output_gate", default=_model_type(cfg).startswith(("qwen3_next", "qwen3_5")))
+    q_out = heads * hd * (2 if gated else 1)
     out = [Tensor(f"{p}.linear_qkv", (q_out + 2 * kv * hd, h)), Tensor(f"{p}.linear_proj", (h, heads * hd))]
     if _has_qk_norm(cfg):
         out += [Tensor(f"{p}.q_layernorm", (hd,), tp_split=False), Tensor(f"{p}.k_layernorm", (hd,), tp_split=False)]
@@ -166,7 +169,7 @@ def _has_qk_norm(cfg: dict) -> bool:
     return _flag(cfg, "qk_norm", default=_model_type(cfg).startswith(("qwen3", "qwen3_5")))
 
 
-def _mla(cfg: dict, h: int, p: str) -> list[Tensor]:
+def _mla(cfg: dict, h: int, p: str, indexer: bool = True) -> list[Tensor]:
     heads = _count(cfg, "num_attention_heads")
     q_lora = _optional(cfg, "q_lora_rank", bound=WIDTH_OR_NONE)
     kv_lora = _count(cfg, "kv_lora_rank")
@@ -183,7 +186,7 @@ def _mla(cfg: dict, h: int, p: str) -> list[Tensor]:
             Tensor(f"{p}.linear_kv_up_proj", (heads * (nope + v), kv_lora)),
             Tensor(f"{p}.linear_proj", (h, heads * v))]
     ih = _optional(cfg, "index_n_heads", bound=WIDTH_OR_NONE)
-    if ih:
+    if ih and indexer:
         ihd = _count(cfg, "index_head_dim")
         out += [Tensor(f"{p}.indexer.wq_b", (ih * ihd, q_lora or h), tp_split=False),
                 Tensor(f"{p}.indexer.wk", (ihd, h), tp_split=False),
@@ -210,15 +213,25 @@ def _is_mla(cfg: dict) -> bool:
     return cfg.get("kv_lora_rank") is not None
 
 
-def _attention(cfg: dict, h: int, p: str, linear: bool) -> list[Tensor]:
+def _attention(cfg: dict, h: int, p: str, linear: bool, indexer: bool = True) -> list[Tensor]:
     if linear:
         return _gated_deltanet(cfg, h, f"{p}.linear_attention")
-    return (_mla if _is_mla(cfg) else _gqa)(cfg, h, f"{p}.self_attention")
+    if _is_mla(cfg):
+        return _mla(cfg, h, f"{p}.self_attention", indexer)
+    return _gqa(cfg, h, f"{p}.self_attention")
 
 
 # ---- MLP -----------------------------------------------------------------------------------------------------
 def num_experts(cfg: dict) -> int:
     return _count(cfg, "num_experts", "n_routed_experts", "num_local_experts", bound=EXPERTS, default=0)
+
+
+def experts_per_token(config: dict) -> int:
+    """Routed experts each token passes through (``num_experts_per_tok``; 0 for a dense model)."""
+    cfg = text_config(config)
+    if num_experts(cfg) == 0:
+        return 0
+    return _count(cfg, "num_experts_per_tok", "moe_topk", bound=EXPERTS)
 
 
 def _swiglu(p: str, h: int, ffn: int, expert: Optional[int] = None) -> list[Tensor]:
@@ -244,8 +257,20 @@ def _mlp(cfg: dict, h: int, p: str, dense: bool) -> list[Tensor]:
     return out
 
 
-def _layer_kinds(cfg: dict, n_layers: int) -> list[tuple[bool, bool]]:
-    """(linear attention, dense MLP) of each decoder layer, from the config's per-layer keys."""
+def _indexer_layers(cfg: dict, n_layers: int) -> list[bool]:
+    """Which layers have their own DSA indexer (GLM-5 `indexer_types`, "shared" layers reuse the previous
+    one's top-k); without the key, transformers' schedule from `index_topk_freq` / `index_skip_topk_offset`."""
+    types = _layer_list(cfg, "indexer_types", str, n_layers, exact=True)
+    if types is not None:
+        return [t != "shared" for t in types]
+    freq = max(_optional(cfg, "index_topk_freq", bound=LAYERS) or 1, 1)
+    offset = _optional(cfg, "index_skip_topk_offset", bound=LAYER_COUNT_OR_NONE)
+    offset = 2 if offset is None else offset  # transformers' default
+    return [max(i - offset + 1, 0) % freq == 0 for i in range(n_layers)]
+
+
+def _layer_kinds(cfg: dict, n_layers: int) -> list[tuple[bool, bool, bool]]:
+    """(linear attention, dense MLP, own DSA indexer) of each decoder layer, from the config's per-layer keys."""
     experts = num_experts(cfg)
     first_dense = _optional(cfg, "first_k_dense_replace", bound=LAYER_COUNT_OR_NONE) or 0
     mlp_only = frozenset(_layer_list(cfg, "mlp_only_layers", int, n_layers, exact=False) or ())
@@ -262,11 +287,12 @@ def _layer_kinds(cfg: dict, n_layers: int) -> list[tuple[bool, bool]]:
     def dense(i: int) -> bool:
         return experts == 0 or i < first_dense or i in mlp_only or (i + 1) % step != 0
 
-    return [(linear(i), dense(i)) for i in range(n_layers)]
+    indexers = _indexer_layers(cfg, n_layers)
+    return [(linear(i), dense(i), indexers[i]) for i in range(n_layers)]
 
 
-def _decoder_layer(cfg: dict, h: int, p: str, linear: bool, dense: bool) -> list[Tensor]:
-    return [Tensor(f"{p}.input_layernorm", (h,), tp_split=False), *_attention(cfg, h, p, linear),
+def _decoder_layer(cfg: dict, h: int, p: str, linear: bool, dense: bool, indexer: bool = True) -> list[Tensor]:
+    return [Tensor(f"{p}.input_layernorm", (h,), tp_split=False), *_attention(cfg, h, p, linear, indexer),
             Tensor(f"{p}.pre_mlp_layernorm", (h,), tp_split=False), *_mlp(cfg, h, p, dense)]
 
 

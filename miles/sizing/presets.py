@@ -4,11 +4,14 @@
 |-----------------|--------|----------------|------------------------------------|---------|---------------|-------|--------|-----|
 | glm5-744b       | 6144   | 78 (first 3)   | MLA 64 heads, q/kv rank 2048/512,  | 154880  | 256 x 2048    | 8     | 1      | 1   |
 |                 |        |                | qk 192+64, v 256; DSA indexer 32x128 |       |               |       |        |     |
+| glm5-2b-random  | 2048   | 12 (first 1)   | MLA 16 heads, q/kv rank 768/256,   | 100     | 24 x 1024     | 4     | 1      | 0   |
+|                 |        |                | qk 96+32, v 96; DSA indexer 8x64   |         |               |       |        |     |
 | llama-9.2b-random | 4096 | 42 (42)        | GQA 32 q / 8 kv heads x 128        | 100     | dense 14336   |       |        | 0   |
 | qwen3-30b-a3b   | 2048   | 48 (0)         | GQA 32 q / 4 kv heads x 128        | 151936  | 128 x 768     | 8     | 0      | 0   |
 | qwen3.5-35b-a3b | 2048   | 40 (0)         | 3 of 4 Gated DeltaNet (16 k / 32 v | 248320  | 256 x 512     | 8     | 1x512  | 1   |
 |                 |        |                | heads x 128), 1 of 4 gated GQA     |         |               |       |        |     |
 |                 |        |                | 16 q / 2 kv heads x 256            |         |               |       |        |     |
+| qwen3.5-moe-1b-random | 2048 | 12 (0)     | qwen3.5-35b-a3b's, 9 + 3 layers    | 100     | 16 x 512      | 8     | 1x512  | 0   |
 
 Sources and assumptions:
   * glm5-744b: "a GLM-5.2-744B-like MoE". The numbers are GLM-5's published config.json (zai-org/GLM-5,
@@ -19,6 +22,8 @@ Sources and assumptions:
   * qwen3.5-35b-a3b: "a Qwen3.5-35B-A3B-like MoE": the language model of Qwen/Qwen3.5-35B-A3B's
     config.json (`text_config`, hybrid Gated DeltaNet / gated attention like Qwen3-Next, untied
     embeddings, one MTP layer); its vision tower is not counted (RL recipes freeze it).
+  * qwen3.5-moe-1b-random: the config scripts/make_random_model.py qwen3.5-moe-1b writes (1.03B params);
+    the count is transformers' own (tests/unit/test_megatron_qwen35.py compares them).
 """
 
 from __future__ import annotations
@@ -59,6 +64,19 @@ QWEN3_5_35B_A3B = {
     },
 }
 
+# Qwen3.5-35B-A3B's layer shapes with 12 layers (9 Gated DeltaNet, 3 gated attention) and 16 experts (top-8)
+# instead of 40 and 256: 1.03B params as scripts/make_random_model.py qwen3.5-moe-1b builds it (the char
+# tokenizer's vocabulary), which one H200 trains with and without the optimizer-state store.
+QWEN3_5_MOE_1B_RANDOM = {
+    "model_type": "qwen3_5_moe_text",
+    "hidden_size": 2048, "num_hidden_layers": 12, "full_attention_interval": 4,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "vocab_size": 100, "tie_word_embeddings": False,
+    "num_experts": 16, "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+}
+
 # Llama-3-8B's shape (hidden 4096, FFN 14336, 32 heads, 8 KV heads) with 42 layers instead of 32: 9.16B params
 # as scripts/make_random_model.py llama-9.2b builds it (its 100-token character tokenizer adds almost no
 # embedding); 110 GB of fp32 Adam state, the largest dense model one H200 host trains from RAM and disk.
@@ -69,11 +87,28 @@ LLAMA_9B_RANDOM = {
     "vocab_size": 100, "tie_word_embeddings": False,
 }
 
+# GLM-5's architecture (MLA + DSA indexer, first layer dense, sigmoid-routed experts + one shared expert) at
+# 1.86B params, as scripts/make_random_model.py glm5-2b builds it (the char tokenizer's 100-token vocabulary);
+# one H200 trains it with and without the optimizer-state store. index_topk is GLM-5's: shorter sequences
+# attend densely.
+GLM5_2B_RANDOM = {
+    "model_type": "glm_moe_dsa",
+    "hidden_size": 2048, "num_hidden_layers": 12, "first_k_dense_replace": 1, "intermediate_size": 5632,
+    "num_attention_heads": 16, "num_key_value_heads": 16,
+    "q_lora_rank": 768, "kv_lora_rank": 256, "qk_nope_head_dim": 96, "qk_rope_head_dim": 32, "v_head_dim": 96,
+    "index_n_heads": 8, "index_head_dim": 64, "index_topk": 2048,
+    "vocab_size": 100, "tie_word_embeddings": False,
+    "n_routed_experts": 24, "num_experts_per_tok": 4, "moe_intermediate_size": 1024, "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+}
+
 PRESETS: dict[str, dict] = {
     "glm5-744b": GLM5_744B,
+    "glm5-2b-random": GLM5_2B_RANDOM,
     "llama-9.2b-random": LLAMA_9B_RANDOM,
     "qwen3-30b-a3b": QWEN3_30B_A3B,
     "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
+    "qwen3.5-moe-1b-random": QWEN3_5_MOE_1B_RANDOM,
 }
 
 

@@ -1,8 +1,9 @@
 """Which parameter elements one training rank holds, and which of them its optimizer shards own.
 
-Megatron's rules, as modelled here:
+Megatron's rules, as modelled here (the layout itself is miles/parallel/layout.py's, `miles train`'s):
   * world = TP x PP x DP (context parallelism is not modelled); decoder layers are cut into PP
-    contiguous stages, the embedding on the first, final norm / output layer / MTP on the last;
+    contiguous stages (evenly, or with Megatron's uneven first/last stage counts), the embedding on the
+    first, final norm / output layer / MTP on the last;
   * dense tensors: split over TP (or replicated), and the distributed optimizer shards their state
     over DP: a rank owns a contiguous 1/DP of the stage's dense buffer;
   * routed experts: EP ranks hold experts/EP whole experts each, split over ETP, and the expert
@@ -15,10 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from miles.parallel.layout import (DEFAULT_EXPERT_TENSOR_PARALLEL_SIZE, FIRST_STAGE_FLAG, LAST_STAGE_FLAG,
+                                   ParallelLayout, check_layout)
+from miles.parallel.layout import LayoutError as ParallelLayoutError
+from miles.parallel.layout import stage_layer_counts as layout_stage_layer_counts
+
 from .bounds import PARALLEL_SIZE, PIPELINE_SIZE, STAGE_LAYERS, PlanInputError, check_bound, check_bounds
 from .model_params import ModelTensors, Tensor
 
-DEFAULT_ETP = 1  # Megatron's own default is ETP = TP; MoE recipes (and the reference runs) set 1
+DEFAULT_ETP = DEFAULT_EXPERT_TENSOR_PARALLEL_SIZE  # `miles train`'s default too (miles/parallel/layout.py says why)
 
 
 class LayoutError(PlanInputError):
@@ -27,22 +33,23 @@ class LayoutError(PlanInputError):
 
 @dataclass(frozen=True)
 class Parallelism:
+    """The plan's layout: `miles train`'s :class:`~miles.parallel.layout.ParallelLayout` with DP given instead of
+    the world size (``layout()`` is the one `miles train` builds for these sizes)."""
+
     tp: int = 1
     pp: int = 1
     dp: int = 1
     ep: int = 1
     etp: int = DEFAULT_ETP
-    pipeline_layers: Optional[tuple[int, ...]] = None  # decoder layers per stage; None: as even as possible
+    first_stage_layers: Optional[int] = None  # --decoder-first-pipeline-num-layers; None: an even split
+    last_stage_layers: Optional[int] = None  # --decoder-last-pipeline-num-layers
 
     def __post_init__(self) -> None:
         check_bounds(LayoutError, vars(self), {"tp": PARALLEL_SIZE, "pp": PIPELINE_SIZE, "dp": PARALLEL_SIZE,
                                                 "ep": PARALLEL_SIZE, "etp": PARALLEL_SIZE})
-        if self.pipeline_layers is not None:
-            if len(self.pipeline_layers) != self.pp:
-                raise LayoutError(f"--pipeline-layers lists {len(self.pipeline_layers)} stages but --pp is {self.pp}: "
-                                  "give one layer count per pipeline stage")
-            for layers in self.pipeline_layers:
-                check_bound(LayoutError, "--pipeline-layers: a stage of", layers, STAGE_LAYERS)
+        for flag, layers in ((FIRST_STAGE_FLAG, self.first_stage_layers), (LAST_STAGE_FLAG, self.last_stage_layers)):
+            if layers is not None:
+                check_bound(LayoutError, flag, layers, STAGE_LAYERS)
 
     @property
     def world(self) -> int:
@@ -52,30 +59,28 @@ class Parallelism:
     def edp(self) -> int:
         return self.world // (self.pp * self.ep * self.etp)
 
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(world=self.world, tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp,
+                              first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers)
+
 
 def check_parallelism(par: Parallelism, model: ModelTensors, experts: int) -> None:
-    per_stage = par.world // par.pp
-    if per_stage % (par.ep * par.etp):
-        raise LayoutError(f"EP x ETP = {par.ep} x {par.etp} must divide TP x DP = {per_stage} (the GPUs of one "
-                          "pipeline stage): choose --ep/--etp that divide it")
-    if experts and experts % par.ep:
-        raise LayoutError(f"--ep {par.ep} must divide the model's {experts} experts")
+    """Megatron's layout rules (miles/parallel/layout.py, the same check `miles train` runs), then the plan's
+    own: expert parallelism on a model without experts sizes nothing."""
+    try:
+        check_layout(par.layout(), num_layers=len(model.layers), num_experts=experts)
+    except ParallelLayoutError as e:
+        raise LayoutError(str(e)) from None
     if not experts and par.ep > 1:
         raise LayoutError(f"--ep {par.ep} needs a MoE model; {model.name} has no routed experts (use --ep 1)")
-    if par.pipeline_layers is not None:
-        if sum(par.pipeline_layers) != len(model.layers):
-            raise LayoutError(f"--pipeline-layers sum to {sum(par.pipeline_layers)} layers, but the model has "
-                              f"{len(model.layers)}: give layer counts per stage that add up to it")
-    elif par.pp > max(len(model.layers), 1):
-        raise LayoutError(f"--pp {par.pp} exceeds the model's {len(model.layers)} layers")
 
 
 def stage_layer_counts(n_layers: int, par: Parallelism) -> list[int]:
-    """Decoder layers per stage: --pipeline-layers, or an even split whose first stages take the remainder."""
-    if par.pipeline_layers is not None:
-        return list(par.pipeline_layers)
-    base, extra = divmod(n_layers, par.pp)
-    return [base + (1 if s < extra else 0) for s in range(par.pp)]
+    """Decoder layers per stage, as Megatron builds them (miles/parallel/layout.py)."""
+    try:
+        return list(layout_stage_layer_counts(n_layers, par.layout()))
+    except ParallelLayoutError as e:
+        raise LayoutError(str(e)) from None
 
 
 def stage_tensors(model: ModelTensors, par: Parallelism) -> list[list[Tensor]]:

@@ -152,6 +152,20 @@ CASES = [
     ([STREAM, DISK, "--no-offload-train"],
      "--offload-train-target disk has no effect: --no-offload-train turns trainer offload off. Fix: drop "
      "--no-offload-train, or drop --offload-train-target."),
+    # --- token-budget micro-batches
+    (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384"], None),
+    (["--use-dynamic-batch-size"],
+     "--use-dynamic-batch-size needs --max-tokens-per-gpu: the token budget is what fills each micro-batch. Fix: "
+     "add --max-tokens-per-gpu N (e.g. 16384), or drop --use-dynamic-batch-size."),
+    (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "0"],
+     "--max-tokens-per-gpu must be an int >= 1 (got 0). Fix: pass a token budget such as --max-tokens-per-gpu "
+     "16384."),
+    (["--max-tokens-per-gpu", "8192"],
+     "--max-tokens-per-gpu 8192 has no effect: micro-batches hold --micro-batch-size samples unless "
+     "--use-dynamic-batch-size. Fix: add --use-dynamic-batch-size, or drop --max-tokens-per-gpu."),
+    (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "8192", "--micro-batch-size", "8"],
+     "--micro-batch-size 8 has no effect: --use-dynamic-batch-size fills micro-batches up to --max-tokens-per-gpu "
+     "tokens. Fix: drop --use-dynamic-batch-size, or drop --micro-batch-size."),
     # --- backends / engines
     (["--train-backend", "megatron"],
      "--train-backend megatron needs Python >= 3.12 (megatron-core does not install on Python 3.11). Fix: "
@@ -170,8 +184,21 @@ CASES = [
      "--expert-model-parallel-size 2 needs --train-backend megatron: the torch backend replicates every "
      "expert on every rank. Fix: add --train-backend megatron or drop --expert-model-parallel-size."),
     (["--expert-model-parallel-size", "2", "--num-train-ranks", "3", "--rollout-batch-size", "3"],
-     "--expert-model-parallel-size 2 must be >= 1 and divide --num-train-ranks 3. Fix: pick an "
-     "expert-parallel size that divides the number of train ranks."),
+     "--expert-model-parallel-size 2 x --expert-tensor-parallel-size 1 = 2 does not divide the 3 ranks of one "
+     "pipeline stage (TP 1 x DP 3): Megatron cuts each stage's ranks into ETP x EP x expert-DP. Fix: pick "
+     "--expert-model-parallel-size and --expert-tensor-parallel-size whose product divides 3."),
+    (["--tensor-model-parallel-size", "2", "--num-train-ranks", "2"],
+     "--tensor-model-parallel-size 2 needs --train-backend megatron: the torch backend is data parallel only. "
+     "Fix: add --train-backend megatron, or drop --tensor-model-parallel-size."),
+    (["--sequence-parallel"],
+     "--sequence-parallel splits activations over tensor parallelism, and --tensor-model-parallel-size is 1. "
+     "Fix: drop --sequence-parallel, or pass --tensor-model-parallel-size 2 or more."),
+    (["--tensor-model-parallel-size", "2", "--num-train-ranks", "3"],
+     "--num-train-ranks 3 is not a multiple of --tensor-model-parallel-size 2 x --pipeline-model-parallel-size 1 "
+     "= 2: Megatron's world is TP x PP x DP. Fix: pass --num-train-ranks as a multiple of 2 (TP x PP x DP), or "
+     "change --tensor-model-parallel-size/--pipeline-model-parallel-size."),
+    (["--pipeline-model-parallel-size", "0"],
+     "--pipeline-model-parallel-size must be >= 1 (got 0). Fix: pass --pipeline-model-parallel-size >= 1."),
     (["--rollout-engine", "sglang"],
      "--rollout-engine sglang: sglang is not installed here. Fix: pip install --no-deps sglang==0.5.17 into an "
      "environment with torch==2.11.0 (CUDA 13); docs/advanced/sglang.md lists the other packages; or use "

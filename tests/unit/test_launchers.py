@@ -1,27 +1,28 @@
-"""Every `miles train` invocation in scripts/launch_*.sh parses with `miles train`'s own parser and passes its
-validation (on a pretend GPU machine), and each launcher's sizing command runs `miles plan` on the same layout.
-A launcher for a model `miles train` cannot run yet (GLM-5.2-744B needs TP8/PP4) runs only `miles plan` for
-the layout it needs and refuses, saying why, without starting Ray."""
+"""Every launcher (scripts/launch_*.sh) checks its run before Ray starts: it runs `miles train ... --dry-run` (the
+flags, the layout against the model, this node's disk and memory), stops there under its own --dry-run, and
+otherwise starts Ray and runs the same `miles train` without --dry-run. Each command parses with `miles train`'s
+own parser and passes its validation on a pretend GPU machine; each launcher's sizing command runs `miles plan` on
+the layout `miles train` builds."""
 
 import dataclasses
 import os
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from miles.config import ArgumentError, Environment, build_parser, validate_args
+from miles.config.parallel_checks import MODEL_PARALLEL_BUILT
+from miles.sizing.cli import build_parser as plan_parser
 from miles.sizing.cli import main as plan_main
-from miles.sizing.presets import QWEN3_30B_A3B
+from miles.sizing.presets import GLM5_744B, QWEN3_30B_A3B
+from miles.sizing.sharding import Parallelism
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 LAUNCHERS = sorted(SCRIPTS.glob("launch_*.sh"))
-# Launchers that refuse to train until `miles train` supports their layout -> what their refusal names.
-REFUSING = {"launch_glm5_744b.sh": "tensor and pipeline parallel size 1 only"}
-TRAINING = [p for p in LAUNCHERS if p.name not in REFUSING]
+MODEL_CONFIGS = {"launch_glm5_744b.sh": GLM5_744B, "launch_qwen3_30b_a3b.sh": QWEN3_30B_A3B}
 
 
 def logical_lines(text: str) -> list[str]:
@@ -47,7 +48,7 @@ def shell_variables(lines: list[str]) -> tuple[dict, dict]:
             if s == ")":
                 array = None
             elif s and not s.startswith("#"):
-                arrays[array] += shlex.split(s)
+                arrays[array].append(s)  # raw: substituted (arithmetic first) when used
             continue
         if m := re.fullmatch(r"([A-Z_]+)=\(", s):
             array = m.group(1)
@@ -73,7 +74,7 @@ def invocations(path: Path, program: str) -> list[list[str]]:
     """argv (after `program`) of every line that runs `program`, with variables substituted."""
     lines = logical_lines(path.read_text())
     scalars, arrays = shell_variables(lines)
-    arrays = {k: [re.sub(r"\$\{?([A-Z_]+)\}?", lambda m: scalars[m.group(1)], a) for a in v] for k, v in arrays.items()}
+    arrays = {k: [token for line in v for token in substitute(line, scalars, {})] for k, v in arrays.items()}
     found = []
     for line in lines:
         if line.strip().startswith(program + " "):
@@ -91,62 +92,95 @@ def flags(argv: list[str]) -> set[str]:
     return {a.split("=")[0] for a in argv if a.startswith("--")}
 
 
-def gpu_machine() -> Environment:
+def gpu_machine(hf_config: dict) -> Environment:
     """Validation as on a GPU node with everything installed and the launcher's paths present."""
     return dataclasses.replace(Environment(), python_version=(3, 12), cuda_available=lambda: True,
                                has_module=lambda name: True, path_exists=lambda p: True, is_dir=lambda p: True,
                                is_file=lambda p: True, check_prompt_data=lambda p: None,
                                dir_writable=lambda p: True, disk_free_bytes=lambda p: 1 << 60,
-                               read_json=lambda p: QWEN3_30B_A3B,  # launch_qwen3_30b_a3b.sh's model
-                               filesystem_id=lambda p: 0,
-                               cpu_count=lambda: 128, host_memory_available=lambda: 1 << 41)
+                               read_json=lambda p: hf_config, filesystem_id=lambda p: 0,
+                               cpu_count=lambda: 256, host_memory_available=lambda: 1 << 41)
 
 
 def test_there_are_launchers_for_both_reference_models():
-    assert {p.name for p in LAUNCHERS} >= {"launch_qwen3_30b_a3b.sh", "launch_glm5_744b.sh"}
+    assert {p.name for p in LAUNCHERS} == set(MODEL_CONFIGS)
 
 
-@pytest.mark.parametrize("path", TRAINING, ids=lambda p: p.name)
-def test_every_miles_train_invocation_passes_validation(path):
-    runs = invocations(path, "miles train")
-    assert runs, f"{path.name} runs no `miles train`"
-    for argv in runs:
-        args = build_parser().parse_args(argv)  # an unknown flag exits here
-        assert {"--stream-optimizer-state-to-disk", "--offload-train-target", "--colocate"} <= flags(argv)
-        assert (args.train_backend, args.offload_train_target) == ("megatron", "disk")
-        validate_args(args, gpu_machine())
+@pytest.mark.parametrize("path", LAUNCHERS, ids=lambda p: p.name)
+def test_the_launcher_checks_the_run_it_then_starts(path):
+    check, run = invocations(path, "miles train")  # the check before Ray, the run after it
+    assert check == [*run, "--dry-run"]
+    args = build_parser().parse_args(run)  # an unknown flag exits here
+    assert {"--stream-optimizer-state-to-disk", "--offload-train-target", "--colocate"} <= flags(run)
+    assert (args.train_backend, args.offload_train_target) == ("megatron", "disk")
+    env = gpu_machine(MODEL_CONFIGS[path.name])
+    cfg = validate_args(build_parser().parse_args(check), env)
+    if MODEL_PARALLEL_BUILT or cfg.parallel_layout.tp * cfg.parallel_layout.pp == 1:
+        validate_args(args, env)
+    else:  # refused before Ray starts, naming the flags, until the trainer builds TP/PP
+        with pytest.raises(ArgumentError, match="--tensor-model-parallel-size"):
+            validate_args(args, env)
 
 
-@pytest.mark.parametrize("path", TRAINING, ids=lambda p: p.name)
-def test_the_sizing_command_plans_the_launched_layout(path, capsys):
+@pytest.mark.parametrize("path", LAUNCHERS, ids=lambda p: p.name)
+def test_the_sizing_command_plans_the_layout_miles_train_builds(path, capsys):
     (plan,) = sizing_commands(path)
-    (train,) = invocations(path, "miles train")
-    args, _ = build_parser().parse_known_args(train)
-    nodes, gpus = int(plan[plan.index("--nodes") + 1]), int(plan[plan.index("--gpus-per-node") + 1])
-    assert nodes * gpus == args.num_train_ranks
-    assert int(plan[plan.index("--ep") + 1]) == args.expert_model_parallel_size
+    run = invocations(path, "miles train")[-1]
+    cfg = validate_args(build_parser().parse_args([*run, "--dry-run"]), gpu_machine(MODEL_CONFIGS[path.name]))
+    p = plan_parser().parse_args(plan)
+    par = Parallelism(tp=p.tp, pp=p.pp, dp=p.nodes * p.gpus_per_node // (p.tp * p.pp), ep=p.ep, etp=p.etp,
+                      first_stage_layers=p.decoder_first_pipeline_num_layers,
+                      last_stage_layers=p.decoder_last_pipeline_num_layers)
+    assert par.layout() == cfg.parallel_layout
     assert plan_main(plan) == 0
     assert "->  " in capsys.readouterr().out
+    for planned in invocations(path, "miles plan"):  # a plan the launcher runs is its header's
+        assert planned == plan
 
 
-@pytest.mark.parametrize("name", sorted(REFUSING))
-def test_a_launcher_for_an_unsupported_layout_plans_it_and_refuses_without_starting_ray(name, tmp_path, capsys):
-    path = SCRIPTS / name
-    assert not invocations(path, "miles train") and not invocations(path, "ray start")
-    (documented,) = sizing_commands(path)
-    (planned,) = invocations(path, "miles plan")
-    assert planned == documented  # the header's plan is the one it runs
-    # run it, with `miles` answering as the real one and a `ray` that records being called
+def fake_tools(tmp_path, miles_train_rc: int = 0) -> dict:
+    """`miles` and `ray` that record their calls (a `miles train` answering ``miles_train_rc``)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "miles").write_text(f"#!/bin/sh\nexec {sys.executable} -m miles.cli \"$@\"\n")
-    (bin_dir / "ray").write_text(f"#!/bin/sh\necho called > {tmp_path}/ray-called\n")
-    for tool in ("miles", "ray"):
+    log = tmp_path / "calls"
+    (bin_dir / "miles").write_text(f'#!/bin/sh\necho "miles $*" >> {log}\n'
+                                   f'[ "$1" = train ] && exit {miles_train_rc}\nexit 0\n')
+    (bin_dir / "ray").write_text(f'#!/bin/sh\necho "ray $*" >> {log}\n')
+    (bin_dir / "python").write_text("#!/bin/sh\necho 1\n")  # the head's wait for the Ray nodes
+    for tool in ("miles", "ray", "python"):
         (bin_dir / tool).chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    proc = subprocess.run(["bash", str(path)], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 3, proc.stderr
-    assert "->  " in proc.stdout and "TP8 PP4 DP1 EP8" in proc.stdout  # the plan of the layout it needs
-    (refusal,) = proc.stderr.strip().splitlines()
-    assert REFUSING[name] in refusal and "TP8 x PP4" in refusal
-    assert not (tmp_path / "ray-called").exists()
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "NUM_NODES": "1"}
+
+
+def calls(tmp_path) -> list[str]:
+    log = tmp_path / "calls"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.mark.parametrize("path", LAUNCHERS, ids=lambda p: p.name)
+def test_dry_run_checks_this_node_and_starts_nothing(path, tmp_path):
+    env = fake_tools(tmp_path)
+    proc = subprocess.run(["bash", str(path), "--dry-run"], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    made = calls(tmp_path)
+    assert [c for c in made if c.startswith("miles train")] and all(c.endswith("--dry-run") for c in made
+                                                                   if c.startswith("miles train"))
+    assert not [c for c in made if c.startswith("ray")]
+
+
+@pytest.mark.parametrize("path", LAUNCHERS, ids=lambda p: p.name)
+def test_a_run_that_fails_its_check_never_starts_ray(path, tmp_path):
+    env = fake_tools(tmp_path, miles_train_rc=2)
+    proc = subprocess.run(["bash", str(path)], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 2
+    assert not [c for c in calls(tmp_path) if c.startswith("ray")]
+
+
+@pytest.mark.parametrize("path", LAUNCHERS, ids=lambda p: p.name)
+def test_a_checked_run_starts_ray_and_trains(path, tmp_path):
+    env = fake_tools(tmp_path)
+    proc = subprocess.run(["bash", str(path)], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    made = [c.split()[:2] for c in calls(tmp_path) if not c.startswith("miles plan")]
+    assert made == [["miles", "train"], ["ray", "start"], ["miles", "train"]]
+    assert calls(tmp_path)[-1].startswith("miles train") and not calls(tmp_path)[-1].endswith("--dry-run")

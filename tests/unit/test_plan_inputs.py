@@ -111,8 +111,9 @@ BAD_INPUTS = [
     ("host-ram-1e300", lambda t: ["--params", "1B", *ONE_GPU, "--host-ram-gb", "1e300"], ["--host-ram-gb", "1e300"]),
     ("checkpoint-copies-negative", lambda t: ["--params", "1B", *ONE_GPU, "--checkpoint-copies", "-1"],
      ["--checkpoint-copies", "-1"]),
-    ("pipeline-layers-negative", lambda t: ["--params", "1B", "--nodes", "1", "--gpus-per-node", "2", "--pp", "2",
-                                            "--pipeline-layers", "65,-1"], ["--pipeline-layers", "-1"]),
+    ("first-stage-layers-negative", lambda t: ["--params", "1B", "--nodes", "1", "--gpus-per-node", "2", "--pp", "2",
+                                               "--decoder-first-pipeline-num-layers", "-1"],
+     ["--decoder-first-pipeline-num-layers", "-1"]),
     ("bucket-numel-1-on-1T", lambda t: ["--params", "1T", *ONE_GPU, "--bucket-numel", "1"], ["--bucket-numel", "1"]),
     # the store fits buckets of 16K elements to 1 MiB: 61M of them for 1T params
     ("device-budget-1-on-1T", lambda t: ["--params", "1T", *ONE_GPU, "--device-budget-mb", "1"],

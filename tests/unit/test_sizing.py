@@ -21,8 +21,10 @@ def within(value, published, tolerance):
 
 def glm(mtp=True):
     model = model_tensors(PRESETS["glm5-744b"], "glm5-744b", tp=8, mtp=mtp)
-    # GB300 trays hold 4 GPUs: 8 nodes x 4 = the 32 ranks of TP8 x PP4 x DP1.
-    return estimate(model, Parallelism(tp=8, pp=4, dp=1, ep=8), Hardware(nodes=8, gpus_per_node=4, hbm_gb=276.6))
+    # GB300 trays hold 4 GPUs: 8 nodes x 4 = the 32 ranks of TP8 x PP4 x DP1. 78 layers over 4 stages: Megatron's
+    # uneven first/last counts (the first stage's 3 dense layers are light, the last carries MTP).
+    par = Parallelism(tp=8, pp=4, dp=1, ep=8, first_stage_layers=22, last_stage_layers=18)
+    return estimate(model, par, Hardware(nodes=8, gpus_per_node=4, hbm_gb=276.6))
 
 
 def qwen35(gpus, moment_dtype="fp32"):
@@ -188,10 +190,20 @@ def test_gpu_count_must_match_the_layout(capsys):
 
 def test_expert_parallelism_must_fit_a_stage():
     model = model_tensors(QWEN3_30B_A3B)
-    with pytest.raises(LayoutError, match="EP x ETP = 16 x 1 must divide TP x DP = 8"):
+    with pytest.raises(LayoutError, match="--expert-model-parallel-size 16 x --expert-tensor-parallel-size 1 = 16 "
+                       "does not divide the 8 ranks of one pipeline stage"):
         estimate(model, Parallelism(dp=8, ep=16), Hardware(nodes=1, gpus_per_node=8))
     with pytest.raises(SizingError, match="grad-dtype"):
         estimate(model, Parallelism(dp=8, ep=8), Hardware(nodes=1, gpus_per_node=8), Training(grad_dtype="fp8"))
+
+
+def test_the_plan_refuses_a_pipeline_split_megatron_would_not_build_and_takes_its_flags(capsys):
+    glm5 = ["--preset", "glm5-744b", "--nodes", "8", "--gpus-per-node", "4", "--tensor-model-parallel-size", "8",
+            "--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "8"]
+    assert main(glm5) == 2
+    assert "--decoder-first-pipeline-num-layers 20 --decoder-last-pipeline-num-layers 20" in capsys.readouterr().err
+    assert main([*glm5, "--decoder-first-pipeline-num-layers", "22", "--decoder-last-pipeline-num-layers", "18"]) == 0
+    assert "TP8 PP4 DP1 EP8" in capsys.readouterr().out
 
 
 def test_unknown_preset_names_the_choices(capsys):

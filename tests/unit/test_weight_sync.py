@@ -115,7 +115,14 @@ def test_rollout_record_splits_the_train_call_and_reports_the_handoff():
     assert rec["other_seconds"] == pytest.approx(0.75)
     assert rec["weight_handoff_seconds"] == 0.05 and rec["weight_handoff_buckets"] == 4
     line = format_rollout_line(rec, 1)
-    assert "train 1.60 (fb 1.00 opt 0.25 other 0.75) weights 0.05" in line
+    assert "train 1.60 (fb 1.00 opt 0.25 other 0.75) weights 0.05" in line  # no FLOPs counted: no MFU
+    assert rec["train_mfu"] is None and rec["train_model_flops"] is None
+    counted = {**rank, "model_flops": 4e12, "device_peak_flops": 1e12}
+    rec = rollout_record(0, [1.0], [SimpleNamespace(response_ids=[1])], [counted, {**counted, "model_flops": 2e12}],
+                         [], [], timings, None, handoff)
+    # 6e12 FLOPs over two devices of 1e12 FLOP/s: 3 s at peak, done in the slowest rank's 1.0 s
+    assert rec["train_model_flops"] == 6e12 and rec["forward_backward_floor_seconds"] == 3.0
+    assert rec["train_mfu"] == 3.0
 
 
 def test_the_rollout_line_fits_one_terminal_line():
@@ -126,7 +133,7 @@ def test_the_rollout_line_fits_one_terminal_line():
 
     rank = {"loss": -0.0123456, "grad_norm": 1.0, "clipfrac": 0.0, "train_rollout_logprob_abs_diff": 0.0,
             "host_rss_peak_bytes": 2 << 30, "forward_backward_seconds": 20.45, "optimizer_step_seconds": 9.37,
-            "train_seconds": 30.6,
+            "train_seconds": 30.6, "model_flops": 2e16, "device_peak_flops": 989e12,
             "stream_bytes_read": 123 << 30, "stream_bytes_written": 123 << 30, "stream_disk_bytes_read": 100 << 30,
             "stream_disk_bytes_written": 100 << 30, "stream_tier_fill_bytes": 0, "stream_seconds": 50.0,
             "stream_io_seconds": 10.0, "stream_peak_resident_bytes": 1, "stream_prefetched_buckets": 2,
@@ -139,6 +146,7 @@ def test_the_rollout_line_fits_one_terminal_line():
                          "/ckpt/rollout_000100", handoff)
     line = format_rollout_line(rec, 1000)
     assert len(line) <= ROLLOUT_LINE_WIDTH, (len(line), line)
+    assert "(fb 20.4 opt 9.37 mfu 99%)" in line  # 2e16 FLOPs / 989e12 FLOP/s = 20.2 s of the 20.45
 
 
 def test_bench_phase_report_against_the_floors():
@@ -158,6 +166,11 @@ def test_bench_phase_report_against_the_floors():
     assert disk["step"]["floor"] == pytest.approx(2.0 + 1.2 + 0.002 + 1.0 + 2.0)
     cpu = phase_report([rec], "cpu", rates)
     assert cpu["sleep"]["floor"] == pytest.approx(0.04)
+    assert disk["train"]["mfu"] is None
+    gpu = {**rec, "forward_backward_floor_seconds": 0.3, "train_mfu": 0.3}  # the FLOPs at peak: 0.3 s of the 1.0
+    on_gpu = phase_report([gpu, gpu], "disk", rates)
+    assert on_gpu["train"]["floor"] == pytest.approx(0.5) and on_gpu["train"]["ratio"] == pytest.approx(3.0)
+    assert on_gpu["train"]["mfu"] == pytest.approx(0.3)
 
 
 def test_a_bucket_cuda_refuses_to_export_goes_through_host_memory(monkeypatch, caplog):

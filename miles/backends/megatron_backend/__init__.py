@@ -3,6 +3,16 @@
     architecture.py   what a transformers config means for Megatron (pure; rejects what cannot be built)
     model.py          TransformerConfig / GPTModel kwargs from an HF config (pure) and the builder
     convert.py        HF <-> Megatron state dicts (pure: fused QKV, SwiGLU fc1, norms, experts, EP)
+    sdpa_attention.py the local spec's core attention as one scaled_dot_product_attention call
+    logprobs.py       GPTModel's output processor: token log-probs, the output layer run chunk by chunk
+    tp_shards.py      Megatron's TP/ETP/PP cuts of a state dict and their gathers (pure)
+    parallel_export.py  the weight handoff's order under TP/PP: part by part, gathers injected (pure)
+    vocab_parallel.py log-probs from vocab-parallel logits (all-reduces over the TP group)
+    model_parallel.py one rank's place in the TP/PP layout: process groups, shards, log-probs, handoff
+    pipeline.py       the policy-gradient step through Megatron's pipeline schedule (PP > 1)
+    glm_moe_dsa.py    GLM-5: its config, attention weight names, MLA + DSA config fields (pure)
+    local_dsa_spec.py GLM-5's DSA decoder block without Transformer Engine (GPU)
+    router_bias.py    routers with an expert bias: fp32 in a bf16 model, the aux-loss-free balancing step (GPU)
     trainer.py        MegatronTrainer: the same methods as the torch backend's TorchTrainer
 
 Importing this package does not import megatron-core (it needs Python >= 3.12 and CUDA).

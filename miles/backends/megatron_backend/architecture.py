@@ -1,16 +1,24 @@
 """What the Megatron backend needs to know about a transformers config, as plain values.
 
 :func:`describe` reads a ``PretrainedConfig`` of the Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral
-families into an :class:`Architecture`; the model builder (``model.py``) and the weight converter
-(``convert.py``) both work from it, so the two can never disagree about a layer's layout. Anything
-the backend cannot reproduce exactly (biases other than Qwen2's q/k/v, sliding windows, rope
-scaling, shared experts, a non-SiLU activation) is rejected here with the config field to change.
+families (and, through ``families/qwen3_5_moe_config.py``, Qwen3.5-MoE) into an :class:`Architecture`;
+the model builder (``model.py``) and the weight converter (``convert.py``) both work from it, so the
+two can never disagree about a layer's layout. Anything the backend cannot reproduce exactly (biases
+other than Qwen2's q/k/v, sliding windows, rope scaling, shared experts outside Qwen3.5, a non-SiLU
+activation) is rejected here with the config field to change.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from .errors import UnsupportedModelError
+from .families import qwen3_5_moe_config
+from .families.qwen3_5_moe_config import GatedDeltaNetLayout
+from .glm_moe_dsa import MlaDsa, describe_glm_moe_dsa
+
+__all__ = ["Architecture", "describe", "UnsupportedModelError", "SUPPORTED_MODEL_TYPES"]
 
 # model_type -> which optional pieces the family has
 _FAMILIES = {
@@ -20,11 +28,10 @@ _FAMILIES = {
     "qwen3_moe": dict(qkv_bias=False, qk_norm=True, moe=True),
     "mixtral": dict(qkv_bias=False, qk_norm=False, moe=True),
 }
-SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
-
-
-class UnsupportedModelError(ValueError):
-    """A transformers config the Megatron backend cannot build exactly (the message says which field)."""
+# model_type -> the describe function of a family with its own module (it returns the Architecture's keyword
+# arguments, from the config and its rope theta)
+_OWN_MODULES = {"glm_moe_dsa": describe_glm_moe_dsa}
+SUPPORTED_MODEL_TYPES = tuple(_FAMILIES) + tuple(_OWN_MODULES) + qwen3_5_moe_config.MODEL_TYPES
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,19 @@ class Architecture:
     moe_ffn_hidden_size: Optional[int] = None
     moe_topk: Optional[int] = None
     moe_renormalize: bool = True  # top-k probabilities renormalized to sum to 1
+    shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(Linear(hidden, 1))
+    attention_output_gate: bool = False  # q_proj also yields a per-head sigmoid gate on the attention output
+    rotary_percent: float = 1.0  # rotary embedding on this fraction of each head's channels
+    zero_centered_norms: bool = False  # RMSNorms scale by (1 + weight)
+    linear_attention: Optional[GatedDeltaNetLayout] = None  # Gated DeltaNet layers; None: attention only
+    shared_expert_ffn_hidden_size: Optional[int] = None  # shared experts' SwiGLU width (all of them); None: none
+    router_expert_bias: bool = False  # an fp32 per-expert bias added to the scores for the top-k choice only
+    router_score_function: str = "softmax"  # "softmax" | "sigmoid"
+    router_topk_scaling_factor: Optional[float] = None  # the top-k weights are multiplied by it
+    router_num_groups: Optional[int] = None  # group-limited routing: experts in groups ...
+    router_group_topk: Optional[int] = None  # ... of which each token may use this many
+    # Multi-latent attention with a DeepSeek-sparse-attention indexer (GLM-5); None: grouped-query attention
+    mla_dsa: Optional[MlaDsa] = None
 
     @property
     def heads_per_group(self) -> int:
@@ -88,9 +108,23 @@ def _reject(hf_config: Any, field: str, bad: Any, why: str) -> None:
         raise UnsupportedModelError(f"{field}={value!r} is not supported by the Megatron backend: {why}")
 
 
+def _describe_with_own_module(hf_config: Any, model_type: str) -> Architecture:
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"hidden_act={act!r}: the Megatron backend builds SwiGLU MLPs (silu) only")
+    return Architecture(**_OWN_MODULES[model_type](hf_config, _rope_theta(hf_config)))
+
+
 def describe(hf_config: Any) -> Architecture:
     """The :class:`Architecture` of a transformers config; raises :class:`UnsupportedModelError`."""
     model_type = getattr(hf_config, "model_type", None)
+    if model_type in qwen3_5_moe_config.MODEL_TYPES:
+        try:
+            return Architecture(**qwen3_5_moe_config.architecture_fields(hf_config))
+        except qwen3_5_moe_config.UnbuildableConfig as exc:
+            raise UnsupportedModelError(str(exc)) from None
+    if model_type in _OWN_MODULES:
+        return _describe_with_own_module(hf_config, model_type)
     if model_type not in _FAMILIES:
         raise UnsupportedModelError(f"model_type {model_type!r} is not supported by the Megatron backend; "
                                     f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (use --train-backend torch)")

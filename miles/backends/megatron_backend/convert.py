@@ -20,6 +20,9 @@ wrappers). Layouts that differ from HF:
   parallelism each rank holds experts ``ep_rank * E/ep_size + i``. :func:`megatron_to_hf` takes
   globally numbered experts: at EP 1 that is any rank's state, with EP > 1 the union of the ranks'
   states after :func:`experts_to_global`.
+- Qwen3.5-MoE (``families/qwen3_5_moe.py``): its layers' own rules (Gated DeltaNet ``in_proj`` = HF's four
+  input projections concatenated; gated ``linear_qkv``; the shared expert and its gate), then the
+  router and routed experts below.
 - Tied embeddings: Megatron has no ``output_layer.weight``; :func:`megatron_to_hf` returns
   ``lm_head.weight`` as the same tensor as ``model.embed_tokens.weight`` (the HF model's state dict
   has both keys).
@@ -39,10 +42,12 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from . import glm_moe_dsa
 from .architecture import Architecture, describe
+from .families import qwen3_5_moe
 
 __all__ = ["hf_to_megatron", "megatron_to_hf", "iter_megatron_to_hf", "experts_to_global", "hf_moe_layout", "HF_MOE_LAYOUTS",
-           "ConversionError"]
+           "ConversionError", "part_to_hf", "EMBEDDING", "HEAD"]
 
 HF_MOE_LAYOUTS = ("fused", "per_expert")
 _EXTRA_STATE = "._extra_state"  # Transformer Engine's fp8 metadata: not a weight
@@ -109,8 +114,11 @@ def _canonical_router(layer: int) -> str:
     return f"model.layers.{layer}.mlp.gate.weight"
 
 
-def _layer_rules(arch: Architecture, i: int, fused_norms: bool) -> list[_Rule]:
+def _attention_rules(arch: Architecture, i: int, fused_norms: bool) -> list[_Rule]:
     hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+    if arch.mla_dsa is not None:  # GLM-5: its own names, all unchanged layouts; the input norm is never fused
+        return [_Rule((hf + "input_layernorm.weight",), mc + "input_layernorm.weight"),
+                *(_Rule((h,), m) for h, m in glm_moe_dsa.attention_names(arch.mla_dsa, i))]
     attn = hf + "self_attn."
     qkv = lambda ts: qkv_to_megatron(*ts, arch)  # noqa: E731
     unqkv = lambda t: list(qkv_to_hf(t, arch))  # noqa: E731
@@ -126,6 +134,18 @@ def _layer_rules(arch: Architecture, i: int, fused_norms: bool) -> list[_Rule]:
     if arch.qk_norm:
         rules += [_Rule((attn + "q_norm.weight",), mc + "self_attention.q_layernorm.weight"),
                   _Rule((attn + "k_norm.weight",), mc + "self_attention.k_layernorm.weight")]
+    return rules
+
+
+def _layer_rules(arch: Architecture, i: int, fused_norms: bool) -> list[_Rule]:
+    if arch.linear_attention is not None:  # Qwen3.5's hybrid layers: families/qwen3_5_moe.py
+        if fused_norms:
+            raise ValueError(f"{arch.model_type} is built with its own layer spec, whose norms are never fused "
+                             "into the linear layers: convert with fused_norms=False")
+        return [_Rule(*rule) for rule in qwen3_5_moe.layer_rules(arch, i)] + _routed_expert_rules(arch, i)
+    hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+    rules = _attention_rules(arch, i, fused_norms)
+    fused_norms = fused_norms and arch.mla_dsa is None  # the DSA spec keeps every norm separate
     moe = arch.is_moe_layer(i)
     pre_mlp = "mlp.linear_fc1.layer_norm_weight" if fused_norms and not moe else "pre_mlp_layernorm.weight"
     rules.append(_Rule((hf + "post_attention_layernorm.weight",), mc + pre_mlp))
@@ -135,7 +155,20 @@ def _layer_rules(arch: Architecture, i: int, fused_norms: bool) -> list[_Rule]:
                   _cat_rows, _halves),
             _Rule((hf + "mlp.down_proj.weight",), mc + "mlp.linear_fc2.weight"),
         ]
-    rules.append(_Rule((_canonical_router(i),), mc + "mlp.router.weight"))
+    if arch.router_expert_bias:  # DeepSeek-V3 / GLM-5 name; an fp32 buffer on both sides
+        rules.append(_Rule((hf + "mlp.gate.e_score_correction_bias",), mc + "mlp.router.expert_bias"))
+    if arch.shared_expert_ffn_hidden_size:  # DeepSeek-V3 / GLM-5 names: one SwiGLU for all shared experts
+        shared = hf + "mlp.shared_experts."
+        rules += [_Rule((shared + "gate_proj.weight", shared + "up_proj.weight"),
+                        mc + "mlp.shared_experts.linear_fc1.weight", _cat_rows, _halves),
+                  _Rule((shared + "down_proj.weight",), mc + "mlp.shared_experts.linear_fc2.weight")]
+    return rules + _routed_expert_rules(arch, i)
+
+
+def _routed_expert_rules(arch: Architecture, i: int) -> list[_Rule]:
+    """MoE layer ``i``'s router and routed experts (globally numbered)."""
+    mc = f"decoder.layers.{i}."
+    rules = [_Rule((_canonical_router(i),), mc + "mlp.router.weight")]
     for e in range(arch.num_experts):
         expert = f"{mc}mlp.experts.local_experts.{e}."
         rules += [
@@ -219,6 +252,37 @@ def _canonical_to_hf(state: dict[str, torch.Tensor], arch: Architecture, layout:
             for w, proj in _MIXTRAL_4X.items():
                 for e, name in enumerate(names[proj]):
                     out[f"{block}experts.{e}.{w}.weight"] = out.pop(name)
+    return out
+
+
+# ---- the model's parts, in the order the weight handoff sends them --------------------------------
+EMBEDDING, HEAD = "embedding", "head"  # the parts around the decoder layers (which are numbered)
+
+
+def _part_rules(arch: Architecture, part: "int | str", fused_norms: bool) -> list[_Rule]:
+    if part == EMBEDDING:
+        return [_Rule(("model.embed_tokens.weight",), "embedding.word_embeddings.weight")]
+    if part == HEAD:
+        tail = [_Rule(("model.norm.weight",), "decoder.final_layernorm.weight")]
+        if not arch.tied_embeddings:
+            tail.append(_Rule(("lm_head.weight",), "output_layer.weight"))
+        return tail
+    return _layer_rules(arch, part, fused_norms)
+
+
+def part_to_hf(part: "int | str", mcore_state: dict[str, torch.Tensor], hf_config: Any, *, fused_norms: bool = False,
+               hf_moe_layout: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """One part of the model in HF names: :data:`EMBEDDING`, decoder layer ``part`` (global number, experts
+    globally numbered) or :data:`HEAD` (final norm, and the output layer unless tied), from the Megatron tensors
+    of that part in ``mcore_state`` (other keys are ignored). Views where the split rules allow."""
+    arch = describe(hf_config)
+    out = {}
+    for rule in _part_rules(arch, part, fused_norms):
+        if rule.mcore not in mcore_state:
+            raise ConversionError(f"the Megatron state of part {part!r} lacks {rule.mcore!r}")
+        out.update(zip(rule.hf, rule.split(mcore_state[rule.mcore])))
+    if isinstance(part, int) and arch.is_moe_layer(part):
+        out = _canonical_to_hf(out, arch, hf_moe_layout or _installed_moe_layout(), layers=(part,))
     return out
 
 
@@ -312,7 +376,7 @@ def iter_megatron_to_hf(mcore_state: dict[str, torch.Tensor], hf_config: Any, *,
             out.update(zip(rule.hf, rule.split(state[rule.mcore])))
         return out
 
-    embedding = convert([_Rule(("model.embed_tokens.weight",), "embedding.word_embeddings.weight")], mcore_state)
+    embedding = convert(_part_rules(arch, EMBEDDING, fused_norms), mcore_state)
     yield from embedding.items()
     for i in range(arch.num_layers):
         state = mcore_state
@@ -321,14 +385,11 @@ def iter_megatron_to_hf(mcore_state: dict[str, torch.Tensor], hf_config: Any, *,
             local = {k: v for k, v in mcore_state.items() if k.startswith(prefix)}
             state = {**{k: v for k, v in mcore_state.items() if not k.startswith(prefix)}, **layer_experts(i, local)}
             used.update(local)
-        layer = convert(_layer_rules(arch, i, fused_norms), state)
+        layer = convert(_part_rules(arch, i, fused_norms), state)
         if arch.is_moe_layer(i):
             layer = _canonical_to_hf(layer, arch, layout, layers=(i,))
         yield from layer.items()
-    tail = [_Rule(("model.norm.weight",), "decoder.final_layernorm.weight")]
-    if not arch.tied_embeddings:
-        tail.append(_Rule(("lm_head.weight",), "output_layer.weight"))
-    yield from convert(tail, mcore_state).items()
+    yield from convert(_part_rules(arch, HEAD, fused_norms), mcore_state).items()
     if arch.tied_embeddings:
         yield "lm_head.weight", embedding["model.embed_tokens.weight"]
     unused = sorted(k for k in set(mcore_state) - used if not k.endswith(_EXTRA_STATE))

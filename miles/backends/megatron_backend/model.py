@@ -1,27 +1,45 @@
-"""megatron-core GPTModel from a transformers config (TP = PP = 1, EP >= 1).
+"""megatron-core GPTModel from a transformers config (any TP/PP/EP/ETP layout of miles/parallel/layout.py).
 
 :func:`transformer_config_from_hf` and :func:`gpt_model_kwargs` return plain values (tested on CPU);
 :func:`build_gpt_model` imports megatron-core and builds the model. The layer spec is Transformer
-Engine's when ``transformer_engine`` imports, else the local spec (torch RMSNorm, unfused attention);
+Engine's when ``transformer_engine`` imports, else the local spec (torch RMSNorm) with torch's fused
+scaled_dot_product_attention in place of its unfused attention;
 ``uses_te_spec`` says which, because the weight layout of the norms differs (see ``convert.py``).
+Qwen3.5-MoE always gets its own spec (``families/qwen3_5_moe_layers.py``), never TE's; GLM-5 (multi-latent
+attention + DSA) always gets ``local_dsa_spec``'s spec (no Transformer Engine).
 """
 
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
-from .architecture import UnsupportedModelError, describe
+from miles.parallel.layout import ParallelLayout
 
-__all__ = ["transformer_config_from_hf", "gpt_model_kwargs", "te_available", "build_gpt_model"]
+from .architecture import UnsupportedModelError, describe
+from .families import qwen3_5_moe
+from .glm_moe_dsa import log_left_out_mtp, mla_dsa_config_kwargs
+from .sdpa_attention import SDPACoreAttention, with_core_attention
+from .tp_shards import padded_vocab_size
+
+__all__ = ["transformer_config_from_hf", "gpt_model_kwargs", "te_available", "build_gpt_model",
+           "native_fp32_param_names", "ROUTER_BIAS_UPDATE_RATE"]
+
+# The aux-loss-free balancing step of a router's expert bias per optimizer step (DeepSeek-V3's gamma,
+# megatron-core's default): bias += rate * sign(mean load - expert load), after each applied step.
+ROUTER_BIAS_UPDATE_RATE = 1e-3
 
 
 def transformer_config_from_hf(hf_config: Any, *, params_dtype: torch.dtype, expert_model_parallel_size: int = 1,
-                               perform_initialization: bool = False) -> dict[str, Any]:
+                               perform_initialization: bool = False, layout: Optional[ParallelLayout] = None,
+                               sequence_parallel: bool = False) -> dict[str, Any]:
     """Keyword arguments of megatron-core's ``TransformerConfig`` for ``hf_config``.
+
+    ``layout``: the tensor/pipeline/expert-tensor sizes and uneven stages (None: TP = PP = 1, ETP 1; the
+    expert-parallel size is ``expert_model_parallel_size`` either way).
 
     ``perform_initialization=False``: the weights are loaded from the HF model right after building,
     so random initialization would be wasted time (minutes on the CPU for billions of params).
@@ -49,8 +67,7 @@ def transformer_config_from_hf(hf_config: Any, *, params_dtype: torch.dtype, exp
         fp16=params_dtype == torch.float16,
         perform_initialization=perform_initialization,
         use_cpu_initialization=False,
-        tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
+        **_parallel_kwargs(layout, params_dtype, sequence_parallel),
         # The fused kernels need apex / Transformer Engine; the plain paths give the same math.
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -61,6 +78,24 @@ def transformer_config_from_hf(hf_config: Any, *, params_dtype: torch.dtype, exp
     )
     if arch.num_experts is not None:
         kwargs.update(_moe_kwargs(arch, expert_model_parallel_size))
+    if arch.linear_attention is not None:  # Qwen3.5's Gated DeltaNet layers, gated attention, shared expert
+        kwargs.update(qwen3_5_moe.transformer_config_kwargs(arch))
+    if arch.mla_dsa is not None:
+        kwargs.update(mla_dsa_config_kwargs(arch.mla_dsa, arch.rope_theta))
+    return kwargs
+
+
+def _parallel_kwargs(layout: Optional[ParallelLayout], params_dtype: torch.dtype,
+                     sequence_parallel: bool) -> dict[str, Any]:
+    """TransformerConfig's model-parallel fields for ``layout`` (Megatron's names)."""
+    layout = layout or ParallelLayout(world=1)
+    kwargs: dict[str, Any] = dict(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                                  expert_tensor_parallel_size=layout.etp, sequence_parallel=sequence_parallel,
+                                  num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+                                  num_layers_in_last_pipeline_stage=layout.last_stage_layers)
+    if layout.pp > 1:
+        kwargs["pipeline_dtype"] = params_dtype  # what the stages send each other
+        kwargs["variable_seq_lengths"] = True  # micro-batches keep their own shapes (pipeline.py)
     return kwargs
 
 
@@ -69,17 +104,26 @@ def _moe_kwargs(arch, expert_model_parallel_size: int) -> dict[str, Any]:
     if arch.moe_topk == 1 and arch.moe_renormalize:
         raise UnsupportedModelError("top-1 routing with renormalized probabilities (weight 1.0 per token) has no "
                                     "megatron-core router equivalent; use a top-k >= 2 model")
+    sigmoid = arch.router_score_function == "sigmoid"
     return dict(
         num_moe_experts=arch.num_experts,
         moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
         moe_router_topk=arch.moe_topk,
         moe_layer_freq=1 if all(arch.moe_layers) else [int(m) for m in arch.moe_layers],
-        # HF: softmax over all experts, top-k, then (Mixtral, Qwen3-MoE norm_topk_prob) renormalize, which
-        # equals softmax over the top-k logits: Megatron's default (pre_softmax False). Without
-        # renormalization the top-k softmax values are used as they are: pre_softmax True.
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not arch.moe_renormalize,
-        moe_router_enable_expert_bias=False,  # neither family has a routing bias
+        # HF softmax routers: softmax over all experts, top-k, then (Mixtral, Qwen3-MoE norm_topk_prob)
+        # renormalize, which equals softmax over the top-k logits: Megatron's default (pre_softmax False).
+        # Without renormalization the top-k softmax values are used as they are: pre_softmax True.
+        # Sigmoid routers (GLM-5) renormalize the chosen sigmoid scores (describe refuses them otherwise).
+        moe_router_score_function=arch.router_score_function,
+        moe_router_pre_softmax=not arch.moe_renormalize and not sigmoid,
+        moe_router_enable_expert_bias=arch.router_expert_bias,
+        moe_router_bias_update_rate=ROUTER_BIAS_UPDATE_RATE,
+        moe_router_topk_scaling_factor=arch.router_topk_scaling_factor,
+        moe_router_num_groups=arch.router_num_groups,
+        moe_router_group_topk=arch.router_group_topk,
+        # GLM-5's router computes its logits in fp32 (transformers casts input and weight)
+        moe_router_dtype="fp32" if sigmoid else None,
+        moe_shared_expert_intermediate_size=arch.shared_expert_ffn_hidden_size,
         # HF's forward adds no load-balancing loss unless output_router_logits; RL follows the policy's loss.
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
@@ -89,12 +133,21 @@ def _moe_kwargs(arch, expert_model_parallel_size: int) -> dict[str, Any]:
     )
 
 
-def gpt_model_kwargs(hf_config: Any) -> dict[str, Any]:
-    """Keyword arguments of ``GPTModel`` besides ``config`` and ``transformer_layer_spec``."""
+def gpt_model_kwargs(hf_config: Any, tensor_model_parallel_size: int = 1) -> dict[str, Any]:
+    """Keyword arguments of ``GPTModel`` besides ``config`` and ``transformer_layer_spec`` (the vocabulary padded
+    for TP as tp_shards.padded_vocab_size says: unpadded at TP 1)."""
     arch = describe(hf_config)
-    return dict(vocab_size=arch.vocab_size, max_sequence_length=arch.max_position_embeddings,
+    return dict(vocab_size=padded_vocab_size(arch.vocab_size, tensor_model_parallel_size),
+                max_sequence_length=arch.max_position_embeddings,
                 share_embeddings_and_output_weights=arch.tied_embeddings, position_embedding_type="rope",
-                rotary_base=arch.rope_theta, rotary_percent=1.0)
+                rotary_base=arch.rope_theta, rotary_percent=arch.rotary_percent)
+
+
+def native_fp32_param_names(gpt, hf_config: Any) -> list[str]:
+    """The GPTModel parameters that train in fp32 whatever the model's dtype (Qwen3.5's ``A_log``, as
+    transformers computes with ``A_log.float()``); the trainer restores them to fp32 after the bf16 cast."""
+    suffixes = qwen3_5_moe.NATIVE_FP32_PARAMS if describe(hf_config).linear_attention is not None else ()
+    return [name for name, _ in gpt.named_parameters() if name.endswith(suffixes)] if suffixes else []
 
 
 def te_available() -> bool:
@@ -105,20 +158,46 @@ def te_available() -> bool:
 
 
 def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype, expert_model_parallel_size: int = 1,
-                    use_te: bool | None = None):
-    """``(GPTModel, TransformerConfig, uses_te_spec)`` on the current CUDA device, weights uninitialized.
+                    use_te: bool | None = None, fused_attention: bool = True,
+                    layout: Optional[ParallelLayout] = None, sequence_parallel: bool = False, pp_rank: int = 0):
+    """``(GPTModel, TransformerConfig, uses_te_spec)`` on the current CUDA device, weights uninitialized: this
+    rank's pipeline stage (``pp_rank`` of ``layout``; the embedding on the first, the output layer on the last).
 
     Needs megatron-core and ``parallel_state.initialize_model_parallel`` to have run (the MoE layers
-    read the expert-parallel group).
+    read the expert-parallel group). The local spec's attention is torch's scaled_dot_product_attention
+    (:mod:`.sdpa_attention`); ``fused_attention=False`` keeps megatron's unfused DotProductAttention (the
+    GPU test compares the two).
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    kwargs = transformer_config_from_hf(hf_config, params_dtype=params_dtype,
+                                        expert_model_parallel_size=expert_model_parallel_size, layout=layout,
+                                        sequence_parallel=sequence_parallel)
+    arch = describe(hf_config)
+    pp = layout.pp if layout else 1
+    stage = dict(pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
+                 **gpt_model_kwargs(hf_config, layout.tp if layout else 1))
+    if arch.mla_dsa is not None:  # GLM-5: megatron's DSA, built without Transformer Engine
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        from .local_dsa_spec import dsa_decoder_block_spec
+
+        config = MLATransformerConfig(**kwargs)
+        log_left_out_mtp(arch.mla_dsa)
+        return GPTModel(config, dsa_decoder_block_spec(config), **stage), config, False
     use_te = te_available() if use_te is None else use_te
-    config = TransformerConfig(**transformer_config_from_hf(
-        hf_config, params_dtype=params_dtype, expert_model_parallel_size=expert_model_parallel_size))
-    # The block spec places MoE and dense layers by config.moe_layer_freq and picks the final norm.
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
-    model = GPTModel(config, spec, **gpt_model_kwargs(hf_config))
-    return model, config, use_te
+    hybrid = arch.linear_attention is not None  # Qwen3.5: its own spec, never TE's
+    if hybrid:
+        from .families import qwen3_5_moe_layers
+
+        kwargs.update(qwen3_5_moe_layers.gated_delta_rule_kwargs())
+    config = TransformerConfig(**kwargs)
+    if hybrid:
+        use_te, spec = False, qwen3_5_moe_layers.block_spec(config)
+    else:  # the block spec places MoE and dense layers by config.moe_layer_freq and picks the final norm
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+        if not use_te and fused_attention:
+            spec = with_core_attention(spec, SDPACoreAttention)
+    return GPTModel(config, spec, **stage), config, use_te

@@ -1,6 +1,7 @@
 """The megatron training backend: one :class:`MegatronTrainer` per train actor (data-parallel rank).
 
-megatron-core GPTModel (TP = PP = 1, expert parallelism over the train ranks) built from the policy's
+megatron-core GPTModel (expert parallelism; tensor and pipeline parallelism through model_parallel.py and
+pipeline.py, which validation accepts under --dry-run only until the GPU tests pass) built from the policy's
 transformers config and loaded with its weights, wrapped bf16 (Float16Module) in megatron's
 DistributedDataParallel, stepped by its DistributedOptimizer (a ChainedOptimizer of dense + expert
 members for MoE). With ``--stream-optimizer-state-to-disk`` the store is bound to that optimizer.
@@ -25,13 +26,16 @@ import torch.distributed as dist
 
 from miles.backends.base import TrainBackend
 from miles.models import load_policy
-from miles.rl.loss import token_logprobs
 
+from .architecture import describe
 from .checkpoint_views import HFModelView, ResidentOptimizerState
 from .convert import hf_moe_layout, hf_to_megatron, iter_megatron_to_hf
 from .expert_gather import gather_layer_experts
 from .grad_buffers import GradBuffers
-from .model import build_gpt_model
+from .logprobs import LogprobRequest, output_logprobs
+from .model import build_gpt_model, native_fp32_param_names
+from .model_parallel import ModelParallelRank, initialize
+from .router_bias import clear_router_token_counts, keep_routers_fp32, routers_to_fp32, step_router_expert_bias
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +57,9 @@ class MegatronTrainer(TrainBackend):
         self.hf_moe_layout: Optional[str] = None
         self.ep_size = config.training.expert_model_parallel_size
         self.ep_rank = 0
+        self.parallel: Optional[ModelParallelRank] = None  # this rank's TP/PP place (model_parallel.py)
         self._model_view: Optional[HFModelView] = None
+        self.router_bias_update_rate: Optional[float] = None  # set for routers with an expert bias (router_bias.py)
 
     # ---- setup --------------------------------------------------------------------------------
     def check_config(self) -> None:
@@ -70,9 +76,7 @@ class MegatronTrainer(TrainBackend):
         if not dist.is_initialized():
             dist.init_process_group("nccl", init_method=f"tcp://{rendezvous}", rank=self.rank,
                                     world_size=self.world_size, timeout=datetime.timedelta(minutes=30))
-        if not parallel_state.model_parallel_is_initialized():  # one trainer per process, or tests' sequence
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                                     expert_model_parallel_size=self.ep_size)
+        initialize(self.config.parallel_layout)
         self.ep_rank = parallel_state.get_expert_model_parallel_rank()
         return "nccl"
 
@@ -95,11 +99,14 @@ class MegatronTrainer(TrainBackend):
         self._model_view = HFModelView(self.hf_config, self._load_hf_state)
         return description
 
+    def policy_config(self) -> dict[str, Any]:
+        return self.hf_config.to_dict()
+
     def describe(self) -> dict[str, Any]:
         return {"train_backend": "megatron",
                 "num_params": sum(p.numel() for p in self.gpt.parameters()),  # this rank's experts only
                 "layer_spec": "transformer_engine" if self.uses_te_spec else "local",
-                "expert_model_parallel_size": self.ep_size}
+                "expert_model_parallel_size": self.ep_size, "parallel_layout": self.parallel.layout.describe()}
 
     def _load_hf_policy(self) -> tuple[dict[str, torch.Tensor], str]:
         hf_model, self.tokenizer, description = load_policy(self.config)
@@ -115,11 +122,21 @@ class MegatronTrainer(TrainBackend):
         from megatron.core.transformer.module import Float16Module
 
         opt = self.config.optimizer
-        self.gpt, tconfig, self.uses_te_spec = build_gpt_model(self.hf_config, params_dtype=dtype,
-                                                               expert_model_parallel_size=self.ep_size)
+        self.parallel = ModelParallelRank.of(self.config.parallel_layout, int(self.hf_config.vocab_size))
+        self.gpt, tconfig, self.uses_te_spec = build_gpt_model(
+            self.hf_config, params_dtype=dtype, expert_model_parallel_size=self.ep_size,
+            layout=self.config.parallel_layout, sequence_parallel=self.config.training.sequence_parallel,
+            pp_rank=self.parallel.pp_rank)
+        if tconfig.moe_router_enable_expert_bias:
+            self.router_bias_update_rate = tconfig.moe_router_bias_update_rate
         self.gpt.cuda()
+        routers_to_fp32(self.gpt)  # routers with an expert bias train in fp32 (router_bias.py)
         self._load_hf_state(hf_state)  # before DDP: its param buffer takes the values over
-        module = Float16Module(tconfig, self.gpt) if dtype != torch.float32 else self.gpt
+        to_bf16 = lambda: Float16Module(tconfig, self.gpt)  # noqa: E731
+        module = self.gpt if dtype == torch.float32 else keep_routers_fp32(self.gpt, to_bf16)
+        for name in native_fp32_param_names(self.gpt, self.hf_config):  # after Float16Module's cast, before DDP
+            param = self.gpt.get_parameter(name)
+            param.data = param.data.float()
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=True)
         self.ddp = DistributedDataParallel(tconfig, ddp_config, module)
@@ -142,13 +159,20 @@ class MegatronTrainer(TrainBackend):
     # ---- weights ------------------------------------------------------------------------------
     def _load_hf_state(self, hf_state: dict[str, torch.Tensor]) -> None:
         """Copy HF weights into the Megatron params in place (this rank's experts only)."""
-        mcore = hf_to_megatron(hf_state, self.hf_config, fused_norms=self.uses_te_spec, ep_rank=self.ep_rank,
-                               ep_size=self.ep_size)
-        result = self.gpt.load_state_dict(mcore, strict=False)
+        result = self.gpt.load_state_dict(self._megatron_state(hf_state), strict=False)
         missing = [k for k in result.missing_keys if not k.endswith(_EXTRA_STATE)]
         if missing or result.unexpected_keys:
             raise RuntimeError(f"converted weights do not fit the built GPTModel: missing {missing[:5]}, "
                                f"unexpected {list(result.unexpected_keys)[:5]} (conversion and layer spec disagree)")
+
+    def _megatron_state(self, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF-layout weights as this rank's Megatron state dict: its experts, and its stage, TP and ETP shard."""
+        mcore = hf_to_megatron(hf_state, self.hf_config, fused_norms=self.uses_te_spec, ep_rank=self.ep_rank,
+                               ep_size=self.ep_size)
+        if self.parallel.sharded:
+            arch = describe(self.hf_config)
+            mcore = self.parallel.shard(mcore, arch.num_layers, arch.tied_embeddings)
+        return mcore
 
     def _hf_state(self) -> dict[str, torch.Tensor]:
         """The full HF-layout weights on the host (checkpoints); a collective over the expert-parallel group."""
@@ -158,6 +182,10 @@ class MegatronTrainer(TrainBackend):
         """HF-layout weights on the device, converted layer by layer; with EP > 1 each MoE layer's experts are
         all-gathered over the expert-parallel group as the iteration reaches it (every rank must iterate)."""
         local = {k: v.detach() for k, v in self.gpt.state_dict().items() if not k.endswith(_EXTRA_STATE)}
+        if self.parallel.sharded:  # gathered over the TP group part by part (a collective)
+            return self.parallel.iter_hf(local, self.hf_config, fused_norms=self.uses_te_spec,
+                                         hf_moe_layout=self.hf_moe_layout,
+                                         layer_experts=self._layer_experts() if self.ep_size > 1 else None)
         return iter_megatron_to_hf(local, self.hf_config, fused_norms=self.uses_te_spec,
                                    hf_moe_layout=self.hf_moe_layout,
                                    layer_experts=self._layer_experts() if self.ep_size > 1 else None)
@@ -173,18 +201,46 @@ class MegatronTrainer(TrainBackend):
 
     # ---- training -----------------------------------------------------------------------------
     def logprobs(self, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
-        """Log-probs of ``input_ids[:, 1:]`` (``[B, L-1]``) from Megatron's logits, as forward_logprobs does
-        for an HF model. Rows are right-padded, so the causal mask alone keeps pads out of real tokens."""
+        """Log-probs of ``input_ids[:, 1:]`` (``[B, L-1]``) from Megatron's output layer, as forward_logprobs
+        does for an HF model. Rows are right-padded, so the causal mask alone keeps pads out of real tokens."""
         input_ids = batch["input_ids"]
         position_ids = (batch["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
-        logits = self.ddp(input_ids, position_ids, None)  # [B, L, V]; fp32 out of Float16Module
-        return token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
+        if self.parallel.layout.tp > 1:  # this rank's vocabulary slice: [B, L, V/TP]
+            return self.parallel.logprobs(self._tp_logits(input_ids, position_ids)[:, :-1], input_ids[:, 1:],
+                                          temperature)
+        # the output layer runs chunk by chunk: no [B, L, V] fp32 logits (logprobs.py)
+        return self.ddp(input_ids, position_ids, None, output_processor=output_logprobs,
+                        output_processor_context=LogprobRequest(input_ids[:, 1:], temperature))
+
+    def _tp_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """The vocab-parallel logits of ``input_ids``; with sequence parallelism the sequence is right-padded to
+        a multiple of TP (causal: the padding changes no earlier position) and cut back."""
+        length, tp = input_ids.shape[1], self.parallel.layout.tp
+        pad = (-length) % tp if self.config.training.sequence_parallel else 0
+        if pad:
+            input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=0)
+            position_ids = torch.nn.functional.pad(position_ids, (0, pad), value=0)
+        return self.ddp(input_ids, position_ids, None)[:, :length]
 
     def zero_grads(self) -> None:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.router_bias_update_rate is not None:  # a skipped step's token counts must not reach the bias
+            clear_router_token_counts(self.gpt)
+
+    def policy_gradient(self, samples: list, advantages: list[float], **loss: Any) -> list[float]:
+        if self.parallel.layout.pp == 1:
+            return super().policy_gradient(samples, advantages, **loss)
+        from .pipeline import pipeline_policy_gradient
+
+        return pipeline_policy_gradient(self.ddp, self.parallel, samples, advantages, **loss)
 
     def finish_backward(self) -> None:
+        if self.parallel.sharded:  # + sequence-parallel norm grads over TP, tied embedding grads over PP
+            from megatron.core.distributed import finalize_model_grads
+
+            finalize_model_grads([self.ddp])
+            return
         self.ddp.finish_grad_sync()  # DDP averages over ranks: the sum of the ranks' token means is the mean
 
     def vocab_size(self) -> int:
@@ -204,6 +260,8 @@ class MegatronTrainer(TrainBackend):
         if not ok:
             raise RuntimeError(f"rollout {rollout_id}: the Megatron optimizer skipped its step (non-finite grads)")
         self.scheduler.step(1)
+        if self.router_bias_update_rate is not None:
+            step_router_expert_bias(self.gpt, self.router_bias_update_rate)
         return float(grad_norm) if grad_norm is not None else float("nan")
 
     # ---- checkpoints --------------------------------------------------------------------------
@@ -215,7 +273,7 @@ class MegatronTrainer(TrainBackend):
         return self.optimizer if self.store is not None else ResidentOptimizerState(self.optimizer)
 
     def prepare_save(self) -> None:
-        if self.rank == 0 or self.ep_size > 1:  # the expert gather needs every rank
+        if self.rank == 0 or self.ep_size > 1 or self.parallel.sharded:  # the EP/TP gathers need every rank
             hf_state = self._hf_state()
             if self.rank == 0:
                 self._model_view.prepare_save(hf_state)
@@ -265,14 +323,12 @@ class MegatronTrainer(TrainBackend):
 
     def weights_from_engine(self) -> int:
         """The bf16 params <- the engine's HF-layout copy through the inverse of the handoff's conversion
-        (convert.hf_to_megatron; this rank's experts); the native-fp32 params are not rebuilt from it (the
-        plan keeps or writes them out)."""
+        (convert.hf_to_megatron; this rank's experts and shard); the native-fp32 params are not rebuilt from
+        it (the plan keeps or writes them out)."""
         from miles.backends.planned_sleep import copy_from_engine, engine_weights_or_fail
         from miles.weights.readback import open_named_tensors
 
-        hf_state = dict(open_named_tensors(engine_weights_or_fail(self)))
-        mcore = hf_to_megatron(hf_state, self.hf_config, fused_norms=self.uses_te_spec, ep_rank=self.ep_rank,
-                               ep_size=self.ep_size)
+        mcore = self._megatron_state(dict(open_named_tensors(engine_weights_or_fail(self))))
         targets = {k: v for k, v in self.gpt.state_dict().items()
                    if torch.is_tensor(v) and not k.endswith(_EXTRA_STATE) and v.dtype in _LOW_PRECISION}
         nbytes = copy_from_engine(mcore.items(), targets)

@@ -66,6 +66,9 @@ class TorchTrainer(TrainBackend):
         self.optimizer = self._build_optimizer()
         return description
 
+    def policy_config(self) -> dict:
+        return self.model.config.to_dict()
+
     def describe(self) -> dict:
         return {"num_params": sum(p.numel() for p in self.model.parameters())}
 

@@ -1,0 +1,187 @@
+"""Megatron state dicts cut into tensor- and pipeline-parallel shards, and gathered back (pure, CPU-testable).
+
+    shard = tp_shard(full_mcore_state, tp_rank=1, tp=2, etp_rank=0, etp=1, vocab_size=arch.vocab_size)
+    full = tp_gather([shard_0, shard_1], etp=1, vocab_size=arch.vocab_size)            # == the full state
+    stage = pp_stage(full_mcore_state, stage_layers(arch.num_layers, layout), stage=2, tied_embeddings=False)
+    full = pp_unstage([stage_0, ..., stage_3], stages, tied_embeddings=False)
+
+The full state is :func:`~.convert.hf_to_megatron`'s (global layer numbers; experts local to an expert-parallel
+rank, so ETP cuts the experts a rank holds). How megatron-core 0.19 splits each tensor:
+
+- column-parallel (output rows split over TP): ``linear_qkv`` (weight and bias) -- its rows are grouped per
+  query group, so a contiguous cut gives each rank whole groups (the layout check makes groups divide by
+  TP); ``linear_fc1`` of a SwiGLU MLP is ``[gate; up]`` and each rank holds ``[gate_r; up_r]``: gate and up
+  are cut each, not the fused rows;
+- row-parallel (input columns split): ``linear_proj``, ``linear_fc2``;
+- vocab-parallel: ``embedding.word_embeddings`` and ``output_layer`` rows, after padding the vocabulary to a
+  multiple of 128 x TP (Megatron-LM's ``--make-vocab-size-divisible-by 128``). At TP 1 the backend builds the
+  HF vocabulary unpadded (as before TP existed): :func:`padded_vocab_size` says which. Padding rows are
+  zero; the vocab-parallel log-softmax masks their logits;
+- replicated: norms (``*layernorm*``, ``layer_norm_weight``), q/k norms (per head dim), the MoE router;
+- routed experts (``mlp.experts.local_experts.{i}``) the same rules over the expert-tensor-parallel group
+  (ETP), not TP.
+Pipeline stages hold their decoder layers renumbered from 0 (``decoder.layers.{local}``); the first stage the
+embedding, the last the final norm and the output layer. With tied embeddings and PP > 1 the last stage holds
+``output_layer.weight`` too (Megatron keeps a copy there and all-reduces its grad with the first stage's).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+import torch
+
+__all__ = ["VOCAB_DIVISIBLE_BY", "padded_vocab_size", "split_kind", "tp_shard", "tp_gather", "pp_stage",
+           "pp_unstage"]
+
+VOCAB_DIVISIBLE_BY = 128  # Megatron-LM's --make-vocab-size-divisible-by default (times TP)
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_COLUMN = re.compile(r"linear_qkv\.(weight|bias)$")
+_SWIGLU = re.compile(r"linear_fc1\.weight$")
+_ROW = re.compile(r"(linear_proj|linear_fc2)\.weight$")
+_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+_REPLICATED = re.compile(r"(layernorm\.weight|layernorm\.bias|layer_norm_weight|layer_norm_bias|router\.weight"
+                         r"|router\.expert_bias)$")
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Rows of the embedding and output layer the backend builds: the HF vocabulary at TP 1, else padded to a
+    multiple of 128 x TP (each rank then holds an equal slice)."""
+    if tp == 1:
+        return vocab_size
+    multiple = VOCAB_DIVISIBLE_BY * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def split_kind(name: str) -> str:
+    """How Megatron splits the tensor ``name`` over its tensor-parallel group: ``column``, ``swiglu`` (column,
+    gate and up cut each), ``row``, ``vocab`` or ``replicated``. A name no rule knows is an error: a tensor
+    silently replicated where Megatron splits it would train a wrong model."""
+    if name in _VOCAB:
+        return "vocab"
+    for kind, pattern in (("swiglu", _SWIGLU), ("column", _COLUMN), ("row", _ROW), ("replicated", _REPLICATED)):
+        if pattern.search(name):
+            return kind
+    raise KeyError(f"no tensor-parallel rule for Megatron tensor {name!r}")
+
+
+def _is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def _cut(tensor: torch.Tensor, kind: str, rank: int, size: int, padded_rows: int) -> torch.Tensor:
+    if size == 1 and kind != "vocab":
+        return tensor
+    if kind == "replicated":
+        return tensor
+    if kind == "column":
+        return torch.chunk(tensor, size, dim=0)[rank]
+    if kind == "row":
+        return torch.chunk(tensor, size, dim=1)[rank]
+    if kind == "swiglu":
+        gate, up = torch.chunk(tensor, 2, dim=0)
+        return torch.cat([torch.chunk(gate, size, dim=0)[rank], torch.chunk(up, size, dim=0)[rank]], dim=0)
+    rows = padded_rows // size
+    padded = torch.zeros(padded_rows, *tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
+    padded[:tensor.shape[0]] = tensor
+    return padded[rank * rows:(rank + 1) * rows].clone()
+
+
+def _join(shards: Sequence[torch.Tensor], kind: str, vocab_size: int) -> torch.Tensor:
+    if kind == "replicated":
+        return shards[0]
+    if len(shards) == 1 and kind != "vocab":
+        return shards[0]
+    if kind == "column":
+        return torch.cat(list(shards), dim=0)
+    if kind == "row":
+        return torch.cat(list(shards), dim=1)
+    if kind == "swiglu":
+        halves = [torch.chunk(s, 2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(list(shards), dim=0)[:vocab_size]
+
+
+def _check_divides(name: str, tensor: torch.Tensor, kind: str, size: int) -> None:
+    dim = {"column": 0, "swiglu": 0, "row": 1}.get(kind)
+    if dim is None:
+        return
+    rows = tensor.shape[dim] // (2 if kind == "swiglu" else 1)
+    if rows % size:
+        raise ValueError(f"{name}: {rows} {'rows' if dim == 0 else 'columns'} do not split over {size} "
+                         "tensor-parallel ranks")
+
+
+def tp_shard(state: dict[str, torch.Tensor], *, tp_rank: int, tp: int, etp_rank: int = 0, etp: int = 1,
+             vocab_size: int) -> dict[str, torch.Tensor]:
+    """The tensors tensor-parallel rank ``tp_rank`` (and expert-tensor-parallel rank ``etp_rank``) holds."""
+    if not (0 <= tp_rank < tp and 0 <= etp_rank < etp):
+        raise ValueError(f"tp_rank {tp_rank} / etp_rank {etp_rank} outside TP {tp} / ETP {etp}")
+    out = {}
+    for name, tensor in state.items():
+        kind = split_kind(name)
+        rank, size = (etp_rank, etp) if _is_expert(name) else (tp_rank, tp)
+        _check_divides(name, tensor, kind, size)
+        out[name] = _cut(tensor, kind, rank, size, padded_vocab_size(vocab_size, tp))
+    return out
+
+
+def tp_gather(shards: Sequence[dict[str, torch.Tensor]], *, etp: int = 1,
+              vocab_size: int) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`tp_shard`: ``shards[r]`` is TP rank r's state (its ETP rank is ``r % etp``: the
+    expert tensors of ranks 0..etp-1 make each expert whole, as the layout's ETP groups are the first
+    ``etp`` ranks of each TP group when ETP divides TP)."""
+    out = {}
+    for name in shards[0]:
+        kind = split_kind(name)
+        parts = [s[name] for s in (shards[:etp] if _is_expert(name) else shards)]
+        out[name] = _join(parts, kind, vocab_size)
+    return out
+
+
+def _stage_name(name: str, layers: range) -> str | None:
+    """``name`` as the stage holding ``layers`` spells it, or None when the stage does not hold it."""
+    m = _LAYER.match(name)
+    if m is None:
+        return None
+    layer = int(m.group(1))
+    return f"decoder.layers.{layer - layers.start}.{m.group(2)}" if layer in layers else None
+
+
+def pp_stage(state: dict[str, torch.Tensor], stages: Sequence[range], stage: int, *,
+             tied_embeddings: bool) -> dict[str, torch.Tensor]:
+    """The tensors pipeline stage ``stage`` of ``stages`` holds, layers renumbered from 0."""
+    first, last = stage == 0, stage == len(stages) - 1
+    out = {}
+    for name, tensor in state.items():
+        local = _stage_name(name, stages[stage])
+        if local is not None:
+            out[local] = tensor
+        elif name == "embedding.word_embeddings.weight":
+            if first:
+                out[name] = tensor
+            if last and tied_embeddings and not first:
+                out["output_layer.weight"] = tensor
+        elif name in ("decoder.final_layernorm.weight", "output_layer.weight") and last:
+            out[name] = tensor
+    return out
+
+
+def pp_unstage(stage_states: Sequence[dict[str, torch.Tensor]], stages: Sequence[range], *,
+               tied_embeddings: bool) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`pp_stage`: one state with global layer numbers (a tied copy on the last stage is
+    dropped: the first stage's embedding is the weight)."""
+    out = {}
+    last = len(stages) - 1
+    for stage, (layers, state) in enumerate(zip(stages, stage_states)):
+        for name, tensor in state.items():
+            m = _LAYER.match(name)
+            if m is not None:
+                out[f"decoder.layers.{int(m.group(1)) + layers.start}.{m.group(2)}"] = tensor
+            elif name == "output_layer.weight" and tied_embeddings and stage == last and last > 0:
+                continue
+            else:
+                out[name] = tensor
+    return out

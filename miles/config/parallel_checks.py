@@ -1,0 +1,127 @@
+"""The parallel flags judged before Ray starts: Megatron's layout rules (miles/parallel/layout.py) on the
+run's world size and the policy's sizes, what the backend builds, and the rollout batch over data parallelism.
+
+A :class:`~miles.parallel.layout.LayoutError` becomes the one :class:`ArgumentError` of validation, naming the
+flags, the values and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from miles.config.environment import Environment
+from miles.config.errors import ArgumentError
+from miles.config.run_config import RunConfig
+from miles.parallel.layout import (DEFAULT_EXPERT_TENSOR_PARALLEL_SIZE, FIRST_STAGE_FLAG, LAST_STAGE_FLAG, PP_FLAG,
+                                   SP_FLAG, TP_FLAG, ETP_FLAG, LayoutError, check_layout)
+
+__all__ = ["check_parallel", "model_parallel_sizes", "MODEL_PARALLEL_BUILT"]
+
+# Whether the megatron trainer builds TP/PP > 1 models in this version (miles/parallel/ and the trainer's
+# model build). Until it does, validation accepts such a layout under --dry-run only.
+MODEL_PARALLEL_BUILT = False
+
+
+def model_parallel_sizes(d: RunConfig, env: Environment) -> dict[str, Optional[int]]:
+    """The policy's sizes the layout rules read (None where unknown here: a size is then not checked)."""
+    from miles.models import TINY_MODEL_CONFIG
+    from miles.sizing.model_params import ModelConfigError, num_experts, text_config
+
+    unknown = dict(num_layers=None, num_attention_heads=None, num_query_groups=None, num_experts=None)
+    if d.model_source == "tiny":
+        config = dict(TINY_MODEL_CONFIG)
+    elif d.model_source == "hf_checkpoint":
+        try:
+            config = text_config(env.read_json(os.path.join(d.model.hf_checkpoint, "config.json")))
+        except (OSError, ValueError, AttributeError, ModelConfigError):
+            return unknown  # the model checks report an unreadable config.json in their own words
+    else:
+        return unknown
+    heads = config.get("num_attention_heads")
+    try:
+        experts = num_experts(config)
+    except (ModelConfigError, TypeError, ValueError):
+        experts = None
+    return dict(num_layers=config.get("num_hidden_layers"), num_attention_heads=heads,
+                num_query_groups=config.get("num_key_value_heads", heads), num_experts=experts)
+
+
+def _given_model_parallel_flags(d: RunConfig) -> list[str]:
+    t = d.training
+    given = [(t.tensor_model_parallel_size > 1, f"{TP_FLAG} {t.tensor_model_parallel_size}"),
+             (t.pipeline_model_parallel_size > 1, f"{PP_FLAG} {t.pipeline_model_parallel_size}"),
+             (t.sequence_parallel, SP_FLAG),
+             (t.expert_tensor_parallel_size != DEFAULT_EXPERT_TENSOR_PARALLEL_SIZE,
+              f"{ETP_FLAG} {t.expert_tensor_parallel_size}"),
+             (t.decoder_first_pipeline_num_layers is not None, FIRST_STAGE_FLAG),
+             (t.decoder_last_pipeline_num_layers is not None, LAST_STAGE_FLAG)]
+    return [flag for on, flag in given if on]
+
+
+def _check_backend_builds(d: RunConfig) -> None:
+    given = _given_model_parallel_flags(d)
+    if not given:
+        return
+    if d.training.train_backend != "megatron":
+        flag = given[0].split()[0]
+        raise ArgumentError(f"{given[0]} needs --train-backend megatron: the {d.training.train_backend} backend "
+                            "is data parallel only.", (flag, "--train-backend"),
+                            f"add --train-backend megatron, or drop {flag}.")
+    layout = d.parallel_layout
+    if layout.tp % layout.etp:
+        raise ArgumentError(
+            f"{ETP_FLAG} {layout.etp} does not divide {TP_FLAG} {layout.tp}: the megatron backend gathers an "
+            "expert's tensor-parallel pieces within a TP group for the weight handoff and checkpoints.",
+            (ETP_FLAG, TP_FLAG), f"pass an {ETP_FLAG} that divides {layout.tp} (1 always does).")
+    if not MODEL_PARALLEL_BUILT and layout.tp * layout.pp > 1 and not d.cluster.dry_run:
+        raise ArgumentError(
+            f"{TP_FLAG} {layout.tp} x {PP_FLAG} {layout.pp}: the megatron trainer of this version builds the layout "
+            "(flags, validation, `miles plan`, weight conversion of TP/PP shards) but not yet the model and the "
+            "pipeline schedule for TP or PP > 1.", (TP_FLAG, PP_FLAG),
+            "pass --dry-run to check this layout on this machine, or train with TP = PP = 1.")
+
+
+def _check_batch_split(d: RunConfig) -> None:
+    dp, rollout, world = d.parallel_layout.dp, d.rollout, d.cluster.num_train_ranks
+    total = rollout.rollout_batch_size * rollout.n_samples_per_prompt
+    if total % dp:
+        over, multiple = ((f"--num-train-ranks {world}", "num-train-ranks") if dp == world else
+                          (f"the data-parallel size {dp} (--num-train-ranks {world} / (TP x PP))", str(dp)))
+        raise ArgumentError(
+            f"--rollout-batch-size x --n-samples-per-prompt = {total} samples do not split evenly over {over}.",
+            ("--rollout-batch-size", "--n-samples-per-prompt", "--num-train-ranks"),
+            f"make rollout-batch-size * n-samples-per-prompt a multiple of {multiple}.")
+
+
+def check_parallel(d: RunConfig, env: Environment) -> None:
+    """The layout on the run's world (and the policy's sizes where known), the backend, the batch split."""
+    sizes = model_parallel_sizes(d, env) if d.training.train_backend == "megatron" else {}
+    try:
+        check_layout(d.parallel_layout, sequence_parallel=d.training.sequence_parallel, **sizes)
+    except LayoutError as e:
+        raise ArgumentError(e.problem, e.flags, e.fix) from None
+    _check_backend_builds(d)
+    _check_batch_split(d)
+
+
+def layout_summary(cfg: RunConfig, env: Environment) -> str:
+    """What ``miles train --dry-run`` prints: the layout, each stage's decoder layers (when the policy's layer
+    count is known here) and the first ranks' coordinates in Megatron's order."""
+    from miles.parallel.layout import rank_coordinates, stage_layers
+
+    layout = cfg.parallel_layout
+    lines = [f"parallel layout: {cfg.cluster.num_train_ranks} train ranks = {layout.describe()}"
+             + (", sequence parallel" if cfg.training.sequence_parallel else "")]
+    num_layers = model_parallel_sizes(cfg, env)["num_layers"]
+    if num_layers is not None:
+        for stage, layers in enumerate(stage_layers(num_layers, layout)):
+            lines.append(f"  stage {stage}: decoder layers {layers.start}-{layers.stop - 1} ({len(layers)})")
+    shown = rank_coordinates(layout)[:_RANKS_SHOWN]
+    lines += [f"  rank {c.rank}: tp {c.tp} pp {c.pp} dp {c.dp} | ep {c.ep} etp {c.etp} edp {c.edp}" for c in shown]
+    if layout.world > _RANKS_SHOWN:
+        lines.append(f"  ... ({layout.world} ranks; rank = tp + TP x (dp + DP x pp))")
+    return "\n".join(lines)
+
+
+_RANKS_SHOWN = 16
