@@ -136,6 +136,30 @@ def _stream_record(ranks: list[dict], sleep: list[dict]) -> dict[str, Any]:
     return rec
 
 
+# What a sleep and a wake moved, by source (miles.backends.planned_sleep's per-rank keys), summed over the
+# ranks into the record as sleep_<key> / wake_<key>
+_SLEEP_SPLIT = ("moved_bytes", "kept_bytes", "discarded_bytes", "to_ram_bytes", "to_disk_bytes",
+                "released_for_engine_bytes", "released_for_masters_bytes")
+_WAKE_SPLIT = ("moved_bytes", "from_ram_bytes", "from_disk_bytes", "rebuilt_from_engine_bytes",
+               "rebuilt_from_masters_bytes", "masters_read_bytes")
+
+
+def _sleep_wake_record(sleep: list[dict], wake: list[dict]) -> dict[str, Any]:
+    """``sleep_moved_bytes`` (written to host RAM or disk), ``wake_moved_bytes`` (copied back: rebuilt from
+    the engine's copy or the store's masters, read from RAM or disk), and their split by source, over
+    the ranks; the plan's mode, its notes (rank 0's: why a source was not used) and any shortfall."""
+    rec: dict[str, Any] = {}
+    for prefix, reports, keys in (("sleep", sleep, _SLEEP_SPLIT), ("wake", wake, _WAKE_SPLIT)):
+        for key in keys:
+            rec[f"{prefix}_{key}"] = int(sum(int(r.get(key, 0)) for r in reports if not r.get("skipped")))
+    # megatron's grad buffers are dropped by the backend itself, before the plan: discarded all the same
+    rec["sleep_discarded_bytes"] += int(sum(int(s.get("grad_bytes_dropped", 0)) for s in sleep))
+    rec["sleep_plan"] = next((s["plan"] for s in sleep if s.get("plan")), None)
+    rec["sleep_plan_notes"] = next((s["plan_notes"] for s in sleep if s.get("plan_notes")), [])
+    rec["sleep_plan_shortfall_bytes"] = max((int(s.get("plan_shortfall_bytes", 0)) for s in sleep), default=0)
+    return rec
+
+
 def _mfu_record(ranks: list[dict], fwd_bwd: float) -> dict[str, Any]:
     """The model FLOPs of the ranks' forward/backward passes (miles.sizing.flops), the seconds they would
     take at the devices' bf16 peak (the work spread evenly), and the MFU that makes of the slowest rank's
@@ -198,6 +222,8 @@ def rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, sa
         rec["device_used_gb_asleep"] = max(s.get("device_used_bytes_asleep", 0) for s in sleep) / GB
     if "stream_bytes_read" in r0:
         rec.update(_stream_record(ranks, sleep))
+    if sleep or wake:
+        rec.update(_sleep_wake_record(sleep, wake))
     return rec
 
 
@@ -213,8 +239,17 @@ def format_rollout_line(rec: dict[str, Any], num_rollout: int) -> str:
     """The rollout's one log line (at most ROLLOUT_LINE_WIDTH characters): reward, loss, where the step's
     seconds went (the train call: forward/backward, optimizer step, and the rest of the call, or on a GPU
     forward/backward's MFU in its place), the streamed GB read + written (of which disk) and a saved
-    checkpoint; a skipped optimizer step says so in place of the
-    stream figures (nothing streamed). Every field, and more, is in the metrics record."""
+    checkpoint; a skipped optimizer step says so in place of the stream figures (nothing streamed); what
+    each sleep and wake moved and from where, as much of it as the width leaves room for. Every field, and
+    more, is in the metrics record."""
+    for detail in ("sources", "bytes"):
+        line = _rollout_line(rec, num_rollout, detail)
+        if len(line) <= ROLLOUT_LINE_WIDTH:
+            return line
+    return _rollout_line(rec, num_rollout, None)
+
+
+def _rollout_line(rec: dict[str, Any], num_rollout: int, moved_detail) -> str:
     # forward/backward's MFU where it is counted (a GPU), in place of the rest of the call (train - fb - opt)
     rest = (f"mfu {100 * rec['train_mfu']:.0f}%" if rec.get("train_mfu") is not None
             else f"other {_short(rec['other_seconds'])}")
@@ -223,7 +258,8 @@ def format_rollout_line(rec: dict[str, Any], num_rollout: int) -> str:
     seconds = [f"gen {_short(rec['generate_seconds'])}", train]
     if "weight_handoff_seconds" in rec:
         seconds.append(f"weights {_short(rec['weight_handoff_seconds'])}")
-    seconds.append(f"sleep {_short(rec['sleep_seconds'])} wake {_short(rec['wake_seconds'])}")
+    seconds.append(f"sleep {_short(rec['sleep_seconds'])}{_moved(rec, 'sleep', moved_detail)} "
+                   f"wake {_short(rec['wake_seconds'])}{_moved(rec, 'wake', moved_detail)}")
     parts = [f"rollout {rec['rollout_id'] + 1}/{num_rollout} reward {rec['reward_mean']:.3f} loss {rec['loss']:+.3g}",
              f"{_short(rec['step_seconds'])}s: " + " ".join(seconds)]
     if not rec.get("step_skipped") and "stream_read_gb" in rec:
@@ -235,6 +271,24 @@ def format_rollout_line(rec: dict[str, Any], num_rollout: int) -> str:
         room = ROLLOUT_LINE_WIDTH - len(" | ".join(parts)) - len(" | STEP SKIPPED: ")
         parts.insert(2, "STEP SKIPPED: " + _clip(rec["step_skipped"], max(room, 16)))
     return " | ".join(parts)
+
+
+_MOVED_FROM = {"sleep": (("to_ram_bytes", "ram"), ("to_disk_bytes", "disk")),
+               "wake": (("rebuilt_from_engine_bytes", "engine"), ("rebuilt_from_masters_bytes", "masters"),
+                        ("from_ram_bytes", "ram"), ("from_disk_bytes", "disk"))}
+
+
+def _moved(rec: dict[str, Any], phase: str, detail) -> str:
+    """`` (1.2 GB masters)`` (detail "sources"), `` (1.2 GB)`` ("bytes"): what the sleep or wake moved, and
+    from where; nothing when not recorded or detail is None."""
+    if f"{phase}_moved_bytes" not in rec or detail is None:
+        return ""
+    if detail == "bytes":
+        return f" ({_short(rec[f'{phase}_moved_bytes'] / GB)} GB)"
+    sources = [(name, rec[f"{phase}_{key}"]) for key, name in _MOVED_FROM[phase] if rec.get(f"{phase}_{key}")]
+    where = " ".join(f"{name} {_short(n / GB)}" for name, n in sources) if len(sources) > 1 else \
+        (sources[0][0] if sources else "")
+    return f" ({_short(rec[f'{phase}_moved_bytes'] / GB)} GB{' ' + where if where else ''})"
 
 
 def _clip(text: str, width: int) -> str:

@@ -248,6 +248,31 @@ class _Loop:
         self.sink, self.state = sink, state
         self.pending = None  # a checkpoint whose streamed optimizer state is still being copied
         self.skipped_in_a_row = 0  # rollouts since the last applied optimizer step
+        # the most KV cache and weights an engine reported freeing at a release (the sleep plan leaves the
+        # device room for them); None: not measured (not colocated, or an engine that does not say: sglang)
+        self.engine_kv_bytes: Optional[int] = None
+        self.engine_weight_bytes = 0
+        self.engine_copy_pending = False  # the last sleep released weights to rebuild from the engine's copy
+
+    def note_engine_release(self, released: list) -> None:
+        """Keep the largest KV cache and weights the engines freed; an engine that reports 0 (sglang does not
+        say) leaves them unmeasured, so the sleep plan assumes the engine may take the whole device."""
+        from miles.rollout.contract import KV_CACHE, WEIGHTS
+
+        if self.config.rollout.rollout_engine != "embedded":
+            return
+        reports = [r for r in released if isinstance(r, dict)]
+        if any(KV_CACHE in r for r in reports):
+            self.engine_kv_bytes = max([int(r.get(KV_CACHE, 0)) for r in reports] + [self.engine_kv_bytes or 0])
+        self.engine_weight_bytes = max([int(r.get(WEIGHTS, 0)) for r in reports] + [self.engine_weight_bytes])
+
+    def engine_needs(self):
+        """What the next sleep is told of the engine, and whether the next wake will hand each rank the
+        engine's weights (the engines on the ranks' GPUs, embedded: :attr:`WeightSync.readback_engines`)."""
+        from miles.offload.plan import EngineNeeds
+
+        return EngineNeeds(kv_bytes=self.engine_kv_bytes, weight_bytes=self.engine_weight_bytes,
+                           copy_at_wake=self.weight_sync.readback_engines is not None)
 
     def run(self, rollout_ids) -> None:
         num_rollout = self.config.rollout.num_rollout
@@ -329,11 +354,16 @@ class _Loop:
         t0 = time.perf_counter()
         with timed("generate_seconds"):
             samples, rewards, advantages = self.generate(rollout_id)
+        # the last sleep dropped weights the engine's copy rebuilds: the engine keeps them until the wake read them
+        readback = self.weight_sync.readback_engines if colocate and offload and self.engine_copy_pending else None
         with timed("engine_release_seconds"):
             if colocate:
-                self.rollout.release_memory([WEIGHTS, KV_CACHE])
+                self.note_engine_release(self.rollout.release_memory([KV_CACHE] if readback else [WEIGHTS, KV_CACHE]))
         with timed("wake_seconds"):
-            wake = self.train_group.wake() if offload else []
+            wake = self.train_group.wake(self.rollout.share_weights(readback) if readback else None) if offload else []
+        with timed("engine_release_seconds"):
+            if readback:
+                self.note_engine_release(self.rollout.release_memory([WEIGHTS]))
         with timed("train_seconds"):
             ranks = self.train_group.train(rollout_id, _shards(samples, advantages, self.config.parallel_layout))
         with timed("save_seconds"):
@@ -344,7 +374,8 @@ class _Loop:
         with timed("weight_sync_seconds"):
             handoff = self.weight_sync.push(rollout_id + 1)
         with timed("sleep_seconds"):
-            sleep = self.train_group.sleep() if offload else []
+            sleep = self.train_group.sleep(self.engine_needs()) if offload else []
+            self.engine_copy_pending = any(s.get("released_for_engine_bytes", 0) for s in sleep)
         with timed("engine_resume_seconds"):
             if colocate:
                 self.rollout.resume_memory([KV_CACHE])

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import importlib
 import logging
 import math
@@ -45,6 +46,8 @@ from miles import checkpoint
 from miles.config import RunConfig, store_config
 from miles.models import torch_dtype
 from miles.offload import make_offloader
+from miles.offload.plan import OTHER, EngineNeeds, Group
+from miles.offload.planned import PlannedOffloader
 from miles.process_memory import peak_rss_bytes
 from miles.rl.batching import padded_tokens, plan_micro_batches, sample_lengths
 from miles.sizing.flops import mfu, model_flops, peak_bf16_flops, train_flops
@@ -152,6 +155,8 @@ class TrainBackend(abc.ABC):
         self.store = None
         self.offloader = None  # the sleep/wake offloader when --offload-train (miles.offload)
         self.weight_group = None  # the weight-update group, when this rank is its source
+        self.engine_needs = EngineNeeds()  # what the last sleep was told of the colocated engine
+        self.engine_weights = None  # at wake: the engine's weights by reference (miles.weights.readback)
         self.init_info: dict[str, Any] = {}
         self.flops = None  # the policy's ModelFlops (miles.sizing.flops), None when its config cannot be counted
         self.peak_flops: Optional[float] = None  # the device's bf16 peak FLOP/s, None on CPU or unknown GPUs
@@ -197,6 +202,9 @@ class TrainBackend(abc.ABC):
         if self.config.trainer_offload_to_disk and self.rank_dir is None:
             raise RuntimeError("--offload-train-target=disk needs the rank directory: build the trainer with "
                                "rank_dir=config.paths.rank_dir(cell, rank)")
+        if not offload.offload_all:  # the sleep plan: what moves is decided at each sleep (miles.offload.plan)
+            return PlannedOffloader(offload.target, self.rank_dir, offload.offload_train_disk_chunk_mb,
+                                    run_id=self.config.run_id, lock=self.rank_dir_lock)
         return make_offloader(offload.offload_train_target, self.rank_dir, offload.offload_train_disk_chunk_mb,
                               self.device.type, run_id=self.config.run_id, lock=self.rank_dir_lock)
 
@@ -331,8 +339,8 @@ class TrainBackend(abc.ABC):
         try:
             yield
         finally:
-            if was_asleep:
-                self.sleep()
+            if was_asleep:  # no driver hands this rank the engine's copy at the wake after this sleep
+                self.sleep(dataclasses.replace(self.engine_needs, copy_at_wake=False))
 
     def export_weights(self) -> dict[str, Any]:
         """A host copy of :meth:`hf_weights` (checks and tests; the RL loop hands weights over by reference)."""
@@ -384,26 +392,52 @@ class TrainBackend(abc.ABC):
                                                load_optimizer=load_optimizer)
 
     # ---- sleep / wake -------------------------------------------------------------------------
-    def sleep(self) -> dict[str, Any]:
-        """Step aside for the rollout engine: offload weights, grads, optimizer state (idempotent)."""
+    def sleep(self, engine: Optional[EngineNeeds] = None) -> dict[str, Any]:
+        """Step aside for the rollout engine (idempotent). ``--offload-train-plan auto``: move only what the
+        ``engine`` needs (:class:`~miles.offload.plan.EngineNeeds`; None: what the last sleep was told, at
+        first nothing measured), each tensor by its cheapest exact way back
+        (:mod:`miles.backends.planned_sleep`); ``offload-all``: offload weights, grads and resident
+        optimizer state to the target."""
+        from miles.backends.planned_sleep import offload_all_split, sleep_by_plan
+
         store_wait = settle_store_for_sleep(self.store, self.config.optimizer.stream_optimizer_state_flush_at_sleep)
         if self.offloader is None:
             return {"rank": self.rank, "skipped": True, "reason": "--offload-train is off", **store_wait}
+        if engine is not None:
+            self.engine_needs = engine
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
         released = self.before_offload()
-        stats = self.offloader.sleep(self.offload_tensors())
+        if isinstance(self.offloader, PlannedOffloader):
+            if cuda:
+                torch.cuda.empty_cache()  # the plan measures free device memory: freed blocks count as free
+            moved = sleep_by_plan(self, self.engine_needs)
+        else:
+            stats = self.offloader.sleep(self.offload_tensors())
+            moved = {**offload_stats(stats), **offload_all_split("sleep", stats.target, stats.bytes, stats.skipped)}
         if cuda:
             torch.cuda.empty_cache()
-        return {"rank": self.rank, **offload_stats(stats), **released, **self.asleep_report(), **store_wait}
+        return {"rank": self.rank, **moved, **released, **self.asleep_report(), **store_wait}
 
-    def wake(self) -> dict[str, Any]:
-        """Undo :meth:`sleep`, bit-exactly (idempotent)."""
+    def wake(self, engine_weights: Optional[list] = None) -> dict[str, Any]:
+        """Undo :meth:`sleep`, bit-exactly (idempotent). ``engine_weights``: the colocated engine's weights
+        by reference (``share_weights()``), which a sleep told ``copy_at_wake`` may have planned to rebuild
+        from."""
+        from miles.backends.planned_sleep import offload_all_split, wake_by_plan
+
         if self.offloader is None:
             return {"rank": self.rank, "skipped": True, "reason": "--offload-train is off"}
-        stats = self.offloader.wake()
-        return {"rank": self.rank, **offload_stats(stats), **self.after_wake()}
+        if isinstance(self.offloader, PlannedOffloader):
+            self.engine_weights = engine_weights
+            try:
+                moved = wake_by_plan(self)
+            finally:
+                self.engine_weights = None  # the references die with this wake: the engine releases them next
+        else:
+            stats = self.offloader.wake()
+            moved = {**offload_stats(stats), **offload_all_split("wake", stats.target, stats.bytes, stats.skipped)}
+        return {"rank": self.rank, **moved, **self.after_wake()}
 
     # ---- teardown -----------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -529,6 +563,35 @@ class TrainBackend(abc.ABC):
     @abc.abstractmethod
     def offload_tensors(self) -> list[torch.Tensor]:
         """What the storage offloader backs up at sleep (torch_memory_saver pauses the whole process)."""
+
+    def sleep_groups(self) -> list[tuple[Group, list[torch.Tensor]]]:
+        """What the sleep plan decides over: groups of tensors with the sources that hold them too
+        (:class:`miles.offload.plan.Group`), weights first. Default: :meth:`offload_tensors` as one group
+        that nothing else holds."""
+        from miles.backends.planned_sleep import make_groups
+
+        return make_groups([("state", OTHER, self.offload_tensors(), {})])
+
+    def sleep_rebuilders(self) -> dict[str, Any]:
+        """``{way: callable}`` that rewrites at wake the groups the plan rebuilt: ``rebuild_from_engine`` by
+        :meth:`weights_from_engine`, ``rebuild_from_masters`` by :meth:`weights_from_masters` (with a store)."""
+        from miles.offload.plan import FROM_ENGINE, FROM_MASTERS
+
+        rebuilders = {FROM_ENGINE: self.weights_from_engine}
+        if self.store is not None:
+            rebuilders[FROM_MASTERS] = self.weights_from_masters
+        return rebuilders
+
+    def weights_from_engine(self) -> int:
+        """At wake: rewrite the groups :meth:`sleep_groups` marks ``engine_copy`` from ``self.engine_weights``
+        (the engine's weights by reference, HF layout); returns the bytes copied. Only a backend that marks
+        such a group implements it."""
+        raise NotImplementedError(f"{type(self).__name__} marks no sleep group as held by the engine")
+
+    def weights_from_masters(self) -> int:
+        """At wake: rewrite the groups :meth:`sleep_groups` marks ``from_masters`` from the store's masters;
+        returns the bytes read. Only a backend that marks such a group implements it."""
+        raise NotImplementedError(f"{type(self).__name__} marks no sleep group as the store's masters")
 
     def asleep_report(self) -> dict[str, Any]:
         """At the end of sleep: what the backend reports of the device while asleep."""

@@ -11,8 +11,10 @@ the first) next to the floor measured in this same run:
                  backward as measured
   weights        the handed-over bytes at the device's own copy bandwidth (cudaMemcpy device to device;
                  on CPU: memcpy)
-  sleep / wake   the offloaded bytes at pinned PCIe bandwidth (offload target cpu) or at the disk's own
-                 O_DIRECT write / read bandwidth (target disk), measured under --dir
+  sleep / wake   the bytes the sleep plan moved, each over the link it crossed: to/from host RAM at pinned
+                 PCIe bandwidth, to/from disk at the disk's own O_DIRECT write / read bandwidth (measured
+                 under --dir), the masters a wake rebuilt weights from at pinned PCIe bandwidth, the
+                 engine's copy at the device copy bandwidth; 0 when nothing had to move
   engine         the rollout engine's release + resume of its weights and KV cache (no floor)
   step           the sum of the floors above plus the generation itself
 
@@ -22,6 +24,8 @@ Arms (--arms, comma-separated):
                  --stream-optimizer-state-host-cache-mb auto
   resident-cpu   resident optimizer state, --offload-train-target=cpu
   resident-disk  resident optimizer state, --offload-train-target=disk
+  stream-offload-all  the stream arm with --offload-train-plan offload-all (every weight to disk at each
+                 sleep): what the sleep plan saves
 
     miles bench rl --preset llama-1b --dir /nvme/bench-rl --json rl.json
     miles bench rl --hf-checkpoint /models/qwen3-0.6b --arms stream --rollouts 6 --train-arg=--micro-batch-size=16
@@ -50,6 +54,9 @@ ARMS = {
                "--stream-optimizer-state-host-cache-mb", "auto"],
     "resident-cpu": ["--offload-train-target=cpu"],
     "resident-disk": ["--offload-train-target=disk"],
+    # the stream arm with today's sleep forced (every weight to disk at each sleep): the plan's baseline
+    "stream-offload-all": ["--stream-optimizer-state-to-disk", "--offload-train-target=disk",
+                           "--stream-optimizer-state-host-cache-mb", "auto", "--offload-train-plan", "offload-all"],
 }
 FLOOR_BYTES = 1 << 30  # what each bandwidth floor moves
 ARM_MARKER = ".miles-bench-rl-arm"  # in each arm folder the bench made: a later run may replace it
@@ -156,9 +163,6 @@ def phase_report(records: list[dict], target: str, rates: dict[str, float]) -> d
         return median([r[key] for r in records])
 
     tokens = [r["samples"] * r["response_len_mean"] for r in records]
-    sleep_rate, wake_rate = ((rates["d2h_pinned"], rates["h2d_pinned"]) if target == "cpu"
-                             else (rates["disk_write"], rates["disk_read"]))
-    offload = med("offload_bytes")
     out = {
         "generate": {"seconds": med("generate_seconds"), "floor": None,
                      "tokens_per_second": median([t / r["generate_seconds"] for t, r in zip(tokens, records)])},
@@ -169,8 +173,8 @@ def phase_report(records: list[dict], target: str, rates: dict[str, float]) -> d
         "weights": {"seconds": med("weight_sync_seconds"), "rank_seconds": med("weight_handoff_seconds"),
                     "floor": med("weight_handoff_bytes") / rates["device_copy"],
                     "bytes": med("weight_handoff_bytes"), "buckets": med("weight_handoff_buckets")},
-        "sleep": {"seconds": med("sleep_seconds"), "floor": offload / sleep_rate, "bytes": offload},
-        "wake": {"seconds": med("wake_seconds"), "floor": offload / wake_rate, "bytes": offload},
+        "sleep": moved_phase(records, "sleep", target, rates),
+        "wake": moved_phase(records, "wake", target, rates),
     }
     out["engine"] = {"seconds": med("engine_release_seconds") + med("engine_resume_seconds"), "floor": None}
     out["step"] = {"seconds": med("step_seconds"),
@@ -180,6 +184,31 @@ def phase_report(records: list[dict], target: str, rates: dict[str, float]) -> d
         floor = phase["floor"]
         phase["ratio"] = phase["seconds"] / floor if floor else None
     return out
+
+
+# The links a sleep's and a wake's bytes cross, by the record's split (miles.metrics: sleep_* / wake_*):
+# (record key, rate key, how the phase line names it)
+SLEEP_LINKS = (("sleep_to_ram_bytes", "d2h_pinned", "ram"), ("sleep_to_disk_bytes", "disk_write", "disk"))
+WAKE_LINKS = (("wake_from_ram_bytes", "h2d_pinned", "ram"), ("wake_from_disk_bytes", "disk_read", "disk"),
+              ("wake_masters_read_bytes", "h2d_pinned", "masters"),  # the fp32 masters the rebuild read
+              ("wake_rebuilt_from_engine_bytes", "device_copy", "engine"))
+
+
+def moved_phase(records: list[dict], phase: str, target: str, rates: dict[str, float]) -> dict:
+    """A sleep or wake phase: its median seconds, and its floor: the bytes the plan moved over each link
+    they crossed at that link's bandwidth (0 when nothing had to move). Records without the split (before
+    the sleep plan) count ``offload_bytes`` over the target's link."""
+    links = SLEEP_LINKS if phase == "sleep" else WAKE_LINKS
+    if f"{phase}_moved_bytes" not in records[0]:
+        rate = {"sleep": {"cpu": "d2h_pinned", "disk": "disk_write"},
+                "wake": {"cpu": "h2d_pinned", "disk": "disk_read"}}[phase][target]
+        name = "ram" if target == "cpu" else "disk"
+        links = ((("offload_bytes", rate, name)),)
+    by_link = {name: median([r.get(key, 0) for r in records]) for key, _, name in links}
+    floor = sum(by_link[name] / rates[rate] for _, rate, name in links)
+    moved = median([r.get(f"{phase}_moved_bytes", r.get("offload_bytes", 0)) for r in records])
+    return {"seconds": median([r[f"{phase}_seconds"] for r in records]), "floor": floor, "bytes": moved,
+            "by_link": by_link}
 
 
 def arm_dir_of(directory: str, arm: str) -> str:
@@ -230,7 +259,8 @@ def format_report(result: dict) -> str:
         lines.append(f"{arm['arm']} (median of rollouts 2..{arm['rollouts']}; reward {arm['reward_first']:.3f} -> "
                      f"{arm['reward_last']:.3f}):")
         for name, ph in arm["phases"].items():
-            floor = "" if ph["floor"] is None else f"  floor {ph['floor']:7.3f} s  ratio {ph['ratio']:6.2f}"
+            ratio = "     -" if ph["ratio"] is None else f"{ph['ratio']:6.2f}"  # a floor of 0: nothing had to move
+            floor = "" if ph["floor"] is None else f"  floor {ph['floor']:7.3f} s  ratio {ratio}"
             extra = ""
             if name == "generate":
                 extra = f"  {ph['tokens_per_second']:.0f} tokens/s"
@@ -240,6 +270,9 @@ def format_report(result: dict) -> str:
                          f"other {ph['other']:.3f})")
             elif name == "weights":
                 extra = f"  ({ph['bytes'] / 1e9:.3f} GB in {ph['buckets']:.0f} buckets; rank {ph['rank_seconds']:.3f} s)"
+            elif name in ("sleep", "wake"):
+                links = ", ".join(f"{k} {v / 1e9:.3f}" for k, v in ph["by_link"].items() if v)
+                extra = f"  ({ph['bytes'] / 1e9:.3f} GB moved{': ' + links + ' GB' if links else ''})"
             lines.append(f"  {name:9s} {ph['seconds']:7.3f} s{floor}{extra}")
     return "\n".join(lines)
 

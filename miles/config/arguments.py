@@ -352,6 +352,9 @@ class OptimizerConfig:
                                 "since no backend here implements it.")
 
 
+OFFLOAD_TRAIN_PLANS = ("auto", "offload-all")  # --offload-train-plan; miles.offload.plan decides by it
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     """Trainer offload while the rollout engine runs ("sleep")."""
@@ -364,6 +367,13 @@ class OffloadConfig:
     offload_train_target: Optional[str] = knob(
         None, "Where trainer offload puts its memory (default: cpu).", choices=("cpu", "disk")
     )
+    offload_train_plan: str = knob(
+        "auto", "How a sleeping trainer makes room (docs/advanced/disk-offload.md, 'The sleep plan'): auto moves "
+        "only what must move, each tensor by its cheapest exact way back (kept on the device when it fits beside "
+        "the engine's KV pool, rebuilt from the optimizer store's masters in host RAM, grads discarded, the rest "
+        "to host RAM, then to --offload-train-target); offload-all writes every weight and resident optimizer "
+        "tensor to --offload-train-target at every sleep (the behaviour before the plan; for comparison).",
+        choices=OFFLOAD_TRAIN_PLANS)
     offload_train_disk_dir: Optional[str] = knob(
         None,
         "Root directory of everything on disk (default: a per-run directory under $SCRATCH or the "
@@ -381,6 +391,12 @@ class OffloadConfig:
     def target(self) -> str:
         """Where trainer offload puts its memory: ``--offload-train-target``, ``cpu`` when not given."""
         return self.offload_train_target or "cpu"
+
+    @property
+    def offload_all(self) -> bool:
+        """``--offload-train-plan offload-all``: every sleep writes the trainer's memory to the target
+        (torch_memory_saver's process-wide pause on GPU), instead of the sleep plan."""
+        return self.offload_train_plan == OFFLOAD_TRAIN_PLANS[1]
 
     @property
     def target_is_disk(self) -> bool:

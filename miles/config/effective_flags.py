@@ -54,6 +54,7 @@ RULES: tuple[EffectRule, ...] = (
                lambda d: ("trainer offload does not go to disk (the streamed state's chunk is "
                           "--stream-optimizer-state-chunk-mb)", "add --offload-train-target=disk")),
     EffectRule("offload_train_target", lambda d: d.trainer_offload, _offload_off),
+    EffectRule("offload_train_plan", lambda d: d.trainer_offload, _offload_off),
     EffectRule("max_tokens_per_gpu", lambda d: d.training.use_dynamic_batch_size,
                lambda d: ("micro-batches hold --micro-batch-size samples unless --use-dynamic-batch-size",
                           "add --use-dynamic-batch-size")),

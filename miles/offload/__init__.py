@@ -5,6 +5,10 @@
   without torch_memory_saver) and the embedded rollout engine's release_memory/resume_memory.
   :func:`make_resizable` prepares a loaded model for it (mmap'ed / numpy-backed / tied storages).
 - GPU trainer: torch_memory_saver (:class:`TmsOffloader`), configured through the actor's environment.
+- The sleep plan (``--offload-train-plan auto``, the default): :mod:`miles.offload.plan` decides each group
+  of the trainer's tensors' way back (kept, rebuilt from the engine's copy or the store's masters,
+  discarded, host RAM, disk); :class:`miles.offload.planned.PlannedOffloader` executes it with the storage
+  offloader for what it writes out. The two above are then what ``offload-all`` uses.
 
     make_resizable(model)
     off = make_offloader("disk", directory, chunk_mb, device_type)

@@ -47,7 +47,9 @@ def base_env() -> dict[str, str]:
 
 def make_train_actors(cfg: RunConfig, pg, use_gpu: bool, cell: int = 0) -> list:
     n = cfg.cluster.num_train_ranks
-    offload = cfg.offload.offload_train
+    # torch_memory_saver pauses the whole process at sleep: what --offload-train-plan offload-all does; the
+    # sleep plan moves tensors one by one (miles.offload.planned) and needs no hook
+    offload = cfg.offload.offload_train and cfg.offload.offload_all
     tms = layout.tms_preload_library() if use_gpu and offload else None
     if use_gpu and offload and tms is None:
         logger.warning("torch_memory_saver is not installed: GPU trainer offload falls back to the storage "

@@ -97,6 +97,10 @@ class RolloutEngineActor:
         self.engine.flush_cache()
 
     @reports_logs
+    def share_weights(self) -> list:
+        return self.engine.share_weights()
+
+    @reports_logs
     def close(self) -> bool:
         self.engine.close()
         return True
@@ -131,6 +135,14 @@ class RolloutManager:
                 s.index = len(samples)
                 samples.append(s)
         return samples
+
+    def share_weights(self, engine_ids: Sequence[int]) -> list[list]:
+        """``engine_ids[r]``'s weights by reference, for train rank r to rebuild its own from at wake (each
+        engine asked once); valid until that engine releases its weights."""
+        distinct = list(dict.fromkeys(engine_ids))
+        refs = [self.engines[i].share_weights.remote() for i in distinct]
+        shared = dict(zip(distinct, wait_all(refs, "share_weights", [self.labels[i] for i in distinct])))
+        return [shared[i] for i in engine_ids]
 
     def release_memory(self, tags=None) -> list[dict]:
         """``release_memory_occupation(tags)`` on every engine (None: weights and KV cache)."""

@@ -93,12 +93,12 @@ class TrainActor:
         return self.trainer.load(base, load_optimizer)
 
     @reports_logs
-    def sleep(self) -> dict[str, Any]:
-        return self.trainer.sleep()
+    def sleep(self, engine=None) -> dict[str, Any]:
+        return self.trainer.sleep(engine)
 
     @reports_logs
-    def wake(self) -> dict[str, Any]:
-        return self.trainer.wake()
+    def wake(self, engine_weights=None) -> dict[str, Any]:
+        return self.trainer.wake(engine_weights)
 
     @reports_logs
     def shutdown(self) -> bool:

@@ -8,7 +8,7 @@ hang in a collective.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 from miles.config import RunConfig
 
@@ -73,13 +73,21 @@ class RayTrainGroup:
     def finish_save(self) -> list[Any]:
         return self._all("finish_save")
 
-    def sleep(self) -> list[dict[str, Any]]:
-        out = self._all("sleep")
+    def sleep(self, engine=None) -> list[dict[str, Any]]:
+        """``engine``: what the driver measured of the colocated engine (:class:`miles.offload.plan.EngineNeeds`;
+        see :meth:`miles.backends.base.TrainBackend.sleep`)."""
+        out = self._all("sleep", engine)
         self.asleep = True
         return out
 
-    def wake(self) -> list[dict[str, Any]]:
-        out = self._all("wake")
+    def wake(self, engine_weights: Optional[list] = None) -> list[dict[str, Any]]:
+        """``engine_weights[r]``: the engine weights rank r rebuilds from (``share_weights()`` of the engine
+        on its GPU), or None."""
+        if engine_weights is None:
+            out = self._all("wake")
+        else:
+            refs = [a.wake.remote(w) for a, w in zip(self.actors, engine_weights)]
+            out = wait_all(refs, "wake", self.labels)
         self.asleep = False
         return out
 

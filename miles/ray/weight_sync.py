@@ -134,6 +134,11 @@ class WeightSync:
                                                                  colocated_rank=colocated))
         self.payload = engine_payload(engine_infos)
         self.train_group, self.rollout = train_group, rollout
+        # rank r's engine to read the weights back from at wake (the sleep plan's rebuild_from_engine): the
+        # embedded engine on its GPU, by CUDA IPC; None unless every rank has one (on CPU it would be a copy)
+        ipc = [self.routes.ipc.get(r, ()) for r in range(len(train_infos))]
+        self.readback_engines = ([engines[0] for engines in ipc] if use_gpu and config.cluster.colocate
+                                 and config.rollout.rollout_engine == "embedded" and all(ipc) else None)
         if self.routes.broadcast:
             address = wait_all([train_group.actors[0].rendezvous.remote()], "rendezvous", train_group.labels[:1])[0]
             host, port = address.rsplit(":", 1)

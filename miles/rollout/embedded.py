@@ -135,6 +135,7 @@ class EmbeddedRolloutEngine:
         self._check_every = 1 if self.device.type == "cpu" else decode.CUDA_CHECK_EVERY
         self._state = EngineState(engine_id)  # released tags, the open weight update, a generate running
         self._groups: dict[str, _Group] = {}
+        self._shared: list = []  # the weights shared with a trainer by share_weights, until released
         self._closed = False
         logger.info("rollout engine %d: %s on %s (%s)", engine_id, self.description, self.device,
                     "static cache, CUDA graphs" if self.cuda_graphs else
@@ -365,6 +366,24 @@ class EmbeddedRolloutEngine:
             torch.cuda.current_stream(self.device).synchronize()
         return {"tensors": len(pairs), "bytes": sum(src.numel() * src.element_size() for _, src in pairs)}
 
+    def share_weights(self) -> list:
+        """The weights by reference, for a trainer on this GPU that rebuilds its own from them at wake (the
+        sleep plan's ``rebuild_from_engine``; :mod:`miles.weights.readback`): one ``SharedBucket`` per
+        parameter, valid until the weights are released (which drops them) or this is called again."""
+        from miles.weights.readback import share_named_tensors
+
+        if WEIGHTS in self._state.released or self._state.weights_undefined:
+            raise RuntimeError(f"rollout engine {self.engine_id}: its weights are released or not yet rewritten: "
+                               "there is nothing to share; share them after a weight update, before releasing them")
+        self._drop_shared()
+        self._shared = share_named_tensors(self.model.named_parameters())
+        return list(self._shared)
+
+    def _drop_shared(self) -> None:
+        for bucket in self._shared:
+            bucket.release()
+        self._shared = []
+
     def get_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the engine's state dict (tests, debugging)."""
         if WEIGHTS in self._state.released:
@@ -382,6 +401,7 @@ class EmbeddedRolloutEngine:
             freed[KV_CACHE] = 0 if KV_CACHE in self._state.released else self._static.clear()
             self._state.released.add(KV_CACHE)
         if WEIGHTS in tags:
+            self._drop_shared()  # a trainer read them back already (share_weights' contract)
             self._static.drop_graphs()  # they point at the weights' storages, which come back elsewhere
             stats = self._offloader.sleep(self._tensors)
             self._state.released.add(WEIGHTS)
@@ -416,6 +436,7 @@ class EmbeddedRolloutEngine:
         for name in list(self._groups):
             self.destroy_weights_update_group(name)
         self._static.clear()
+        self._drop_shared()
         self._offloader.close(remove_directory=self._temp_backup_dir is None)
         if self._temp_backup_dir is not None:
             shutil.rmtree(self._temp_backup_dir, ignore_errors=True)

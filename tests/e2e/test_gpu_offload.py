@@ -26,6 +26,7 @@ def test_colocated_gpu_run_with_tms_disk_offload(ray_cluster, tmp_path):
         "--tiny-model", "--num-train-ranks", "1", "--num-rollout-engines", "1", "--colocate",
         "--stream-optimizer-state-to-disk", "--offload-train-target", "disk",
         "--offload-train-disk-dir", str(tmp_path / "offload"), "--offload-train-disk-chunk-mb", "16",
+        "--offload-train-plan", "offload-all",  # torch_memory_saver itself (the sleep plan: test_sleep_plan_gpu)
         "--num-rollout", "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
         "--rollout-max-response-len", "8", "--save", str(save), "--save-interval", "2",
         "--metrics-file", str(tmp_path / "gpu.jsonl")]))
@@ -67,7 +68,7 @@ def test_colocated_gpu_run_with_tms_disk_offload(ray_cluster, tmp_path):
     args2 = validate_args(parse_args([
         "--tiny-model", "--num-train-ranks", "1", "--colocate", "--stream-optimizer-state-to-disk",
         "--offload-train-target", "disk", "--offload-train-disk-dir", str(tmp_path / "offload"),
-        "--num-rollout", "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+        "--offload-train-plan", "offload-all", "--num-rollout", "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
         "--rollout-max-response-len", "8", "--load", str(save / "rollout_000002"),
         "--metrics-file", str(tmp_path / "gpu2.jsonl")]))
     summary2 = run(args2)

@@ -25,6 +25,7 @@ def _args(tmp, *extra):
 
     argv = ["--tiny-model", "--num-train-ranks", "2", "--num-rollout-engines", "1", "--colocate",
             "--stream-optimizer-state-to-disk", "--offload-train-target", "disk",
+            "--offload-train-plan", "offload-all",  # the disk offload itself (the plan: test_sleep_plan_e2e.py)
             "--offload-train-disk-dir", str(tmp / "offload"),
             "--num-rollout", "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
             "--rollout-max-response-len", "8", "--micro-batch-size", "2", *extra]

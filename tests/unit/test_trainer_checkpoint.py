@@ -74,7 +74,8 @@ def test_sleep_wake_is_transparent_to_training(tmp_path, trainers, target):
     trainers.remove(ref)
     expected = _params(ref)
 
-    args = _args(tmp_path, "--offload-train", "--offload-train-target", target)
+    # the offloader itself: every weight and optimizer tensor moves (the sleep plan: test_sleep_plan_torch.py)
+    args = _args(tmp_path, "--offload-train", "--offload-train-target", target, "--offload-train-plan", "offload-all")
     rank_dir = str(tmp_path / "rank")
     t = TorchTrainer(args, rank=0, world_size=1, rank_dir=rank_dir)
     trainers.append(t)

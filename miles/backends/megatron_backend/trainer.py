@@ -40,6 +40,7 @@ from .router_bias import clear_router_token_counts, keep_routers_fp32, routers_t
 logger = logging.getLogger(__name__)
 
 _EXTRA_STATE = "_extra_state"  # Transformer Engine metadata in state dicts, not a weight
+_LOW_PRECISION = (torch.bfloat16, torch.float16)  # param buffers whose masters the optimizer keeps in fp32
 
 
 class MegatronTrainer(TrainBackend):
@@ -158,16 +159,20 @@ class MegatronTrainer(TrainBackend):
     # ---- weights ------------------------------------------------------------------------------
     def _load_hf_state(self, hf_state: dict[str, torch.Tensor]) -> None:
         """Copy HF weights into the Megatron params in place (this rank's experts only)."""
-        mcore = hf_to_megatron(hf_state, self.hf_config, fused_norms=self.uses_te_spec, ep_rank=self.ep_rank,
-                               ep_size=self.ep_size)
-        if self.parallel.sharded:  # this rank's stage, TP and ETP shard
-            arch = describe(self.hf_config)
-            mcore = self.parallel.shard(mcore, arch.num_layers, arch.tied_embeddings)
-        result = self.gpt.load_state_dict(mcore, strict=False)
+        result = self.gpt.load_state_dict(self._megatron_state(hf_state), strict=False)
         missing = [k for k in result.missing_keys if not k.endswith(_EXTRA_STATE)]
         if missing or result.unexpected_keys:
             raise RuntimeError(f"converted weights do not fit the built GPTModel: missing {missing[:5]}, "
                                f"unexpected {list(result.unexpected_keys)[:5]} (conversion and layer spec disagree)")
+
+    def _megatron_state(self, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF-layout weights as this rank's Megatron state dict: its experts, and its stage, TP and ETP shard."""
+        mcore = hf_to_megatron(hf_state, self.hf_config, fused_norms=self.uses_te_spec, ep_rank=self.ep_rank,
+                               ep_size=self.ep_size)
+        if self.parallel.sharded:
+            arch = describe(self.hf_config)
+            mcore = self.parallel.shard(mcore, arch.num_layers, arch.tied_embeddings)
+        return mcore
 
     def _hf_state(self) -> dict[str, torch.Tensor]:
         """The full HF-layout weights on the host (checkpoints); a collective over the expert-parallel group."""
@@ -287,6 +292,59 @@ class MegatronTrainer(TrainBackend):
                         tensors.append(p)
                         tensors += [v for v in member.optimizer.state.get(p, {}).values() if torch.is_tensor(v)]
         return [t for t in tensors if t is not None and t.is_cuda]
+
+    def sleep_groups(self):
+        """For the sleep plan: the bf16 param buffers (the weights: the store's masters cast, when it streams
+        them), the rest of the model (native-fp32 param buffers, params outside DDP's buffers, buffers), and
+        the optimizer state on the device (all of it when resident; the resident Adam's of native-fp32 params
+        when streamed). The grad buffers are not a group: :meth:`before_offload` drops them."""
+        from miles.backends.planned_sleep import make_groups
+        from miles.offload.plan import OPTIMIZER_STATE, OTHER, WEIGHTS
+
+        buffers = self.ddp.buffers + self.ddp.expert_parallel_buffers
+        low = [b.param_data for b in buffers if b.param_data is not None and b.param_data.dtype in _LOW_PRECISION]
+        streams_mains = self.store is not None and all(s.streams_main for s in self.streamed_stores())
+        other = [b.param_data for b in buffers if b.param_data is not None and b.param_data.dtype not in _LOW_PRECISION]
+        other += list(self.gpt.parameters()) + list(self.gpt.buffers())
+        specs = [("weights", WEIGHTS, low, {"from_masters": streams_mains, "engine_copy": True}),
+                 ("model_other", OTHER, other, {}),
+                 ("optimizer_state", OPTIMIZER_STATE, self._device_optimizer_state(), {})]
+        return make_groups([(n, k, [t for t in ts if t is not None and t.is_cuda], src) for n, k, ts, src in specs])
+
+    def _device_optimizer_state(self) -> list[torch.Tensor]:
+        if self.store is None:
+            return [t for t in self.offload_tensors() if t.dtype == torch.float32]  # masters and moments
+        tensors = []
+        for store in self.streamed_stores():
+            adam = store.resident_adam.optimizer if store.resident_adam is not None else None
+            for state in (adam.state.values() if adam is not None else ()):
+                tensors += [v for v in state.values() if torch.is_tensor(v)]
+        return tensors
+
+    def weights_from_engine(self) -> int:
+        """The bf16 params <- the engine's HF-layout copy through the inverse of the handoff's conversion
+        (convert.hf_to_megatron; this rank's experts and shard); the native-fp32 params are not rebuilt from
+        it (the plan keeps or writes them out)."""
+        from miles.backends.planned_sleep import copy_from_engine, engine_weights_or_fail
+        from miles.weights.readback import open_named_tensors
+
+        mcore = self._megatron_state(dict(open_named_tensors(engine_weights_or_fail(self))))
+        targets = {k: v for k, v in self.gpt.state_dict().items()
+                   if torch.is_tensor(v) and not k.endswith(_EXTRA_STATE) and v.dtype in _LOW_PRECISION}
+        nbytes = copy_from_engine(mcore.items(), targets)
+        torch.cuda.synchronize()
+        return nbytes
+
+    def weights_from_masters(self) -> int:
+        """The bf16 param buffers <- the store's masters cast (this rank's shards), then all-gathered over the
+        data-parallel ranks as the step's tail does (the binding's step_with_ready_grads)."""
+        read = self.store.publish_mains()
+        if self.world_size > 1:
+            for member in getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]:
+                if not member.is_stub_optimizer:
+                    member.start_param_sync_for_bucket_group_subset()
+        torch.cuda.synchronize()
+        return read
 
     def before_offload(self) -> dict[str, Any]:
         # Before the offloader: torch_memory_saver must never see the grad buffers (grad_buffers.py).

@@ -163,6 +163,42 @@ class TorchTrainer(TrainBackend):
                 tensors += [v for v in state.values() if torch.is_tensor(v)]
         return tensors
 
+    def sleep_groups(self):
+        """Weights (rebuilt from the store's masters when it streams them), the rest of the model (buffers,
+        frozen params), grads (discarded), and the resident optimizer state (none when streamed)."""
+        from miles.backends.planned_sleep import make_groups
+        from miles.offload.plan import GRADS, OPTIMIZER_STATE, OTHER, WEIGHTS
+
+        params = list(self.model.parameters())
+        streams_mains = self.store is not None and all(s.streams_main for s in self.streamed_stores())
+        specs = [("weights", WEIGHTS, [p for p in params if p.requires_grad],
+                  {"from_masters": streams_mains, "engine_copy": True}),
+                 ("model_other", OTHER, [p for p in params if not p.requires_grad] + list(self.model.buffers()), {}),
+                 ("grads", GRADS, [p.grad for p in params], {})]
+        if self.store is None:
+            opt = self.optimizer
+            state = [s.master for s in opt.shards]
+            state += [v for st in opt.inner.state.values() for v in st.values() if torch.is_tensor(v)]
+            specs.append(("optimizer_state", OPTIMIZER_STATE, state, {}))
+        return make_groups(specs)
+
+    def weights_from_engine(self) -> int:
+        """The trainable weights <- the engine's copy, by name (the handoff hands the state dict's names
+        over as they are)."""
+        from miles.backends.planned_sleep import copy_from_engine, engine_weights_or_fail
+        from miles.weights.readback import open_named_tensors
+
+        trainable = {id(p) for p in self.model.parameters() if p.requires_grad}
+        targets = {n: p.detach() for n, p in self.model.named_parameters() if id(p) in trainable}
+        return copy_from_engine(open_named_tensors(engine_weights_or_fail(self)), targets)
+
+    def weights_from_masters(self) -> int:
+        """Weights <- the store's masters cast (this rank's shard), then every rank's shards all-gathered:
+        what the last step's publish and gather wrote."""
+        read = self.store.publish_mains()
+        self.optimizer.gather_params()
+        return read
+
 
 class _DataParallelSGD:
     """--optimizer sgd on the torch backend: grads averaged over DP ranks, plain SGD on the params."""

@@ -422,6 +422,35 @@ class NVMeOptimizerStateStore:
         for bucket in self.buckets if self.streams_main else ():
             bucket.refresh_main(self.stager)
 
+    @property
+    def mains_in_host_ram(self) -> bool:
+        """Whether this store streams the mains and every bucket lives in host RAM only (no file): reading
+        the mains back costs host->device copies and no disk read."""
+        return self.streams_main and self.stats.ram_state_bytes == self.stats.state_bytes
+
+    @torch.no_grad()
+    def publish_mains(self) -> int:
+        """model params <- mains cast to their dtype, bucket by bucket (one in flight): the inverse of
+        refresh_main_from_model_params, and what a step's publish wrote. A trainer that dropped its
+        low-precision weights at sleep rebuilds them with this at wake, exactly. The reads are not a
+        step's: the next step's stats do not count them. Returns the fp32 bytes read."""
+        self._check_usable()
+        if not self.streams_main:
+            return 0
+        self.release_device()  # nothing held: each bucket below is read fresh, after its write-back
+        disk0, cache0, _, task0, _ = self._read_marks()
+        nbytes = 0
+        with self._poisons_on_failure("reading the mains back"):
+            for bucket in self.buckets:
+                bucket.fetch(self.stager, (MAIN,))
+                bucket.publish()
+                bucket.release()
+                nbytes += 4 * bucket.numel
+        disk1, cache1, _, task1, _ = self._read_marks()
+        m = self._marks  # shift the step's baseline past these reads
+        self._marks = (m[0] + disk1 - disk0, m[1] + cache1 - cache0, m[2], m[3] + task1 - task0, m[4])
+        return nbytes
+
     # ---- checkpoints --------------------------------------------------------------------------
     def save_to(self, checkpoint_base: str, wait: bool = True) -> dict | None:
         """Write the state to `<base>/nvme_opt_state/<relative_dir>/` (format: checkpoint/save_load.py), atomically.

@@ -227,6 +227,13 @@ class StoreGroup:
         for s in self.stores:
             s.refresh_main_from_model_params()
 
+    @property
+    def mains_in_host_ram(self) -> bool:
+        return all(s.mains_in_host_ram for s in self.stores)
+
+    def publish_mains(self) -> int:
+        return sum(s.publish_mains() for s in self.stores)
+
     def save_to(self, checkpoint_base: str, wait: bool = True) -> None:
         for s in self.stores:
             s.save_to(checkpoint_base, wait=wait)
