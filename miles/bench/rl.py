@@ -24,8 +24,8 @@ Arms (--arms, comma-separated):
                  --stream-optimizer-state-host-cache-mb auto
   resident-cpu   resident optimizer state, --offload-train-target=cpu
   resident-disk  resident optimizer state, --offload-train-target=disk
-  stream-offload-all  the stream arm with --offload-train-plan offload-all (every weight to disk at each
-                 sleep): what the sleep plan saves
+  stream-plan    the stream arm with --offload-train-plan auto (the sleep plan: only what must move
+                 moves; the stream arm writes every weight to disk at each sleep): what the plan saves
 
     miles bench rl --preset llama-1b --dir /nvme/bench-rl --json rl.json
     miles bench rl --hf-checkpoint /models/qwen3-0.6b --arms stream --rollouts 6 --train-arg=--micro-batch-size=16
@@ -54,9 +54,9 @@ ARMS = {
                "--stream-optimizer-state-host-cache-mb", "auto"],
     "resident-cpu": ["--offload-train-target=cpu"],
     "resident-disk": ["--offload-train-target=disk"],
-    # the stream arm with today's sleep forced (every weight to disk at each sleep): the plan's baseline
-    "stream-offload-all": ["--stream-optimizer-state-to-disk", "--offload-train-target=disk",
-                           "--stream-optimizer-state-host-cache-mb", "auto", "--offload-train-plan", "offload-all"],
+    # the stream arm with the sleep plan (opt-in): against the stream arm, what the plan saves
+    "stream-plan": ["--stream-optimizer-state-to-disk", "--offload-train-target=disk",
+                    "--stream-optimizer-state-host-cache-mb", "auto", "--offload-train-plan", "auto"],
 }
 FLOOR_BYTES = 1 << 30  # what each bandwidth floor moves
 ARM_MARKER = ".miles-bench-rl-arm"  # in each arm folder the bench made: a later run may replace it

@@ -368,11 +368,12 @@ class OffloadConfig:
         None, "Where trainer offload puts its memory (default: cpu).", choices=("cpu", "disk")
     )
     offload_train_plan: str = knob(
-        "auto", "How a sleeping trainer makes room (docs/advanced/disk-offload.md, 'The sleep plan'): auto moves "
+        "offload-all", "How a sleeping trainer makes room (docs/advanced/disk-offload.md, 'The sleep plan'): auto moves "
         "only what must move, each tensor by its cheapest exact way back (kept on the device when it fits beside "
         "the engine's KV pool, rebuilt from the optimizer store's masters in host RAM, grads discarded, the rest "
-        "to host RAM, then to --offload-train-target); offload-all writes every weight and resident optimizer "
-        "tensor to --offload-train-target at every sleep (the behaviour before the plan; for comparison).",
+        "to host RAM, then to --offload-train-target; measured on CPU, not yet on GPUs); offload-all (the default until the plan "
+        "is measured on GPUs) writes every weight and resident optimizer tensor to --offload-train-target at "
+        "every sleep.",
         choices=OFFLOAD_TRAIN_PLANS)
     offload_train_disk_dir: Optional[str] = knob(
         None,

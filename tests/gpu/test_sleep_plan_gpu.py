@@ -43,7 +43,7 @@ def _trainer(tmp_path, *extra) -> MegatronTrainer:
     tmp_path.mkdir(parents=True, exist_ok=True)
     argv = ["--tiny-model", "--model-dtype", "bf16", "--micro-batch-size", "2", "--lr", "1e-3",
             "--offload-train-disk-dir", str(tmp_path / "disk"), "--offload-train", "--offload-train-target", "disk",
-            "--stream-optimizer-state-to-disk", *extra]
+            "--stream-optimizer-state-to-disk", "--offload-train-plan", "auto", *extra]
     config = validate_args(parse_args(argv))
     config = dataclasses.replace(
         config, training=dataclasses.replace(config.training, train_backend="megatron"),

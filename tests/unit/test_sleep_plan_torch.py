@@ -37,7 +37,8 @@ def _trainer(tmp_path, name, *extra):
     config = validate_args(parse_args(["--tiny-model", "--micro-batch-size", "2", "--model-dtype", "bf16",
                                        "--offload-train", "--offload-train-target", "disk",
                                        "--offload-train-disk-dir", str(tmp_path / name / "offload"),
-                                       "--metrics-file", str(tmp_path / name / "metrics.jsonl"), *extra]))
+                                       "--metrics-file", str(tmp_path / name / "metrics.jsonl"),
+                                       "--offload-train-plan", "auto", *extra]))
     t = TorchTrainer(config, rank=0, world_size=1, rank_dir=str(tmp_path / name / "rank"))
     t.init(_rendezvous())
     return t
