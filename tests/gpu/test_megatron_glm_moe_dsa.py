@@ -4,7 +4,7 @@ Run on the GPU host: ``python -m pytest -q -x -s tests/gpu/test_megatron_glm_moe
 no Transformer Engine, no tilelang: megatron's DSA runs its PyTorch path). Tiny models only.
 
 - The same random weights (every norm, norm bias and router expert bias off its init value) in transformers
-  (eager attention) and in megatron-core's GPTModel (local_dsa_spec), 8 sequences of 128 tokens, fp32: the
+  (eager attention) and in megatron-core's GPTModel (glm_moe_dsa_layers), 8 sequences of 128 tokens, fp32: the
   built state's names and shapes are the converter's, the export is ``torch.equal`` to the loaded state, max
   per-token |log-prob diff| < 1e-3, one backward's grad norm within 1%. Twice: an indexer top-k of 128 (the
   sparse attention is dense) and of 64 (sparse; the last layer reuses the previous layer's top-k).

@@ -18,7 +18,7 @@ from miles.backends.megatron_backend.convert import (  # noqa: E402
     iter_megatron_to_hf,
     megatron_to_hf,
 )
-from miles.backends.megatron_backend.glm_moe_dsa import INDEXER_K_NORM_EPS  # noqa: E402
+from miles.backends.megatron_backend.families.glm_moe_dsa import INDEXER_K_NORM_EPS  # noqa: E402
 from miles.backends.megatron_backend.model import transformer_config_from_hf  # noqa: E402
 from miles.models import RANDOM_MODEL_PRESETS  # noqa: E402
 from miles.sizing.model_params import model_tensors  # noqa: E402

@@ -3,6 +3,8 @@
     architecture.py   what a transformers config means for Megatron (pure; rejects what cannot be built)
     model.py          TransformerConfig / GPTModel kwargs from an HF config (pure) and the builder
     convert.py        HF <-> Megatron state dicts (pure: fused QKV, SwiGLU fc1, norms, experts, EP)
+    families/         GLM-5 (glm_moe_dsa*.py) and Qwen3.5-MoE (qwen3_5_moe*.py): config, weight layout, and
+                      (in *_layers.py, GPU) the layer spec built without Transformer Engine
     sdpa_attention.py the local spec's core attention as one scaled_dot_product_attention call
     logprobs.py       GPTModel's output processor: token log-probs, the output layer run chunk by chunk
     tp_shards.py      Megatron's TP/ETP/PP cuts of a state dict and their gathers (pure)
@@ -10,8 +12,6 @@
     vocab_parallel.py log-probs from vocab-parallel logits (all-reduces over the TP group)
     model_parallel.py one rank's place in the TP/PP layout: process groups, shards, log-probs, handoff
     pipeline.py       the policy-gradient step through Megatron's pipeline schedule (PP > 1)
-    glm_moe_dsa.py    GLM-5: its config, attention weight names, MLA + DSA config fields (pure)
-    local_dsa_spec.py GLM-5's DSA decoder block without Transformer Engine (GPU)
     router_bias.py    routers with an expert bias: fp32 in a bf16 model, the aux-loss-free balancing step (GPU)
     trainer.py        MegatronTrainer: the same methods as the torch backend's TorchTrainer
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 from .errors import UnsupportedModelError
 from .families import qwen3_5_moe_config
 from .families.qwen3_5_moe_config import GatedDeltaNetLayout
-from .glm_moe_dsa import MlaDsa, describe_glm_moe_dsa
+from .families.glm_moe_dsa import MlaDsa, describe_glm_moe_dsa
 
 __all__ = ["Architecture", "describe", "UnsupportedModelError", "SUPPORTED_MODEL_TYPES"]
 

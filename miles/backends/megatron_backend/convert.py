@@ -42,9 +42,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from . import glm_moe_dsa
 from .architecture import Architecture, describe
-from .families import qwen3_5_moe
+from .families import glm_moe_dsa, qwen3_5_moe
 
 __all__ = ["hf_to_megatron", "megatron_to_hf", "iter_megatron_to_hf", "experts_to_global", "hf_moe_layout", "HF_MOE_LAYOUTS",
            "ConversionError", "part_to_hf", "EMBEDDING", "HEAD"]

@@ -6,7 +6,7 @@ Engine's when ``transformer_engine`` imports, else the local spec (torch RMSNorm
 scaled_dot_product_attention in place of its unfused attention;
 ``uses_te_spec`` says which, because the weight layout of the norms differs (see ``convert.py``).
 Qwen3.5-MoE always gets its own spec (``families/qwen3_5_moe_layers.py``), never TE's; GLM-5 (multi-latent
-attention + DSA) always gets ``local_dsa_spec``'s spec (no Transformer Engine).
+attention + DSA) always gets ``families/glm_moe_dsa_layers.py``'s spec (no Transformer Engine).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from miles.parallel.layout import ParallelLayout
 
 from .architecture import UnsupportedModelError, describe
 from .families import qwen3_5_moe
-from .glm_moe_dsa import log_left_out_mtp, mla_dsa_config_kwargs
+from .families.glm_moe_dsa import log_left_out_mtp, mla_dsa_config_kwargs
 from .sdpa_attention import SDPACoreAttention, with_core_attention
 from .tp_shards import padded_vocab_size
 
@@ -182,7 +182,7 @@ def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype, expert_model_p
     if arch.mla_dsa is not None:  # GLM-5: megatron's DSA, built without Transformer Engine
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-        from .local_dsa_spec import dsa_decoder_block_spec
+        from .families.glm_moe_dsa_layers import dsa_decoder_block_spec
 
         config = MLATransformerConfig(**kwargs)
         log_left_out_mtp(arch.mla_dsa)

@@ -3,7 +3,7 @@ weight names, and the megatron-core config fields of multi-latent attention with
 
 Pure (no megatron import); ``architecture.describe`` calls :func:`describe_glm_moe_dsa`, ``convert.py``
 maps the attention through :func:`attention_names`, ``model.py`` adds :func:`mla_dsa_config_kwargs`. The
-layer spec that builds it without Transformer Engine is ``local_dsa_spec.py`` (GPU only).
+layer spec that builds it without Transformer Engine is ``glm_moe_dsa_layers.py`` (GPU only).
 
 Facts of transformers' modeling code (``modeling_glm_moe_dsa.py``, 5.17 and 5.24) this relies on:
 
@@ -30,7 +30,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .errors import UnsupportedModelError
+from ..errors import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def mla_dsa_config_kwargs(mla: MlaDsa, rope_theta: float) -> dict[str, Any]:
         multi_latent_attention=True, q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
         qk_head_dim=mla.qk_nope_head_dim, qk_pos_emb_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
         kv_channels=mla.qk_head_dim,
-        qk_layernorm=True,  # the q / kv latent norms (built by local_dsa_spec with HF's fixed eps)
+        qk_layernorm=True,  # the q / kv latent norms (built by glm_moe_dsa_layers with HF's fixed eps)
         rope_type="rope", rotary_base=rope_theta, rotary_percent=1.0,
         rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0,  # softmax scale 1/sqrt(qk_head_dim), as HF
         experimental_attention_variant="dsa", dsa_indexer_n_heads=mla.index_n_heads,
