@@ -20,7 +20,7 @@
 #           streamed losses equal the resident ones and the resumed rollout's loss the uninterrupted one's
 #           (exit 1 on a mismatch). Each run's folders are removed after it, the model folder after its preset;
 #           glm5-2b's peak is its 22 GB of streamed state + 4 GB trainer offload + the 4 GB model folder, plus a
-#           26 GB checkpoint under ARCH_SAVE (default: /dev/shm/miles-arch when /dev/shm has 40 GB free, else $WORK)
+#           26 GB checkpoint under ARCH_SAVE (default: /dev/shm/miles-arch when /dev/shm has 50 GB free, else $WORK)
 # Usage: scripts/validate_megatron.sh train [PRESET...] | sleep | drain | resume | big | big-baselines | arch [PRESET...]
 #   WORK=<dir with ~40 GB free> (default /tmp/miles-megatron); SLEEP_ROLLOUTS (default 3);
 #   RESUME_TO: the rollout count the resumed run trains to (default 7: two more)
@@ -126,7 +126,7 @@ arch)
   [ ${#presets[@]} -gt 0 ] || presets=(glm5-2b qwen3.5-moe-1b)
   shm_free_gb=$(df -P -BG /dev/shm 2>/dev/null | awk 'NR == 2 {print $4 + 0}')
   if [ -n "${ARCH_SAVE:-}" ]; then save_root=$ARCH_SAVE
-  elif [ "${shm_free_gb:-0}" -ge 40 ]; then save_root=/dev/shm/miles-arch
+  elif [ "${shm_free_gb:-0}" -ge 50 ]; then save_root=/dev/shm/miles-arch  # 26 GB, and room left for Ray
   else save_root=$WORK; fi
   mkdir -p "$save_root"; echo "arch: checkpoints under $save_root"
   failed=0
