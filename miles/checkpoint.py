@@ -446,7 +446,10 @@ def load_model_weights(model, model_dir: str) -> int:
     offloader and the optimizer's views rely on). Returns the number of tensors loaded."""
     import torch
 
-    state = _read_model_state(model_dir)
+    if _is_transformers_model(model):
+        state = _read_transformers_model(model, model_dir)
+    else:
+        state = _read_model_state(model_dir)  # raw HF names (the Megatron trainer's view maps them)
     result = model.load_state_dict(state, strict=False)
     if result.unexpected_keys:
         raise CheckpointError(f"{model_dir} has weights the model does not: {result.unexpected_keys[:5]}")
@@ -458,6 +461,27 @@ def load_model_weights(model, model_dir: str) -> int:
             raise CheckpointError(f"{model_dir} lacks weights of the model: {untied[:5]}")
     del torch
     return len(state)
+
+
+def _is_transformers_model(model) -> bool:
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
+def _read_transformers_model(model, model_dir: str) -> dict:
+    """The folder as transformers loads it into ``model``'s class, as that model's state dict. Its checkpoint
+    conversions apply: transformers 5 keeps a MoE layer's experts fused (``experts.gate_up_proj``) and saves
+    them per expert (``experts.0.gate_proj.weight``), which the saved files' raw names would not match. Holds a
+    second copy of the model on the CPU while loading."""
+    loaded, info = type(model).from_pretrained(model_dir, config=model.config, dtype="auto", local_files_only=True,
+                                               output_loading_info=True)
+    if info.get("unexpected_keys"):
+        raise CheckpointError(f"{model_dir} has weights the model does not: {sorted(info['unexpected_keys'])[:5]}")
+    wrong = sorted(info.get("missing_keys") or []) + sorted(k for k, *_ in info.get("mismatched_keys") or [])
+    if wrong:
+        raise CheckpointError(f"{model_dir} lacks weights of the model, or holds them in other shapes: {wrong[:5]}")
+    return loaded.state_dict()
 
 
 def _read_model_state(model_dir: str) -> dict:

@@ -6,8 +6,13 @@
 
 import argparse
 import logging
+import os
+import sys
 
-from miles.models import RANDOM_MODEL_PRESETS, write_random_model
+# The repo's `miles`, from any cwd and without installing it (python puts only this script's folder on sys.path).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from miles.models import RANDOM_MODEL_PRESETS, write_random_model  # noqa: E402
 
 
 def main() -> None:

@@ -14,11 +14,18 @@
 #           with BIG_SAVE=<dir> (a checkpoint of the fp32 run is ~128 GB) also a save and a --load resume of one more;
 #           then 2 rollouts with a host tier smaller than the state (BIG_SPLIT_MB MiB, default 92160: ~13 GB in files)
 #   big-baselines  the same shape in `miles bench megatron`: resident Adam and Megatron's CPU offload, one step
-# Usage: scripts/validate_megatron.sh train [PRESET...] | sleep | drain | resume | big | big-baselines
+#   arch    GLM-5's and Qwen3.5's architectures (glm5-2b, qwen3.5-moe-1b; or the presets given), each: 3 rollouts
+#           streamed with a save, a --load resume of it to rollout 4, 4 rollouts uninterrupted, 3 resident (no
+#           store); prints loss, reward and the engine-vs-trainer log-prob |diff| per rollout, and checks the
+#           streamed losses equal the resident ones and the resumed rollout's loss the uninterrupted one's
+#           (exit 1 on a mismatch). Each run's folders are removed after it, the model folder after its preset;
+#           glm5-2b's peak is its 22 GB of streamed state + 4 GB trainer offload + the 4 GB model folder, plus a
+#           26 GB checkpoint under ARCH_SAVE (default: /dev/shm/miles-arch when /dev/shm has 50 GB free, else $WORK)
+# Usage: scripts/validate_megatron.sh train [PRESET...] | sleep | drain | resume | big | big-baselines | arch [PRESET...]
 #   WORK=<dir with ~40 GB free> (default /tmp/miles-megatron); SLEEP_ROLLOUTS (default 3);
 #   RESUME_TO: the rollout count the resumed run trains to (default 7: two more)
 set -euo pipefail
-phase=${1:?usage: $0 train [PRESET...] | sleep | drain | resume}
+phase=${1:?usage: $0 train [PRESET...] | sleep | drain | resume | big | big-baselines | arch [PRESET...]}
 shift
 WORK=${WORK:-/tmp/miles-megatron}
 mkdir -p "$WORK"
@@ -26,7 +33,7 @@ common=(--train-backend megatron --colocate --rollout-batch-size 8 --n-samples-p
         --rollout-max-response-len 16)
 
 model() {  # model <preset>: a random-init HF folder, written once
-  [ -d "$WORK/$1" ] || python scripts/make_random_model.py "$1" "$WORK/$1"
+  [ -d "$WORK/$1" ] || python "$(dirname "$0")/make_random_model.py" "$1" "$WORK/$1"
 }
 
 summary() {  # summary <metrics.jsonl>: one line per rollout
@@ -36,7 +43,8 @@ keys = ("rollout_id", "reward_mean", "loss", "optimizer_step_seconds", "sleep_se
         "offload_bytes", "device_used_gb_asleep", "stream_read_gb", "stream_written_gb", "step_seconds",
         "stream_exposed_io_seconds", "stream_sleep_wait_seconds", "stream_exposed_io_per_rollout_seconds",
         "stream_disk_read_gb", "stream_disk_written_gb", "stream_tier_fill_gb", "stream_ram_state_gb",
-        "stream_disk_state_gb", "optimizer_step_device_peak_gb", "host_rss_peak_gb")
+        "stream_disk_state_gb", "optimizer_step_device_peak_gb", "host_rss_peak_gb", "grad_norm",
+        "train_rollout_logprob_abs_diff")
 for line in open(sys.argv[1]):
     r = json.loads(line)
     print({k: (round(r[k], 4) if isinstance(r[k], float) else r[k]) for k in keys if k in r})
@@ -113,5 +121,46 @@ big-baselines)
   miles bench megatron --hidden 4096 --layers 42 --ffn 14336 --heads 32 --query-groups 8 --vocab 128 \
     --arms resident,cpu-offload --steps 1 --warmup 0 --dir "$WORK/bench-big" --arm-timeout 600 --json "$WORK/big-baselines.json"
   ;;
-*) echo "unknown phase $phase (train|sleep|drain|resume|big|big-baselines)" >&2; exit 2 ;;
+arch)
+  presets=("$@")
+  [ ${#presets[@]} -gt 0 ] || presets=(glm5-2b qwen3.5-moe-1b)
+  shm_free_gb=$(df -P -BG /dev/shm 2>/dev/null | awk 'NR == 2 {print $4 + 0}')
+  if [ -n "${ARCH_SAVE:-}" ]; then save_root=$ARCH_SAVE
+  elif [ "${shm_free_gb:-0}" -ge 50 ]; then save_root=/dev/shm/miles-arch  # 26 GB, and room left for Ray
+  else save_root=$WORK; fi
+  mkdir -p "$save_root"; echo "arch: checkpoints under $save_root"
+  failed=0
+  for m in "${presets[@]}"; do
+    model "$m"
+    base=("${common[@]}" --hf-checkpoint "$WORK/$m" --offload-train-target=disk)
+    stream=("${base[@]}" --stream-optimizer-state-to-disk)
+    run() {  # run <arm> <flags...>: one miles train into $WORK/arch-<model>-<arm>.jsonl, its folders removed after
+      local arm=$1; shift
+      miles train "$@" --offload-train-disk-dir "$WORK/disk-arch-$arm" --metrics-file "$WORK/arch-$m-$arm.jsonl"
+      rm -rf "$WORK/disk-arch-$arm"
+      echo "== $m $arm"; summary "$WORK/arch-$m-$arm.jsonl"
+    }
+    run streamed "${stream[@]}" --num-rollout 3 --save "$save_root/ckpt-$m"
+    run resumed "${stream[@]}" --num-rollout 4 --load "$save_root/ckpt-$m"
+    rm -rf "$save_root/ckpt-$m"
+    run uninterrupted "${stream[@]}" --num-rollout 4
+    run resident "${base[@]}" --num-rollout 3
+    [ -n "${KEEP_MODELS:-}" ] || rm -rf "${WORK:?}/$m"
+    python - "$WORK/arch-$m" "$m" <<'PY' || failed=1
+import json, sys
+prefix, name = sys.argv[1], sys.argv[2]
+loss = {arm: [json.loads(line)["loss"] for line in open(f"{prefix}-{arm}.jsonl")]
+        for arm in ("streamed", "resumed", "uninterrupted", "resident")}
+checks = {"streamed == resident (3 losses, exact)": loss["streamed"] == loss["resident"],
+          "uninterrupted's first 3 == streamed (exact)": loss["uninterrupted"][:3] == loss["streamed"],
+          "resumed rollout 4 == uninterrupted rollout 4 (exact)": loss["resumed"][-1:] == loss["uninterrupted"][3:]}
+for what, ok in checks.items():
+    print(f"{name}: {what}: {'OK' if ok else 'MISMATCH'}")
+print(f"{name}: losses {json.dumps(loss)}")
+sys.exit(0 if all(checks.values()) else 1)
+PY
+  done
+  exit $failed
+  ;;
+*) echo "unknown phase $phase (train|sleep|drain|resume|big|big-baselines|arch)" >&2; exit 2 ;;
 esac

@@ -102,3 +102,17 @@ def test_smollm2_conversion_cached_when_available():
         pytest.skip("SmolLM2 not converted yet (runs once on first `miles train`, ~1 min)")
     assert models.convert_smollm2(path) == target  # cached: returns without work
     assert os.path.isfile(os.path.join(target, "config.json"))
+
+
+def test_make_random_model_script_imports_the_repos_miles_from_any_cwd(tmp_path):
+    """`python scripts/make_random_model.py` from another folder, miles not installed: `python -S` leaves out
+    site-packages (where an installed or editable miles would come from), so only the script's own sys.path
+    entry can find the repo's package. Without it: "No module named 'miles'"."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "make_random_model.py")
+    done = subprocess.run([sys.executable, "-S", os.path.abspath(script), "--help"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "glm5-tiny" in done.stdout and "qwen3.5-moe-1b" in done.stdout
