@@ -131,3 +131,6 @@ def test_the_model_is_built_for_the_layout():
     single = transformer_config_from_hf(config, params_dtype=torch.bfloat16)
     assert (single["tensor_model_parallel_size"], single["pipeline_model_parallel_size"]) == (1, 1)
     assert "pipeline_dtype" not in single
+    # megatron-core 0.19 refuses variable_seq_lengths with its default allgather dispatcher, dense model or not
+    dense = transformer_config_from_hf(tiny("llama")[0], params_dtype=torch.float32, layout=ParallelLayout(world=2, pp=2))
+    assert dense["variable_seq_lengths"] is True and dense["moe_token_dispatcher_type"] == "alltoall"

@@ -75,6 +75,9 @@ def transformer_config_from_hf(hf_config: Any, *, params_dtype: torch.dtype, exp
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        # MoE layers route with all-to-all; set for dense models too: megatron-core refuses the pipeline's
+        # variable_seq_lengths with its default (allgather) dispatcher whether or not the model has experts
+        moe_token_dispatcher_type="alltoall",
     )
     if arch.num_experts is not None:
         kwargs.update(_moe_kwargs(arch, expert_model_parallel_size))
@@ -127,7 +130,6 @@ def _moe_kwargs(arch, expert_model_parallel_size: int) -> dict[str, Any]:
         # HF's forward adds no load-balancing loss unless output_router_logits; RL follows the policy's loss.
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=False,  # SequentialMLP: one module per expert (convert.py's layout)
         expert_model_parallel_size=expert_model_parallel_size,
     )
