@@ -4,7 +4,8 @@
 :func:`build_gpt_model` imports megatron-core and builds the model. The layer spec is Transformer
 Engine's when ``transformer_engine`` imports, else the local spec (torch RMSNorm) with torch's fused
 scaled_dot_product_attention in place of its unfused attention;
-``uses_te_spec`` says which, because the weight layout of the norms differs (see ``convert.py``).
+``uses_te_spec`` says which, because the weight layout of the norms differs (see ``convert.py``). Under
+sequence parallelism the local spec's norms are ``sequence_parallel_norm``'s (megatron's torch norm refuses it).
 Qwen3.5-MoE always gets its own spec (``families/qwen3_5_moe_layers.py``), never TE's; GLM-5 (multi-latent
 attention + DSA) always gets ``local_dsa_spec``'s spec (no Transformer Engine).
 """
@@ -23,6 +24,7 @@ from .architecture import UnsupportedModelError, describe
 from .families import qwen3_5_moe
 from .glm_moe_dsa import log_left_out_mtp, mla_dsa_config_kwargs
 from .sdpa_attention import SDPACoreAttention, with_core_attention
+from .sequence_parallel_norm import SequenceParallelRMSNorm, with_norm
 from .tp_shards import padded_vocab_size
 
 __all__ = ["transformer_config_from_hf", "gpt_model_kwargs", "te_available", "build_gpt_model",
@@ -202,4 +204,8 @@ def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype, expert_model_p
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
         if not use_te and fused_attention:
             spec = with_core_attention(spec, SDPACoreAttention)
+        if not use_te and sequence_parallel:  # megatron's torch norm (no apex) refuses sequence parallelism
+            from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+            spec = with_norm(spec, WrappedTorchNorm, SequenceParallelRMSNorm)
     return GPTModel(config, spec, **stage), config, use_te
