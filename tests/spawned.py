@@ -75,11 +75,10 @@ def collect(procs, results, timeout: float, grace: float = 20.0) -> list:
             try:
                 message = results.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                stages = "; ".join(f"{who}: {stage}" for who, stage in sorted(last.values())) or "none reported"
                 errors = "\n".join(r["error"] for r in got if "error" in r)
                 raise AssertionError(
                     f"{len(procs) - len(got)} of {len(procs)} children did not finish (limit {2 * timeout:.0f} s, "
-                    f"{grace:.0f} s after a failure). Last stage of each child: {stages}\n{errors}\n"
+                    f"{grace:.0f} s after a failure). Last stage of each child: {_stages(last)}\n{errors}\n"
                     f"{_stacks(procs)}") from None
             if _STAGE in message:
                 last[message["pid"]] = (message["who"], message[_STAGE])
@@ -97,5 +96,9 @@ def collect(procs, results, timeout: float, grace: float = 20.0) -> list:
             except OSError:
                 pass
     errors = [r["error"] for r in got if "error" in r]
-    assert not errors, "\n".join(errors)
+    assert not errors, f"Last stage of each child: {_stages(last)}\n" + "\n".join(errors)
     return got
+
+
+def _stages(last: dict) -> str:
+    return "; ".join(f"{who}: {stage}" for who, stage in sorted(last.values())) or "none reported"
