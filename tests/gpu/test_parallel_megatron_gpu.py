@@ -9,7 +9,8 @@ megatron-core). Two cases:
   grads), this backend's vocab-parallel log-probs by all-reduce and its weight gather by broadcast; what gloo
   may lack is the distributed optimizer's reduce-scatter / all-gather over the data-parallel group (size 1
   here). EXPECTED: passes, or fails inside megatron's DDP/optimizer naming a gloo collective (then only the
-  two-GPU case can show TP on this host class). The test prints each rank's stage of progress.
+  two-GPU case can show TP on this host class). Each rank prints its stage as it starts it (flushed); a run that
+  stops fails after 2 x TIMEOUT naming each rank's last stage, with its Python stacks (tests/spawned.py).
 - ``two_gpus`` (needs 2 GPUs; NCCL): the same checks, for TP=2 and for PP=2 (Megatron's 1F1B schedule
   sends activations between the stages point to point, which gloo cannot do with CUDA tensors: PP has no
   one-GPU case).
@@ -20,15 +21,18 @@ handoff (export_weights: TP gather part by part) are the HF tensors, within bf16
 """
 
 import dataclasses
+import functools
 import multiprocessing as mp
 import os
 import socket
 import sys
-import traceback
 from types import SimpleNamespace
 
 import pytest
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from spawned import collect, progress, start  # noqa: E402
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA (megatron-core has no CPU path)", allow_module_level=True)
@@ -38,7 +42,9 @@ REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 ROLLOUTS = 3
 LOSS_TOL = 0.05  # bf16: TP changes the reduction order of every matmul
 WEIGHT_TOL = 0.05
-TIMEOUT = 600
+# per run (TP1, then the parallel layout resident, then streamed): 2 x TIMEOUT in all, then the run fails naming
+# each rank's last stage with its stacks; a tiny llama's 3 rollouts take ~15 s on a CPU (megatron's import most)
+TIMEOUT = 150
 
 
 def _port() -> int:
@@ -77,55 +83,43 @@ def _rollout(step: int):
 
 
 def _rank(rank: int, sizes: tuple[int, int], port: int, backend: str, gpu: int, root: str, stream: bool,
-          results) -> None:
-    """One rank: join the world, build the trainer, train ROLLOUTS rollouts, export the weights."""
+          results) -> dict:
+    """One rank: join the world, build the trainer, train ROLLOUTS rollouts, export the weights; each stage
+    printed (flushed) and reported to the parent as it starts."""
     tp, pp = sizes
     world = tp * pp
-    stage = "start"
-    try:
-        sys.path.insert(0, REPO)
-        from miles.backends.megatron_backend.trainer import MegatronTrainer
+    stage = functools.partial(progress, results, f"tp{tp} pp{pp} {'streamed' if stream else 'resident'} rank {rank}")
+    stage("import")
+    sys.path.insert(0, REPO)
+    from miles.backends.megatron_backend.trainer import MegatronTrainer
 
-        torch.cuda.set_device(gpu)
-        torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                             world_size=world)
-        config = _config(os.path.join(root, f"{'streamed' if stream else 'resident'}-tp{tp}-pp{pp}"), tp, pp, stream)
-        trainer = MegatronTrainer(config, rank=rank, world_size=world, rank_dir=config.paths.rank_dir(0, rank))
-        stage = "init"
-        trainer.init(f"127.0.0.1:{port}")
-        losses = []
-        for step in range(ROLLOUTS):
-            stage = f"train {step}"
-            losses.append(trainer.train(step, *_rollout(step))["loss"])
-        stage = "export"
-        weights = {k: v.float().tolist() for k, v in trainer.export_weights().items()} if rank == 0 else None
-        if rank != 0:
-            trainer.export_weights()  # a collective: every TP and PP rank takes part
-        stage = "shutdown"
-        trainer.shutdown()
-        results.put({"rank": rank, "losses": losses, "weights": weights})
-    except BaseException:
-        results.put({"rank": rank, "error": f"rank {rank} failed at {stage}:\n{traceback.format_exc()}"})
+    stage(f"join the {backend} world on cuda:{gpu}")
+    torch.cuda.set_device(gpu)
+    torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    config = _config(os.path.join(root, f"{'streamed' if stream else 'resident'}-tp{tp}-pp{pp}"), tp, pp, stream)
+    trainer = MegatronTrainer(config, rank=rank, world_size=world, rank_dir=config.paths.rank_dir(0, rank))
+    stage("init (model parallel groups, build, load, DDP, optimizer)")
+    trainer.init(f"127.0.0.1:{port}")
+    losses = []
+    for step in range(ROLLOUTS):
+        stage(f"train rollout {step}")
+        losses.append(trainer.train(step, *_rollout(step))["loss"])
+    stage("export (a collective: every TP and PP rank takes part)")
+    exported = trainer.export_weights()
+    weights = {k: v.float().tolist() for k, v in exported.items()} if rank == 0 else None
+    stage("shutdown")
+    trainer.shutdown()
+    stage("done")
+    return {"rank": rank, "losses": losses, "weights": weights}
 
 
 def _run(sizes: tuple[int, int], backend: str, gpus: list[int], root: str, stream: bool) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _port()
-    procs = [ctx.Process(target=_rank, args=(r, sizes, port, backend, gpus[r], root, stream, results))
-             for r in range(sizes[0] * sizes[1])]
-    for p in procs:
-        p.start()
-    try:
-        got = [results.get(timeout=TIMEOUT) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-    errors = [g["error"] for g in got if "error" in g]
-    assert not errors, "\n".join(errors)
-    return {g["rank"]: g for g in got}
+    procs = start(ctx, results, *[(_rank, (r, sizes, port, backend, gpus[r], root, stream, results))
+                                  for r in range(sizes[0] * sizes[1])])
+    return {g["rank"]: g for g in collect(procs, results, TIMEOUT)}
 
 
 def _max_diff(a: dict, b: dict) -> float:

@@ -131,3 +131,17 @@ def test_the_model_is_built_for_the_layout():
     single = transformer_config_from_hf(config, params_dtype=torch.bfloat16)
     assert (single["tensor_model_parallel_size"], single["pipeline_model_parallel_size"]) == (1, 1)
     assert "pipeline_dtype" not in single
+    # megatron-core 0.19 refuses variable_seq_lengths with its default allgather dispatcher, dense model or not
+    dense = transformer_config_from_hf(tiny("llama")[0], params_dtype=torch.float32, layout=ParallelLayout(world=2, pp=2))
+    assert dense["variable_seq_lengths"] is True and dense["moe_token_dispatcher_type"] == "alltoall"
+
+
+def test_sequence_parallel_padding_reaches_a_multiple_of_tp_and_keeps_the_tokens():
+    from miles.backends.megatron_backend.model_parallel import pad_sequence
+
+    ids, pos = torch.arange(2 * 13).view(2, 13) + 1, torch.arange(13).expand(2, 13)
+    for tp, length in ((2, 14), (4, 16), (13, 13)):
+        padded_ids, padded_pos = pad_sequence(ids, pos, tp)
+        assert padded_ids.shape == padded_pos.shape == (2, length)
+        assert torch.equal(padded_ids[:, :13], ids) and torch.equal(padded_pos[:, :13], pos)
+        assert not padded_ids[:, 13:].any() and not padded_pos[:, 13:].any()

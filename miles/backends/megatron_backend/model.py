@@ -4,7 +4,8 @@
 :func:`build_gpt_model` imports megatron-core and builds the model. The layer spec is Transformer
 Engine's when ``transformer_engine`` imports, else the local spec (torch RMSNorm) with torch's fused
 scaled_dot_product_attention in place of its unfused attention;
-``uses_te_spec`` says which, because the weight layout of the norms differs (see ``convert.py``).
+``uses_te_spec`` says which, because the weight layout of the norms differs (see ``convert.py``). Under
+sequence parallelism the local spec's norms are ``sequence_parallel_norm``'s (megatron's torch norm refuses it).
 Qwen3.5-MoE always gets its own spec (``families/qwen3_5_moe_layers.py``), never TE's; GLM-5 (multi-latent
 attention + DSA) always gets ``families/glm_moe_dsa_layers.py``'s spec (no Transformer Engine).
 """
@@ -23,6 +24,7 @@ from .architecture import UnsupportedModelError, describe
 from .families import qwen3_5_moe
 from .families.glm_moe_dsa import log_left_out_mtp, mla_dsa_config_kwargs
 from .sdpa_attention import SDPACoreAttention, with_core_attention
+from .sequence_parallel_norm import SequenceParallelRMSNorm, with_norm
 from .tp_shards import padded_vocab_size
 
 __all__ = ["transformer_config_from_hf", "gpt_model_kwargs", "te_available", "build_gpt_model",
@@ -75,6 +77,9 @@ def transformer_config_from_hf(hf_config: Any, *, params_dtype: torch.dtype, exp
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        # MoE layers route with all-to-all; set for dense models too: megatron-core refuses the pipeline's
+        # variable_seq_lengths with its default (allgather) dispatcher whether or not the model has experts
+        moe_token_dispatcher_type="alltoall",
     )
     if arch.num_experts is not None:
         kwargs.update(_moe_kwargs(arch, expert_model_parallel_size))
@@ -127,7 +132,6 @@ def _moe_kwargs(arch, expert_model_parallel_size: int) -> dict[str, Any]:
         # HF's forward adds no load-balancing loss unless output_router_logits; RL follows the policy's loss.
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=False,  # SequentialMLP: one module per expert (convert.py's layout)
         expert_model_parallel_size=expert_model_parallel_size,
     )
@@ -200,4 +204,8 @@ def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype, expert_model_p
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
         if not use_te and fused_attention:
             spec = with_core_attention(spec, SDPACoreAttention)
+        if not use_te and sequence_parallel:  # megatron's torch norm (no apex) refuses sequence parallelism
+            from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+            spec = with_norm(spec, WrappedTorchNorm, SequenceParallelRMSNorm)
     return GPTModel(config, spec, **stage), config, use_te

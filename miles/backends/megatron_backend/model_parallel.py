@@ -30,7 +30,7 @@ from .parallel_export import PipelineShare, TensorParallelGather, iter_model_hf,
 from .tp_shards import padded_vocab_size, pp_stage, tp_shard
 from .vocab_parallel import vocab_parallel_logprobs
 
-__all__ = ["ModelParallelRank", "initialize", "broadcast_gather", "broadcast_share"]
+__all__ = ["ModelParallelRank", "initialize", "broadcast_gather", "broadcast_share", "pad_sequence"]
 
 
 def initialize(layout: ParallelLayout) -> None:
@@ -41,6 +41,17 @@ def initialize(layout: ParallelLayout) -> None:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
             expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
+
+
+def pad_sequence(input_ids: torch.Tensor, position_ids: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, L]`` token and position ids right-padded (with 0) to a length that divides by ``multiple``: what
+    sequence parallelism needs (the embedding's output is reduce-scattered over TP along the sequence).
+    Causal attention: the padding changes no earlier position; the caller cuts the outputs back to ``L``."""
+    pad = (-input_ids.shape[1]) % multiple
+    if not pad:
+        return input_ids, position_ids
+    return (torch.nn.functional.pad(input_ids, (0, pad), value=0),
+            torch.nn.functional.pad(position_ids, (0, pad), value=0))
 
 
 def broadcast_gather(group, group_ranks: list[int]) -> TensorParallelGather:

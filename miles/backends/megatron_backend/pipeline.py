@@ -22,16 +22,17 @@ import torch.distributed as dist
 
 from miles.rl.loss import micro_batch_inputs, policy_gradient_loss, token_logprobs
 
-from .model_parallel import ModelParallelRank
+from .model_parallel import ModelParallelRank, pad_sequence
 
 __all__ = ["pipeline_policy_gradient"]
 
 
 def pipeline_policy_gradient(ddp, parallel: ModelParallelRank, samples: Sequence[Any], advantages: Sequence[float],
-                             *, pad_id: int, micro_batches: Sequence[Sequence[int]], device: Any, eps_clip: float,
-                             temperature: float, num_tokens: float) -> list[float]:
+                             *, sequence_parallel: bool, pad_id: int, micro_batches: Sequence[Sequence[int]],
+                             device: Any, eps_clip: float, temperature: float, num_tokens: float) -> list[float]:
     """:func:`~miles.rl.loss.accumulate_policy_gradient` through the pipeline schedule (module doc): grads
-    accumulate in ``ddp``; returns the sums ``[loss, clipped tokens, |train - rollout log-prob|]``."""
+    accumulate in ``ddp``; returns the sums ``[loss, clipped tokens, |train - rollout log-prob|]``. Under
+    sequence parallelism each micro-batch runs right-padded to a multiple of TP (model_parallel.pad_sequence)."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -41,6 +42,7 @@ def pipeline_policy_gradient(ddp, parallel: ModelParallelRank, samples: Sequence
 
     def loss_of(batch: dict[str, torch.Tensor], logits: torch.Tensor):
         ids = batch["input_ids"]
+        logits = logits[:, :ids.shape[1]]  # without the sequence-parallel padding
         if parallel.layout.tp > 1:
             logp = parallel.logprobs(logits[:, :-1], ids[:, 1:], temperature)
         else:
@@ -53,13 +55,19 @@ def pipeline_policy_gradient(ddp, parallel: ModelParallelRank, samples: Sequence
                                    ((logp.detach() - batch["rollout_logprobs"]).abs() * mask).sum().double()]))
         return loss * len(batches), {}
 
+    def model_inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        position_ids = (batch["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
+        if sequence_parallel:
+            return pad_sequence(batch["input_ids"], position_ids, parallel.layout.tp)
+        return batch["input_ids"], position_ids
+
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        position_ids = (batch["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
-        return model(batch["input_ids"], position_ids, None), functools.partial(loss_of, batch)
+        return model(*model_inputs(batch), None), functools.partial(loss_of, batch)
 
     get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
-                                num_microbatches=len(batches), seq_length=max(b["input_ids"].shape[1] for b in batches),
+                                num_microbatches=len(batches),
+                                seq_length=max(model_inputs(b)[0].shape[1] for b in batches),
                                 micro_batch_size=max(b["input_ids"].shape[0] for b in batches), forward_only=False)
     dist.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())
     return [float(v) for v in sums.cpu()]

@@ -34,7 +34,7 @@ from .expert_gather import gather_layer_experts
 from .grad_buffers import GradBuffers
 from .logprobs import LogprobRequest, output_logprobs
 from .model import build_gpt_model, native_fp32_param_names
-from .model_parallel import ModelParallelRank, initialize
+from .model_parallel import ModelParallelRank, initialize, pad_sequence
 from .router_bias import clear_router_token_counts, keep_routers_fp32, routers_to_fp32, step_router_expert_bias
 
 logger = logging.getLogger(__name__)
@@ -215,11 +215,9 @@ class MegatronTrainer(TrainBackend):
     def _tp_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """The vocab-parallel logits of ``input_ids``; with sequence parallelism the sequence is right-padded to
         a multiple of TP (causal: the padding changes no earlier position) and cut back."""
-        length, tp = input_ids.shape[1], self.parallel.layout.tp
-        pad = (-length) % tp if self.config.training.sequence_parallel else 0
-        if pad:
-            input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=0)
-            position_ids = torch.nn.functional.pad(position_ids, (0, pad), value=0)
+        length = input_ids.shape[1]
+        if self.config.training.sequence_parallel:
+            input_ids, position_ids = pad_sequence(input_ids, position_ids, self.parallel.layout.tp)
         return self.ddp(input_ids, position_ids, None)[:, :length]
 
     def zero_grads(self) -> None:
@@ -233,7 +231,8 @@ class MegatronTrainer(TrainBackend):
             return super().policy_gradient(samples, advantages, **loss)
         from .pipeline import pipeline_policy_gradient
 
-        return pipeline_policy_gradient(self.ddp, self.parallel, samples, advantages, **loss)
+        return pipeline_policy_gradient(self.ddp, self.parallel, samples, advantages,
+                                        sequence_parallel=self.config.training.sequence_parallel, **loss)
 
     def finish_backward(self) -> None:
         if self.parallel.sharded:  # + sequence-parallel norm grads over TP, tied embedding grads over PP

@@ -29,10 +29,10 @@ __all__ = ["vocab_parallel_logprobs"]
 def _masked(logits: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
     """fp32 logits with the padding ids (global id >= vocab_size) at -inf."""
     logits = logits.float()
-    padding = vocab_start + logits.shape[-1] - vocab_size
-    if padding > 0:
+    first_padding = max(0, vocab_size - vocab_start)  # local index; a slice can be padding through and through
+    if first_padding < logits.shape[-1]:
         logits = logits.clone()
-        logits[..., logits.shape[-1] - padding:] = float("-inf")
+        logits[..., first_padding:] = float("-inf")
     return logits
 
 
