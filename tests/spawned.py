@@ -4,7 +4,8 @@ on one queue; the test collects them all and fails with every child's traceback.
 A child may also report its progress (:func:`progress`: printed at once, flushed, and sent to the parent), so
 a run that stops shows where each child was: when a child fails, the others get ``grace`` seconds to finish
 (a peer waiting in a collective never will), and when the time is up :func:`collect` fails naming each
-unfinished child's last stage, with its Python stacks (every child dumps them on SIGUSR1, faulthandler).
+unfinished child's last stage, with its Python stacks (every child dumps them on SIGUSR1, faulthandler). A child
+that dies without a result (a segfault, a kill) fails the run at once, with the stack faulthandler wrote as it died.
 """
 
 import faulthandler
@@ -26,6 +27,7 @@ def report(target, results, *args):
     """The body of a child: ``target(*args)``'s result on ``results``, or ``{"error": traceback}``."""
     stacks = open(_stack_file(os.getpid()), "w")  # noqa: SIM115 - open for faulthandler while the child lives
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    faulthandler.enable(file=stacks, all_threads=True)  # SIGSEGV / SIGABRT: the stack lands in the same file
     try:
         results.put(target(*args))
     except BaseException:
@@ -47,16 +49,19 @@ def start(ctx, results, *targets_and_args):
 
 
 def _stacks(procs) -> str:
-    """The Python stacks of the children still alive (SIGUSR1: faulthandler writes them to their file)."""
+    """The Python stacks of the children still alive (SIGUSR1: faulthandler writes them to their file) and of
+    those that died (what faulthandler wrote as they did)."""
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         os.kill(p.pid, signal.SIGUSR1)
-    time.sleep(2)
+    if alive:
+        time.sleep(2)
     out = []
-    for p in alive:
+    for p in procs:
         try:
             with open(_stack_file(p.pid)) as f:
-                out.append(f"--- stacks of pid {p.pid}:\n{f.read().strip() or '(none written)'}")
+                state = "alive" if p.exitcode is None else f"exit code {p.exitcode}"
+                out.append(f"--- stacks of pid {p.pid} ({state}):\n{f.read().strip() or '(none written)'}")
         except OSError as e:
             out.append(f"--- stacks of pid {p.pid}: not readable ({e})")
     return "\n".join(out)
@@ -73,13 +78,19 @@ def collect(procs, results, timeout: float, grace: float = 20.0) -> list:
             if any("error" in r for r in got):
                 deadline = min(deadline, time.monotonic() + grace)
             try:
-                message = results.get(timeout=max(0.0, deadline - time.monotonic()))
+                message = results.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
             except queue.Empty:
+                # a child that exited non-zero put no result: its peers would wait in a collective forever
+                crashed = [p for p in procs if p.exitcode not in (None, 0)]
+                if not crashed and time.monotonic() < deadline:
+                    continue
                 errors = "\n".join(r["error"] for r in got if "error" in r)
-                raise AssertionError(
-                    f"{len(procs) - len(got)} of {len(procs)} children did not finish (limit {2 * timeout:.0f} s, "
-                    f"{grace:.0f} s after a failure). Last stage of each child: {_stages(last)}\n{errors}\n"
-                    f"{_stacks(procs)}") from None
+                why = (f"{len(crashed)} child(ren) died without a result (exit codes "
+                       f"{[p.exitcode for p in crashed]})" if crashed else
+                       f"{len(procs) - len(got)} of {len(procs)} children did not finish (limit {2 * timeout:.0f} s, "
+                       f"{grace:.0f} s after a failure)")
+                raise AssertionError(f"{why}. Last stage of each child: {_stages(last)}\n{errors}\n"
+                                     f"{_stacks(procs)}") from None
             if _STAGE in message:
                 last[message["pid"]] = (message["who"], message[_STAGE])
             else:

@@ -71,6 +71,15 @@ def resolve_backend(spec: str) -> type["TrainBackend"]:
     return cls
 
 
+def use_deterministic_algorithms() -> None:
+    """``--deterministic-mode``: torch's deterministic algorithms in this process, warning (not failing) on an
+    op that has none; cuBLAS needs its fixed workspace before the first matmul creates its handle."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    logger.info("deterministic mode: torch's deterministic algorithms on (CUBLAS_WORKSPACE_CONFIG=%s)",
+                os.environ["CUBLAS_WORKSPACE_CONFIG"])
+
+
 def offload_stats(stats) -> dict[str, Any]:
     """An :class:`~miles.offload.OffloadStats` as the plain dict sleep/wake return."""
     return {"action": stats.action, "target": stats.target, "skipped": stats.skipped, "storages": stats.storages,
@@ -168,6 +177,8 @@ class TrainBackend(abc.ABC):
         and optimizer, bind the store, make the offloader; returns :meth:`info`."""
         config = self.config
         self.check_config()
+        if config.training.deterministic_mode:
+            use_deterministic_algorithms()
         torch.set_num_threads(config.cluster.num_cpus_per_rank)
         process_group_backend = self.join_process_group(rendezvous)
         self.claim_rank_dir()

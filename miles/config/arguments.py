@@ -280,6 +280,12 @@ class TrainingConfig:
         "leaving weights and optimizer state untouched, when its grads are not finite or the rollout engine "
         "returned samples that cannot be trained on (a log-prob that is NaN, infinite or > 0, a token id "
         "outside the vocabulary); the rollout line and metrics record say which.", metavar="N", at_least=1)
+    deterministic_mode: bool = knob(
+        False, "Megatron's flag: the train ranks run torch's deterministic algorithms (and CUBLAS_WORKSPACE_CONFIG "
+        ":4096:8 unless set), so a step does not depend on the order of atomic adds. Megatron's MoE layer then "
+        "sums each token's expert outputs with index_add instead of scatter_add, whose order changes the last "
+        "bits from run to run once a token has more than 2 experts. Slower in those ops; needed to compare runs "
+        "bit for bit (streamed vs resident, a resume vs an uninterrupted run) on MoE models with top-k > 2.")
     seed: int = knob(1234, "Seed of model initialization (tiny model) and training.")
     eps_clip: float = knob(0.2, "PPO-style clip range of the importance ratio against the rollout log-probs.",
                            at_least=0)

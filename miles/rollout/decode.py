@@ -32,7 +32,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 __all__ = ["decode", "sample_next", "left_pad", "DynamicCacheDecoder", "StaticCacheDecoder", "StaticDecoderPool",
-           "cache_keyword", "supports_static_cache", "use_packed_gqa_attention", "CUDA_CHECK_EVERY", "CACHE_LEN_STEP"]
+           "cache_keyword", "cache_bytes", "supports_static_cache", "use_packed_gqa_attention", "CUDA_CHECK_EVERY", "CACHE_LEN_STEP"]
 
 CUDA_CHECK_EVERY = 16     # tokens between all-finished checks on CUDA (each one is a host sync)
 CACHE_LEN_STEP = 128      # static cache lengths are rounded up to this (fewer shapes, fewer graphs)
@@ -145,6 +145,30 @@ def _cache_of(output) -> object:
     return output["cache"] if "cache" in output.keys() else output["past_key_values"]
 
 
+def cache_bytes(cache: object, _depth: int = 0, _seen: Optional[set] = None) -> int:
+    """Bytes of the tensors a transformers cache holds, each storage counted once: keys and values of
+    attention layers, MLA latents, an indexer's keys, the conv and recurrent states of linear-attention
+    layers, whatever the model's cache class keeps (found by walking its attributes and containers)."""
+    seen = set() if _seen is None else _seen
+    if isinstance(cache, torch.Tensor):
+        key = (cache.device, cache.untyped_storage().data_ptr())
+        if key in seen:
+            return 0
+        seen.add(key)
+        return cache.untyped_storage().nbytes()
+    if _depth > 4 or cache is None or isinstance(cache, (str, bytes, int, float, bool, torch.nn.Module)):
+        return 0
+    if isinstance(cache, dict):
+        children = cache.values()
+    elif isinstance(cache, (list, tuple)):
+        children = cache
+    elif hasattr(cache, "__dict__"):
+        children = vars(cache).values()
+    else:
+        return 0
+    return sum(cache_bytes(child, _depth + 1, seen) for child in children)
+
+
 class DynamicCacheDecoder:
     """Steps with transformers' default (growing) cache: one per generate call."""
 
@@ -177,6 +201,10 @@ class DynamicCacheDecoder:
                          position_ids=self._position, use_cache=True, **{self._cache_kw: self._cache})
         self._cache = _cache_of(out)
         return out.logits[:, -1, :].float()
+
+    def cache_bytes(self) -> int:
+        """What the cache holds now (at the end of a call: the most this call's cache held)."""
+        return cache_bytes(self._cache)
 
 
 PACKED_GQA_SDPA = "miles_packed_gqa_sdpa"

@@ -132,6 +132,7 @@ class EmbeddedRolloutEngine:
         if self.static_cache:
             decode.use_packed_gqa_attention(self.model)
         self._static = decode.StaticDecoderPool(self.model, self.cuda_graphs)
+        self._dynamic_kv_bytes = 0  # the largest dynamic cache a generate call built since the last release
         self._check_every = 1 if self.device.type == "cpu" else decode.CUDA_CHECK_EVERY
         self._state = EngineState(engine_id)  # released tags, the open weight update, a generate running
         self._groups: dict[str, _Group] = {}
@@ -236,6 +237,8 @@ class EmbeddedRolloutEngine:
         tokens, logprobs = decode.decode(
             decoder, input_ids, valid, max_new_tokens=sp.max_new_tokens, temperature=sp.temperature,
             top_p=sp.top_p, stop_ids=stop, pad_id=self.pad_token_id, generator=gen, check_every=self._check_every)
+        if not self.static_cache:  # freed when this call returns: the largest is what the next generate needs
+            self._dynamic_kv_bytes = max(self._dynamic_kv_bytes, decoder.cache_bytes())
         stop_set = set(stop)
         results = []
         for row_tokens, row_logprobs in zip(tokens.tolist(), logprobs.tolist()):
@@ -393,12 +396,19 @@ class EmbeddedRolloutEngine:
     # ---------------------------------------------------------------------------------- memory
 
     def release_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> dict:
-        """See :meth:`miles.rollout.contract.RolloutEngine.release_memory_occupation`."""
+        """See :meth:`miles.rollout.contract.RolloutEngine.release_memory_occupation`. ``"kv_cache"``: the
+        static caches freed now or, with dynamic caches (each freed as its generate call returns), the largest
+        one a call built since the last release: what the sleep plan leaves room for."""
         tags = check_memory_tags(tags)
         self._state.check_release(tags)
         freed = {}
         if KV_CACHE in tags:
-            freed[KV_CACHE] = 0 if KV_CACHE in self._state.released else self._static.clear()
+            if KV_CACHE in self._state.released:
+                freed[KV_CACHE] = 0
+            elif self.static_cache:
+                freed[KV_CACHE] = self._static.clear()
+            else:  # each generate call freed its dynamic cache as it returned: the largest since the last release
+                freed[KV_CACHE], self._dynamic_kv_bytes = self._dynamic_kv_bytes, 0
             self._state.released.add(KV_CACHE)
         if WEIGHTS in tags:
             self._drop_shared()  # a trainer read them back already (share_weights' contract)

@@ -59,11 +59,12 @@ def _perturbed(model):
     return model
 
 
-def _tiny_hf(index_topk: int):
-    spec = {k: v for k, v in RANDOM_MODEL_PRESETS["glm5-tiny"].items() if k != "model_type"}
+def _tiny_hf(index_topk: int, preset: str = "glm5-tiny"):
+    spec = {k: v for k, v in RANDOM_MODEL_PRESETS[preset].items() if k != "model_type"}
     config = transformers.GlmMoeDsaConfig(**{**spec, "vocab_size": 256, "index_topk": index_topk,
                                              "max_position_embeddings": 256})
-    assert config.indexer_types == ["full", "full", "shared"] and config.mlp_layer_types[0] == "dense"
+    assert config.mlp_layer_types[0] == "dense"
+    assert preset != "glm5-tiny" or config.indexer_types == ["full", "full", "shared"]
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     return _perturbed(model).cuda().eval()
@@ -73,9 +74,12 @@ def _grad_norm(params) -> float:
     return math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in params if p.grad is not None))
 
 
-@pytest.mark.parametrize("index_topk", [128, 64], ids=["dense-topk", "sparse-topk"])
-def test_megatron_matches_transformers_in_fp32(megatron_world, index_topk):
-    hf_model = _tiny_hf(index_topk)
+@pytest.mark.parametrize("preset,index_topk", [("glm5-tiny", 128), ("glm5-tiny", 64), ("glm5-2b", 2048)],
+                         ids=["dense-topk", "sparse-topk", "glm5-2b-shape"])
+def test_megatron_matches_transformers_in_fp32(megatron_world, preset, index_topk):
+    """At the tiny preset's shape (dense and sparse top-k) and at the 1.86B preset's (the shape `miles train`
+    runs in scripts/validate_megatron.sh arch: 16 heads, 24 experts, top-4, LoRA ranks 768/256)."""
+    hf_model = _tiny_hf(index_topk, preset)
     gpt, _, uses_te = build_gpt_model(hf_model.config, params_dtype=torch.float32)
     gpt.cuda().eval()
     assert not uses_te
@@ -97,7 +101,7 @@ def test_megatron_matches_transformers_in_fp32(megatron_world, index_topk):
     (-ours.mean()).backward()
     (-theirs.mean()).backward()
     ours_norm, theirs_norm = _grad_norm(gpt.parameters()), _grad_norm(hf_model.parameters())
-    print(f"\nglm_moe_dsa index_topk={index_topk}, fp32: max |logprob diff| {diff.max().item():.2e} "
+    print(f"\nglm_moe_dsa {preset} index_topk={index_topk}, fp32: max |logprob diff| {diff.max().item():.2e} "
           f"(mean {diff.mean().item():.2e}); grad norm megatron {ours_norm:.6f} transformers {theirs_norm:.6f}")
     assert diff.max().item() < FP32_LOGPROB_TOL
     assert abs(ours_norm - theirs_norm) <= GRAD_NORM_RTOL * theirs_norm

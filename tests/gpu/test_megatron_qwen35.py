@@ -57,8 +57,8 @@ GRAD_NORM_RTOL = 0.01
 VOCAB, BATCH, SEQ = 128, 8, 128
 
 
-def _tiny_hf() -> torch.nn.Module:
-    spec = dict(RANDOM_MODEL_PRESETS["qwen3.5-moe-tiny"])
+def _tiny_hf(preset: str = "qwen3.5-moe-tiny") -> torch.nn.Module:
+    spec = dict(RANDOM_MODEL_PRESETS[preset])
     config = transformers.AutoConfig.for_model(spec.pop("model_type"), vocab_size=VOCAB, max_position_embeddings=256,
                                                **spec)
     torch.manual_seed(0)
@@ -105,8 +105,11 @@ def _logprobs(hf_model, gpt, tokens, positions):
     return ours, theirs
 
 
-def test_forward_agrees_with_transformers_in_fp32_and_bf16(megatron_world):
-    hf_model = _tiny_hf()
+@pytest.mark.parametrize("preset", ["qwen3.5-moe-tiny", "qwen3.5-moe-1b"])
+def test_forward_agrees_with_transformers_in_fp32_and_bf16(megatron_world, preset):
+    """At the tiny preset's shape and at the 1.03B preset's (the shape `miles train` runs in
+    scripts/validate_megatron.sh arch: head_dim 256, 8 query heads per KV head, 32 value heads, top-8 of 16)."""
+    hf_model = _tiny_hf(preset)
     tokens, positions = _tokens()
     gpt = _megatron(hf_model, torch.float32).eval()
     rule = gpt.decoder.layers[0].self_attention.gated_delta_rule
@@ -114,6 +117,7 @@ def test_forward_agrees_with_transformers_in_fp32_and_bf16(megatron_world):
     with torch.no_grad():
         ours, theirs = _logprobs(hf_model, gpt, tokens, positions)
     fp32 = (ours - theirs).abs()
+    theirs_fp32 = theirs
     del gpt
 
     hf_bf16 = hf_model.to(torch.bfloat16)
@@ -122,10 +126,15 @@ def test_forward_agrees_with_transformers_in_fp32_and_bf16(megatron_world):
     with torch.no_grad():
         ours, theirs = _logprobs(hf_bf16, gpt, tokens, positions)
     bf16 = (ours - theirs).abs()
-    print(f"qwen3_5_moe, {BATCH}x{SEQ} tokens: fp32 max |logprob diff| {fp32.max().item():.2e}; "
-          f"bf16 mean {bf16.mean().item():.2e}, max {bf16.max().item():.2e}")
+    # transformers' own bf16 forward against its fp32 one: at the 1B shape random top-8-of-16 routers flip
+    # expert choices under bf16 rounding, layer after layer, so two bf16 implementations of the same weights
+    # differ by about sqrt(2) x this however exact each is; 0.02 holds where that floor is small
+    floor = (theirs - theirs_fp32).abs().mean().item()
+    print(f"qwen3_5_moe {preset}, {BATCH}x{SEQ} tokens: fp32 max |logprob diff| {fp32.max().item():.2e}; "
+          f"bf16 mean {bf16.mean().item():.2e}, max {bf16.max().item():.2e}; transformers bf16 vs its fp32: "
+          f"mean {floor:.2e}")
     assert fp32.max().item() < FP32_LOGPROB_TOL
-    assert bf16.mean().item() <= BF16_MEAN_LOGPROB_TOL
+    assert bf16.mean().item() <= max(BF16_MEAN_LOGPROB_TOL, 2 * floor)
 
 
 def _grad_norm(params) -> float:

@@ -5,12 +5,13 @@ megatron-core). Two cases:
 
 - ``one_gpu``: both TP ranks on GPU 0, their world joined with gloo (NCCL refuses two ranks on one device;
   gloo carries CUDA tensors for all-reduce and broadcast only). Megatron's TP without sequence parallelism
-  communicates by all-reduce (row-parallel outputs, the vocab-parallel embedding, the column-parallel input
-  grads), this backend's vocab-parallel log-probs by all-reduce and its weight gather by broadcast; what gloo
-  may lack is the distributed optimizer's reduce-scatter / all-gather over the data-parallel group (size 1
-  here). EXPECTED: passes, or fails inside megatron's DDP/optimizer naming a gloo collective (then only the
-  two-GPU case can show TP on this host class). Each rank prints its stage as it starts it (flushed); a run that
-  stops fails after 2 x TIMEOUT naming each rank's last stage, with its Python stacks (tests/spawned.py).
+  communicates by all-reduce, but megatron's distributed optimizer gathers the updated params at every step
+  with a coalesced all-gather over the data-parallel group, even of size 1; on an H200 (torch 2.11) gloo
+  segfaults there with CUDA tensors, already in the TP=1 baseline (stack: ``_coalescing_manager`` <-
+  ``start_param_sync`` <- ``DistributedOptimizer.step_with_ready_grads``). So TP on one GPU cannot run with
+  this trainer: the case is a strict xfail, failing the day gloo carries it (then make it a plain case).
+  Each rank prints its stage as it starts it (flushed); a child that dies fails the run at once with the stack
+  it died in, and a run that stops fails after 2 x TIMEOUT naming each rank's last stage (tests/spawned.py).
 - ``two_gpus`` (needs 2 GPUs; NCCL): the same checks, for TP=2 and for PP=2 (Megatron's 1F1B schedule
   sends activations between the stages point to point, which gloo cannot do with CUDA tensors: PP has no
   one-GPU case).
@@ -127,11 +128,17 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((torch.tensor(a[k]) - torch.tensor(b[k])).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("sizes,placement", [((2, 1), "one_gpu"), ((2, 1), "two_gpus"), ((1, 2), "two_gpus")],
+GLOO_CUDA_ALLGATHER = pytest.mark.xfail(
+    strict=True, raises=AssertionError,
+    reason="gloo segfaults in the distributed optimizer's coalesced all-gather of CUDA tensors (seen on H200, torch 2.11)")
+
+
+@pytest.mark.parametrize("sizes,placement", [pytest.param((2, 1), "one_gpu", marks=GLOO_CUDA_ALLGATHER),
+                                             ((2, 1), "two_gpus"), ((1, 2), "two_gpus")],
                          ids=["tp2-one_gpu", "tp2-two_gpus", "pp2-two_gpus"])
 def test_tp2_or_pp2_trains_as_tp1_and_streams_bit_identically(tmp_path, sizes, placement):
     if placement == "two_gpus" and torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs (this host has one): the one_gpu case covers what one GPU can run")
+        pytest.skip("needs 2 GPUs (this host has one; TP on one GPU cannot run: see the one_gpu case)")
     backend, gpus = ("gloo", [0, 0]) if placement == "one_gpu" else ("nccl", [0, 1])
     tp1 = _run((1, 1), backend, [0], str(tmp_path), stream=False)[0]
     resident = _run(sizes, backend, gpus, str(tmp_path), stream=False)

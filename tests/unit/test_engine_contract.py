@@ -85,7 +85,8 @@ def test_release_and_resume_each_tag_on_its_own(engine, prompts):
     before_weights = engine.get_weights()
     before = engine.generate(prompts, sp)
 
-    assert engine.release_memory_occupation([KV_CACHE]) == {KV_CACHE: 0}  # the dynamic decoder keeps nothing
+    # the dynamic decoder keeps nothing between calls: the report is the largest cache a call built
+    assert engine.release_memory_occupation([KV_CACHE])[KV_CACHE] > 0
     with pytest.raises(RuntimeError, match=r"\['kv_cache'\] released"):
         engine.generate(prompts, sp)
     assert torch.equal(engine.get_weights()["lm_head.weight"], before_weights["lm_head.weight"])  # still resident

@@ -116,3 +116,18 @@ def test_make_random_model_script_imports_the_repos_miles_from_any_cwd(tmp_path)
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "glm5-tiny" in done.stdout and "qwen3.5-moe-1b" in done.stdout
+
+
+def test_bf16_routing_flips_script_reports_every_moe_layer(tmp_path):
+    """scripts/bf16_routing_flips.py on the tiny GLM-5 preset: the bf16-vs-fp32 line and one line per MoE layer
+    (glm5-tiny: layer 0 dense, layers 1 and 2 routed)."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bf16_routing_flips.py")
+    done = subprocess.run([sys.executable, os.path.abspath(script), "glm5-tiny", "--seq", "16"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("glm5-tiny: bf16 vs fp32 per-token |log-prob diff| mean "), done.stdout
+    assert [line.split(":")[0].strip() for line in lines[1:]] == ["model.layers.1.mlp.gate", "model.layers.2.mlp.gate"]
