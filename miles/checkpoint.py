@@ -358,9 +358,42 @@ def resolve(load_dir: str) -> Optional[str]:
     return base
 
 
+META_MAX_BYTES = 16 << 20  # a meta.json holds flags, the data position and run ids: kilobytes
+
+
 def read_meta(base: str) -> dict[str, Any]:
-    with open(os.path.join(base, META_FILE)) as f:
-        return json.load(f)
+    """``base``'s meta.json, read as untrusted input: bounded in size, a JSON object, or CheckpointError."""
+    path = os.path.join(base, META_FILE)
+    with open(path, "rb") as f:
+        raw = f.read(META_MAX_BYTES + 1)
+    problem = f"is over {META_MAX_BYTES:,} bytes" if len(raw) > META_MAX_BYTES else None
+    if problem is None:
+        try:
+            meta = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            problem = f"is not valid JSON ({e})"
+        else:
+            if isinstance(meta, dict):
+                return meta
+            problem = f"holds a JSON {type(meta).__name__}, not an object"
+    raise CheckpointError(f"{path} {problem}: it is not a checkpoint this code wrote. Resume from another "
+                          "checkpoint, or start fresh without --load")
+
+
+def resume_target(load: Optional[str], load_optim: bool, layout) -> Optional[tuple[str, dict[str, Any]]]:
+    """What ``--load load`` resumes: the checkpoint folder and its meta.json, or None (no --load, or nothing
+    saved there yet). With ``load_optim``, the optimizer state's layout is checked against ``layout`` here,
+    before anything starts (:func:`check_resume_layout`)."""
+    if not load:
+        return None
+    base = resolve(load)
+    if base is None:
+        logger.warning("--load %s: no checkpoint there yet, starting fresh", load)
+        return None
+    meta = read_meta(base)
+    if load_optim:  # before any rank loads: the state's TP/PP shards fit one layout only
+        check_resume_layout(base, meta, layout)
+    return base, meta
 
 
 def _atomic_write(path: str, text: str) -> None:

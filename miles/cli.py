@@ -99,9 +99,19 @@ def train_main(argv: Sequence[str]) -> int:
         from miles.config.parallel_checks import layout_summary
         from miles.config.environment import Environment
 
+        from miles import checkpoint
+
         print(layout_summary(config, Environment()))
-        print("miles train --dry-run: the flags, the parallel layout, placement, disk and memory check out on this "
-              "machine; stopping before Ray and the actors start")
+        try:
+            target = checkpoint.resume_target(config.checkpoint.load, config.checkpoint.loads_optimizer_state,
+                                              config.parallel_layout)
+        except checkpoint.CheckpointError as e:
+            print(f"miles train --dry-run: --load: {e}", file=sys.stderr)
+            return 1
+        if target is not None:
+            print(f"--load: resumes {target[0]} at rollout {target[1].get('next_rollout_id')}")
+        print("miles train --dry-run: the flags, the parallel layout, placement, disk, memory and the checkpoint to "
+              "resume check out on this machine; stopping before Ray and the actors start")
         return 0
     try:
         train_mod = importlib.import_module("miles.train")

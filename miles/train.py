@@ -128,6 +128,11 @@ def _run_holding_root(config: RunConfig, stop: StopOnSignal, state: RunState) ->
     from miles.ray.node_disk import NodeDiskError
 
     t_run = time.perf_counter()
+    try:  # a checkpoint this run cannot resume is refused before Ray and the actors start
+        target = checkpoint.resume_target(config.checkpoint.load, config.checkpoint.loads_optimizer_state,
+                                          config.parallel_layout)
+    except checkpoint.CheckpointError as e:
+        raise RunError(f"run stopped: {e}") from None
     source = prepare_policy(config)  # one-time model conversion happens here, not in every actor
     tokenizer = load_tokenizer(config)
     started_ray = _init_ray(config)
@@ -137,7 +142,7 @@ def _run_holding_root(config: RunConfig, stop: StopOnSignal, state: RunState) ->
     failure: Optional[BaseException] = None
     try:
         _start_actors(config, actors, state, source)
-        start_rollout, cursor = _resume(config, actors.train_group, state)
+        start_rollout, cursor = _resume(config, actors.train_group, state, target)
         # engines start from the trainer's weights (matters after --load or with a pretrained model)
         from miles.ray.weight_sync import WeightSync
 
@@ -206,33 +211,29 @@ def _start_actors(config: RunConfig, actors: Actors, state: RunState, source) ->
                     f", per-rank directories under {config.paths.trainer}" if config.uses_rank_dirs else "")
 
 
-def _resume(config: RunConfig, train_group, state: RunState) -> tuple[int, "_DataCursor"]:
-    """With --load: the checkpoint's model (and optimizer state) into every rank; the rollout to start at
-    and the prompt stream's position (both 0 on a fresh start or with --finetune)."""
+def _resume(config: RunConfig, train_group, state: RunState,
+            target: Optional[tuple[str, dict[str, Any]]]) -> tuple[int, "_DataCursor"]:
+    """With --load (``target``: :func:`miles.checkpoint.resume_target`, checked before anything started): the
+    checkpoint's model (and optimizer state) into every rank; the rollout to start at and the prompt stream's
+    position (both 0 on a fresh start or with --finetune)."""
     from miles.rl import make_prompt_source
 
     start_rollout, data_position = 0, 0
     resumed_runs: list[str] = []  # the runs whose history this one continues (none when fresh or --finetune)
     ckpt = config.checkpoint
-    if ckpt.load:
-        base = checkpoint.resolve(ckpt.load)
-        if base is None:
-            logger.warning("--load %s: no checkpoint there yet, starting fresh", ckpt.load)
-        else:
-            meta = checkpoint.read_meta(base)
-            load_optim = not (ckpt.no_load_optim or ckpt.finetune)
-            if load_optim:  # before any rank loads: the state's TP/PP shards fit this layout only
-                checkpoint.check_resume_layout(base, meta, config.parallel_layout)
-            loaded = train_group.load(base, load_optim)
-            if not ckpt.finetune:
-                start_rollout = int(meta["next_rollout_id"])
-                data_position = int(meta.get("data_state", {}).get("consumed_prompts", 0))
-                resumed_runs = checkpoint.runs_of(meta)
-            logger.info("loaded %s: model%s; resuming at rollout %d, prompt %d", base,
-                        f", optimizer ({loaded[0]['optimizer']})" if load_optim else " only (optimizer skipped)",
-                        start_rollout, data_position)
-            state.loaded_checkpoint = base
-            state.load_info = loaded
+    if target is not None:
+        base, meta = target
+        load_optim = ckpt.loads_optimizer_state
+        loaded = train_group.load(base, load_optim)
+        if not ckpt.finetune:
+            start_rollout = int(meta["next_rollout_id"])
+            data_position = int(meta.get("data_state", {}).get("consumed_prompts", 0))
+            resumed_runs = checkpoint.runs_of(meta)
+        logger.info("loaded %s: model%s; resuming at rollout %d, prompt %d", base,
+                    f", optimizer ({loaded[0]['optimizer']})" if load_optim else " only (optimizer skipped)",
+                    start_rollout, data_position)
+        state.loaded_checkpoint = base
+        state.load_info = loaded
     state.start_rollout, state.resumed_runs = start_rollout, resumed_runs
     return start_rollout, _DataCursor(make_prompt_source(config), data_position)
 

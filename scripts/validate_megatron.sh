@@ -15,7 +15,8 @@
 #           then 2 rollouts with a host tier smaller than the state (BIG_SPLIT_MB MiB, default 92160: ~13 GB in files)
 #   big-baselines  the same shape in `miles bench megatron`: resident Adam and Megatron's CPU offload, one step
 #   arch    GLM-5's and Qwen3.5's architectures (glm5-2b, qwen3.5-moe-1b; or the presets given), each: 3 rollouts
-#           streamed with a save, a --load resume of it to rollout 4, and 4 rollouts resident (no store); prints
+#           streamed with a save, a --load resume of it to rollout 4, and 4 rollouts resident (no store; trainer
+#           offload to cpu); prints
 #           loss, reward and the engine-vs-trainer log-prob |diff| per rollout, and checks the streamed losses equal
 #           the resident ones and the resumed rollout's loss the resident run's 4th (exit 1 on a mismatch).
 #           All with --deterministic-mode (their routers pick 4 and 8 experts). HOST_CACHE_MB (e.g. auto) gives
@@ -147,7 +148,8 @@ arch)
     run streamed "${stream[@]}" --num-rollout 3 --save "$save_root/ckpt-$m"
     run resumed "${stream[@]}" --num-rollout 4 --load "$save_root/ckpt-$m"
     rm -rf "$save_root/ckpt-$m"
-    run resident "${base[@]}" --num-rollout 4
+    # resident Adam state goes to pinned RAM at each sleep (26 GB for glm5-2b: to disk it takes ~30 s a rollout)
+    run resident "${base[@]}" --offload-train-target=cpu --num-rollout 4
     [ -n "${KEEP_MODELS:-}" ] || rm -rf "${WORK:?}/$m"
     python - "$WORK/arch-$m" "$m" <<'PY' || failed=1
 import json, sys

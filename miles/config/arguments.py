@@ -427,6 +427,11 @@ class CheckpointConfig:
     no_load_optim: bool = knob(False, "With --load: load weights but not the optimizer state.")
     finetune: bool = knob(False, "With --load: load weights only and restart the rollout count at 0.")
 
+    @property
+    def loads_optimizer_state(self) -> bool:
+        """A --load resumes the optimizer state too (not with --no-load-optim or --finetune)."""
+        return not (self.no_load_optim or self.finetune)
+
 
 @dataclass(frozen=True)
 class LoggingConfig:

@@ -37,3 +37,80 @@ def test_a_checkpoint_from_before_the_record_refuses_tp2():
     with pytest.raises(CheckpointError, match="sharded for --tensor-model-parallel-size 1 and this run has "
                                               "--tensor-model-parallel-size 2"):
         check_resume_layout("/ckpt/rollout_4", {}, ParallelLayout(world=2, tp=2))
+
+
+# ---- before anything starts: miles train refuses the checkpoint, and meta.json is read as untrusted input ----
+def _checkpoint(root, meta_text: str) -> str:
+    base = root / "rollout_000002"
+    base.mkdir(parents=True)
+    (base / "meta.json").write_text(meta_text)
+    return str(base)
+
+
+def test_miles_train_refuses_another_layout_before_ray_starts(tmp_path, monkeypatch):
+    import json
+
+    from miles import train
+    from miles.config import parse_args, validate_args
+
+    saved = ParallelLayout(world=2, tp=2)
+    base = _checkpoint(tmp_path, json.dumps({"next_rollout_id": 2, LAYOUT_META: layout_meta(saved)}))
+    config = validate_args(parse_args(["--tiny-model", "--load", base, "--offload-train-disk-dir",
+                                       str(tmp_path / "offload")]))
+
+    def no_ray(_config):
+        raise AssertionError("Ray was started for a checkpoint the run cannot resume")
+
+    monkeypatch.setattr(train, "_init_ray", no_ray)
+    with pytest.raises(train.RunError, match="run stopped: .*rollout_000002 holds optimizer state sharded for "
+                                             "--tensor-model-parallel-size 2 and this run has "
+                                             "--tensor-model-parallel-size 1"):
+        train.run(config)
+
+
+def test_the_weights_alone_resume_onto_another_layout(tmp_path):
+    import json
+
+    from miles.checkpoint import resume_target
+
+    base = _checkpoint(tmp_path, json.dumps({"next_rollout_id": 2, LAYOUT_META: layout_meta(ParallelLayout(world=2, tp=2))}))
+    assert resume_target(base, False, ParallelLayout(world=1)) == (base, json.loads(open(f"{base}/meta.json").read()))
+    assert resume_target(None, True, ParallelLayout(world=1)) is None
+    assert resume_target(str(tmp_path / "empty"), True, ParallelLayout(world=1)) is None  # nothing saved there yet
+
+
+@pytest.mark.parametrize("text,problem", [
+    ("[1, 2]", "holds a JSON list, not an object"),
+    ("{not json", "is not valid JSON"),
+    ("\udcff", "is not valid JSON"),
+])
+def test_a_meta_file_that_is_no_checkpoint_of_ours_is_refused(tmp_path, text, problem):
+    from miles.checkpoint import read_meta
+
+    base = _checkpoint(tmp_path, "")
+    with open(f"{base}/meta.json", "wb") as f:
+        f.write(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(CheckpointError, match=f"meta.json {problem}.*start fresh without --load"):
+        read_meta(base)
+
+
+def test_a_meta_file_over_the_bound_is_refused_without_reading_it_all(tmp_path, monkeypatch):
+    from miles import checkpoint
+
+    monkeypatch.setattr(checkpoint, "META_MAX_BYTES", 1 << 10)
+    base = _checkpoint(tmp_path, '{"pad": "' + "x" * 4096 + '"}')
+    with pytest.raises(CheckpointError, match="meta.json is over 1,024 bytes"):
+        checkpoint.read_meta(base)
+
+
+def test_dry_run_checks_the_checkpoint_to_resume(tmp_path, capsys):
+    import json
+
+    from miles.cli import main
+
+    base = _checkpoint(tmp_path, json.dumps({"next_rollout_id": 2, LAYOUT_META: layout_meta(ParallelLayout(world=2, tp=2))}))
+    argv = ["train", "--tiny-model", "--load", base, "--offload-train-disk-dir", str(tmp_path / "offload"), "--dry-run"]
+    assert main(argv) == 1
+    assert "miles train --dry-run: --load: " in capsys.readouterr().err
+    assert main([*argv, "--no-load-optim"]) == 0
+    assert f"--load: resumes {base} at rollout 2" in capsys.readouterr().out

@@ -115,7 +115,9 @@ def _run(make_config, save, run_id, rollouts, *flags, completed=None):
     and a checkpoint after ``completed`` rollouts (default: all of them) naming its runs."""
     config = make_config("--save", str(save), "--metrics-file", str(save / "metrics.jsonl"), *flags)
     state = RunState(run_dir=str(save), metrics_file=config.logging.metrics_file)
-    start, _ = train._resume(config, _Group(), state)
+    target = checkpoint.resume_target(config.checkpoint.load, config.checkpoint.loads_optimizer_state,
+                                      config.parallel_layout)
+    start, _ = train._resume(config, _Group(), state, target)
     assert start == rollouts[0]
     _write_rollouts(MetricsSink(config.logging.metrics_file, None, run_id, state.resumed_runs, start),
                     rollouts)
