@@ -96,10 +96,9 @@ def train_main(argv: Sequence[str]) -> int:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     configure_logging(config.logging.log_level)
     if config.cluster.dry_run:  # validated: flags, layout, placement, disk and memory here; nothing started
-        from miles.config.parallel_checks import layout_summary
-        from miles.config.environment import Environment
-
         from miles import checkpoint
+        from miles.config.environment import Environment
+        from miles.config.parallel_checks import layout_summary
 
         print(layout_summary(config, Environment()))
         try:

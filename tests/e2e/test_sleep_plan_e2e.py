@@ -9,12 +9,12 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 
-def _run(tmp, plan):
+def _run(tmp, plan, ranks=1):
     from miles.config import parse_args, validate_args
     from miles.train import run
 
     metrics = tmp / f"{plan}.jsonl"
-    argv = ["--tiny-model", "--num-train-ranks", "1", "--num-rollout-engines", "1", "--colocate",
+    argv = ["--tiny-model", "--num-train-ranks", str(ranks), "--num-rollout-engines", "1", "--colocate",
             "--stream-optimizer-state-to-disk", "--offload-train-target", "disk",
             "--stream-optimizer-state-host-cache-mb", "64", "--offload-train-plan", plan,
             "--offload-train-disk-dir", str(tmp / f"offload-{plan}"), "--seed", "7",
@@ -42,3 +42,14 @@ def test_plan_trains_as_the_forced_offload(ray_cluster, tmp_path):
     assert first["wake_rebuilt_from_masters_bytes"] > 0 and first["wake_masters_read_bytes"] > 0
     assert first["wake_moved_bytes"] == first["wake_rebuilt_from_masters_bytes"] + first["wake_from_disk_bytes"]
     assert all(p["wake_moved_bytes"] == 0 for p in planned[1:])
+
+
+def test_two_ranks_rebuild_their_weights_from_sharded_masters_as_the_forced_offload(ray_cluster, tmp_path):
+    """Two data-parallel ranks, each store holding the masters of its optimizer shard only: the first wake
+    rebuilds every rank's whole bf16 weights from the masters of both shards, and the run trains as the forced
+    offload bit for bit."""
+    forced = _run(tmp_path, "offload-all", ranks=2)
+    planned = _run(tmp_path, "auto", ranks=2)
+    assert [r["loss"] for r in planned] == [r["loss"] for r in forced]
+    assert [r["reward_mean"] for r in planned] == [r["reward_mean"] for r in forced]
+    assert planned[0]["wake_rebuilt_from_masters_bytes"] > 0
