@@ -57,7 +57,7 @@ def _stacks(procs) -> str:
     if alive:
         time.sleep(2)
     out = []
-    for p in procs:
+    for p in (p for p in procs if p.exitcode != 0):  # alive, or died: a child that returned has no stack to show
         try:
             with open(_stack_file(p.pid)) as f:
                 state = "alive" if p.exitcode is None else f"exit code {p.exitcode}"
