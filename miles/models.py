@@ -62,6 +62,7 @@ __all__ = [
     "TINY_MODEL_CONFIG",
     "torch_dtype",
     "RANDOM_MODEL_PRESETS",
+    "random_model_config",
     "write_random_model",
     "ModelFolderError",
     "check_hf_config",
@@ -483,21 +484,27 @@ RANDOM_MODEL_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def random_model_config(preset: str, vocab_size: int, **fields: Any):
+    """The transformers config of the RANDOM_MODEL_PRESETS entry ``preset`` with ``vocab_size`` tokens;
+    ``fields``: more config fields (token ids, ``max_position_embeddings``: 1024 unless given)."""
+    from transformers import AutoConfig
+
+    if preset not in RANDOM_MODEL_PRESETS:
+        raise ValueError(f"unknown random model preset {preset!r}; choose one of {sorted(RANDOM_MODEL_PRESETS)}")
+    spec = {"max_position_embeddings": 1024, **RANDOM_MODEL_PRESETS[preset], **fields}
+    return AutoConfig.for_model(spec.pop("model_type"), vocab_size=vocab_size, **spec)
+
+
 def write_random_model(folder: str, preset: str, seed: int = 0, dtype: str = "bf16") -> str:
     """Write a random-init HF model folder (config.json, safetensors, the char tokenizer) for `preset`.
 
     `miles train --hf-checkpoint <folder>` then trains it like any HF checkpoint."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    if preset not in RANDOM_MODEL_PRESETS:
-        raise ValueError(f"unknown random model preset {preset!r}; choose one of {sorted(RANDOM_MODEL_PRESETS)}")
-    spec = dict(RANDOM_MODEL_PRESETS[preset])
     tokenizer = build_tiny_tokenizer()
-    spec.setdefault("max_position_embeddings", 1024)
-    config = AutoConfig.for_model(spec.pop("model_type"), vocab_size=len(tokenizer),
-                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                  pad_token_id=tokenizer.pad_token_id, **spec)
+    config = random_model_config(preset, len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)

@@ -17,17 +17,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from miles.models import RANDOM_MODEL_PRESETS  # noqa: E402
+from miles.models import RANDOM_MODEL_PRESETS, random_model_config  # noqa: E402
 
 
 def _model(name: str):
     import transformers
 
     if name in RANDOM_MODEL_PRESETS:
-        spec = dict(RANDOM_MODEL_PRESETS[name])
-        config = transformers.AutoConfig.for_model(spec.pop("model_type"), vocab_size=256,
-                                                   max_position_embeddings=256, **spec)
         torch.manual_seed(0)
+        config = random_model_config(name, 256, max_position_embeddings=256)
         return transformers.AutoModelForCausalLM.from_config(config).float().eval()
     return transformers.AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
 

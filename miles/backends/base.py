@@ -332,6 +332,11 @@ class TrainBackend(abc.ABC):
             metrics["optimizer_step_device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
         if self.store is not None:
             metrics.update(stream_step_metrics(self.streamed_stores(), stepped=skipped is None))
+        if cuda and self.config.cluster.colocate:
+            # The colocated engine's weights come back on this device next, while the trainer is awake: the
+            # free blocks the caching allocator keeps from the forward's activations would leave it short
+            # (llama-9.2b on one H200: 64 GB of them, and the engine's 18 GB did not fit).
+            torch.cuda.empty_cache()
         return metrics
 
     def policy_gradient(self, samples: list, advantages: list[float], **loss: Any) -> list[float]:

@@ -26,25 +26,30 @@ from test_megatron_backend import _no_megatron_state_left, megatron_world  # noq
 
 from miles.backends.megatron_backend.convert import hf_to_megatron  # noqa: E402
 from miles.backends.megatron_backend.model import build_gpt_model, native_fp32_param_names  # noqa: E402
-from miles.models import RANDOM_MODEL_PRESETS  # noqa: E402
+from miles.backends.megatron_backend.router_bias import keep_routers_fp32, routers_to_fp32  # noqa: E402
+from miles.models import random_model_config  # noqa: E402
 from miles.rl.loss import token_logprobs  # noqa: E402
 
 VOCAB, BATCH, SEQ = 256, 8, 128
 
 
 def _gpt(preset: str):
-    spec = dict(RANDOM_MODEL_PRESETS[preset])
-    config = transformers.AutoConfig.for_model(spec.pop("model_type"), vocab_size=VOCAB,
-                                               max_position_embeddings=256, **spec)
+    """The model as MegatronTrainer._build wraps it for bf16 training: routers fp32, the weights loaded,
+    Float16Module's cast (routers kept fp32), native-fp32 params fp32 again."""
+    from megatron.core.transformer.module import Float16Module
+
+    config = random_model_config(preset, VOCAB, max_position_embeddings=256)
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-    gpt, _, _ = build_gpt_model(hf.config, params_dtype=torch.bfloat16)
+    gpt, tconfig, _ = build_gpt_model(hf.config, params_dtype=torch.bfloat16)
     gpt.cuda()
+    routers_to_fp32(gpt)
+    gpt.load_state_dict(hf_to_megatron(hf.state_dict(), hf.config), strict=False)
+    module = keep_routers_fp32(gpt, lambda: Float16Module(tconfig, gpt))
     for name in native_fp32_param_names(gpt, hf.config):
         param = gpt.get_parameter(name)
         param.data = param.data.float()
-    gpt.load_state_dict(hf_to_megatron(hf.state_dict(), hf.config), strict=False)
-    return gpt
+    return module
 
 
 @pytest.mark.parametrize("preset", ["glm5-2b", "qwen3.5-moe-1b"])

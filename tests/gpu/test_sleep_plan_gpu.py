@@ -151,3 +151,15 @@ def test_plan_rebuilds_from_the_engine_copy_through_the_inverse_conversion(tmp_p
     assert losses == ref_losses and _same(weights, ref_weights)
     assert all(s["released_for_engine_bytes"] > 0 for s in sleeps)
     assert all(w["rebuilt_from_engine_bytes"] == s["released_for_engine_bytes"] for s, w in zip(sleeps, wakes))
+
+
+def test_colocated_train_hands_back_the_cached_blocks(tmp_path):
+    """Under --colocate the engine's weights come back on this device right after the train call, while the
+    trainer is awake: the activations' free blocks must not stay reserved by the caching allocator."""
+    trainer = _trainer(tmp_path, "--colocate")
+    try:
+        trainer.train(0, *_rollout(0))
+        cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    finally:
+        trainer.shutdown()
+    assert cached < 20 << 20, f"{cached} bytes of free blocks kept reserved after a colocated train call"
