@@ -20,7 +20,7 @@
 #           loss, reward and the engine-vs-trainer log-prob |diff| per rollout, and checks the streamed losses equal
 #           the resident ones and the resumed rollout's loss the resident run's 4th (exit 1 on a mismatch).
 #           All with --deterministic-mode (their routers pick 4 and 8 experts). HOST_CACHE_MB (e.g. auto) gives
-#           the streamed runs a host tier. Each run's folders are removed after it,
+#           the streamed runs a host tier, PLAN (auto) their trainer sleep plan. Each run's folders are removed after it,
 #           the model folder after its preset; glm5-2b's peak is its 22 GB of streamed state + 4 GB trainer
 #           offload + the 4 GB model folder, plus a 26 GB checkpoint under ARCH_SAVE (default:
 #           /dev/shm/miles-arch when /dev/shm has 50 GB free, else $WORK)
@@ -139,6 +139,7 @@ arch)
     base=("${common[@]}" --hf-checkpoint "$WORK/$m" --offload-train-target=disk --deterministic-mode)
     stream=("${base[@]}" --stream-optimizer-state-to-disk)
     [ -z "${HOST_CACHE_MB:-}" ] || stream+=(--stream-optimizer-state-host-cache-mb "$HOST_CACHE_MB")
+    [ -z "${PLAN:-}" ] || stream+=(--offload-train-plan "$PLAN")
     run() {  # run <arm> <flags...>: one miles train into $WORK/arch-<model>-<arm>.jsonl, its folders removed after
       local arm=$1; shift
       miles train "$@" --offload-train-disk-dir "$WORK/disk-arch-$arm" --metrics-file "$WORK/arch-$m-$arm.jsonl"
