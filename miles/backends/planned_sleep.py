@@ -94,11 +94,14 @@ def engine_weights_or_fail(backend) -> list:
 
 
 def memory_facts(device: torch.device, engine: EngineNeeds, store, ranks_on_node: int,
-                 rollout_engine: str) -> MemoryFacts:
+                 rollout_engine: str, host_bytes_held: int = 0) -> MemoryFacts:
     """What the rank measures at sleep, with what the driver measured of the engine (``engine``). A KV
     pool not measured (the engine does not say what it allocates) is taken as the whole device: the plan
-    then releases everything releasable."""
+    then releases everything releasable. ``host_bytes_held``: host memory the offloader keeps for its copies
+    to RAM between sleeps, in use for the host but free for this sleep's copies."""
     available = available_host_memory()
+    if available is not None:
+        available += host_bytes_held
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
     else:  # the device is host memory
@@ -122,7 +125,7 @@ def sleep_by_plan(backend, engine: EngineNeeds) -> dict[str, Any]:
     config = backend.config
     groups = backend.sleep_groups()
     facts = memory_facts(backend.device, engine, backend.store, backend.ranks_on_node,
-                         config.rollout.rollout_engine)
+                         config.rollout.rollout_engine, backend.offloader.host_bytes_held)
     plan = plan_sleep([g for g, _ in groups], facts, config.offload.offload_train_plan,
                       config.offload.offload_train_target or "cpu")
     report = backend.offloader.sleep({g.name: tensors for g, tensors in groups}, plan, backend.sleep_rebuilders())

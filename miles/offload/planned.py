@@ -53,6 +53,11 @@ class PlannedOffloader:
         return self._asleep
 
     @property
+    def host_bytes_held(self) -> int:
+        """Page-locked host memory kept for the copies to RAM, asleep or awake (reused by the next sleep)."""
+        return self._ram.host_bytes_held
+
+    @property
     def plan(self) -> Optional[SleepPlan]:
         """The plan of the current (or last) sleep."""
         return self._plan

@@ -13,6 +13,11 @@ run's), holds :class:`~miles_plugins.optimizers.streaming.io.ownership.Directory
 ``close(remove_directory=True)`` removes it only if this run made it. A second offloader on the same
 directory is refused: two of them would each truncate the other's file and wake with its bytes.
 
+Target ``cpu`` on a GPU copies into page-locked host memory in pieces of :data:`HOST_PIECE_BYTES`, kept
+from one sleep to the next (:class:`HostArena`): torch's pinned allocator rounds each allocation up to a
+power of two, so a copy per storage would hold up to twice its bytes, and would page-lock anew whenever
+the sizes change. The pieces stay until :meth:`StorageOffloader.close` (``host_bytes_held`` says how much).
+
 Storages that are already empty are skipped: the streamed optimizer state (its mains and moments live
 in the store's bucket files, their storage resized to 0 between steps) needs no backup. Both calls are
 idempotent: sleeping while asleep or waking while awake does nothing.
@@ -42,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 TARGETS = ("cpu", "disk", "none")
 OFFLOAD_FILENAME = "offload.bin"
+HOST_PIECE_BYTES = 256 << 20  # a power of two: torch's pinned allocator rounds every allocation up to one
 
 
 @dataclass
@@ -63,8 +69,8 @@ class OffloadStats:
 class _Saved:
     storage: torch.UntypedStorage
     nbytes: int
-    offset: int = 0                          # disk: where its bytes start in the file
-    host: Optional[torch.Tensor] = None      # cpu: the host copy (uint8)
+    offset: int = 0                          # disk: where its bytes start in the file; cpu on a GPU: in the arena
+    host: Optional[torch.Tensor] = None      # cpu, a host storage: its copy (uint8)
 
 
 def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -113,6 +119,43 @@ def make_resizable(module: torch.nn.Module) -> int:
     return len(replacements)
 
 
+class HostArena:
+    """Host memory in pieces of ``piece_bytes``, addressed as one range of bytes; grown on demand, never
+    shrunk (``pinned``: page-locked, for copies to and from a GPU)."""
+
+    def __init__(self, pinned: bool, piece_bytes: int = HOST_PIECE_BYTES):
+        self.pinned = pinned
+        self.piece_bytes = piece_bytes
+        self.pieces: list[torch.Tensor] = []
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.pieces) * self.piece_bytes
+
+    def reserve(self, nbytes: int) -> None:
+        while self.nbytes < nbytes:
+            self.pieces.append(torch.empty(self.piece_bytes, dtype=torch.uint8, pin_memory=self.pinned))
+
+    def _spans(self, offset: int, nbytes: int):
+        """(piece, lo, hi, done): bytes [lo, hi) of a piece hold bytes [done, done + hi - lo) of the range."""
+        done = 0
+        while done < nbytes:
+            index, lo = divmod(offset + done, self.piece_bytes)
+            hi = min(self.piece_bytes, lo + nbytes - done)
+            yield self.pieces[index], lo, hi, done
+            done += hi - lo
+
+    def write(self, offset: int, src: torch.Tensor) -> None:
+        """Copy the 1-D uint8 ``src`` (any device) to bytes [offset, offset + len) of the arena."""
+        for piece, lo, hi, done in self._spans(offset, src.numel()):
+            piece[lo:hi].copy_(src[done:done + hi - lo])
+
+    def read(self, offset: int, dst: torch.Tensor) -> None:
+        """Copy bytes [offset, offset + len) of the arena into the 1-D uint8 ``dst`` (any device)."""
+        for piece, lo, hi, done in self._spans(offset, dst.numel()):
+            dst[done:done + hi - lo].copy_(piece[lo:hi])
+
+
 class StorageOffloader:
     """Sleep/wake a set of tensors by storage. See the module docstring.
 
@@ -141,10 +184,16 @@ class StorageOffloader:
         self._saved: list[_Saved] = []
         self._asleep = False
         self._staging: Optional[torch.Tensor] = None
+        self._arena: Optional[HostArena] = None  # target cpu, device storages: their pinned copies
 
     @property
     def asleep(self) -> bool:
         return self._asleep
+
+    @property
+    def host_bytes_held(self) -> int:
+        """Page-locked host memory this offloader keeps for its copies, asleep or awake."""
+        return self._arena.nbytes if self._arena is not None else 0
 
     @property
     def path(self) -> Optional[str]:
@@ -166,8 +215,7 @@ class StorageOffloader:
         if self.target == "disk":
             self._write_all(saved)
         elif self.target == "cpu":
-            for item in saved:
-                item.host = self._host_copy(item.storage)
+            self._copy_to_host(saved)
         for item in saved:
             item.storage.resize_(0)
         self._saved = saved
@@ -175,13 +223,21 @@ class StorageOffloader:
         return OffloadStats("sleep", self.target, storages=len(saved), bytes=sum(i.nbytes for i in saved),
                             seconds=time.perf_counter() - start, path=self.path)
 
-    def _host_copy(self, storage: torch.UntypedStorage) -> torch.Tensor:
-        src = _byte_view(storage)
-        if src.device.type == "cpu":
-            return src.clone()
-        host = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        host.copy_(src, non_blocking=False)
-        return host
+    def _copy_to_host(self, saved: list[_Saved]) -> None:
+        """Host storages: a copy each, freed at wake. Device storages: one after another in the arena."""
+        on_device = [item for item in saved if item.storage.device.type != "cpu"]
+        if on_device:
+            if self._arena is None:
+                self._arena = HostArena(pinned=torch.cuda.is_available())
+            self._arena.reserve(sum(item.nbytes for item in on_device))
+        offset = 0
+        for item in saved:
+            if item.storage.device.type == "cpu":
+                item.host = _byte_view(item.storage).clone()
+                continue
+            item.offset = offset
+            self._arena.write(offset, _byte_view(item.storage))
+            offset += item.nbytes
 
     def _stage(self, nbytes: int, device: torch.device) -> torch.Tensor:
         if self._staging is None or self._staging.numel() < nbytes:
@@ -224,8 +280,11 @@ class StorageOffloader:
             self._read_all(saved)
         elif self.target == "cpu":
             for item in saved:
-                _byte_view(item.storage).copy_(item.host)
-                item.host = None
+                if item.host is not None:
+                    _byte_view(item.storage).copy_(item.host)
+                    item.host = None
+                else:
+                    self._arena.read(item.offset, _byte_view(item.storage))
         stats = OffloadStats("wake", self.target, storages=len(saved), bytes=sum(i.nbytes for i in saved),
                              seconds=time.perf_counter() - start, path=self.path)
         self._saved = []
@@ -255,6 +314,7 @@ class StorageOffloader:
         self._saved = []
         self._asleep = False
         self._staging = None
+        self._arena = None
         if self.target != "disk":
             return
         _unlink(self.path)

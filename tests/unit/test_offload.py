@@ -157,3 +157,36 @@ def test_bad_target():
         StorageOffloader("nvme")
     with pytest.raises(ValueError):
         StorageOffloader("disk", None)
+
+
+def test_host_arena_spans_its_pieces_bit_exactly_and_only_grows():
+    from miles.offload.storage import HostArena
+
+    arena = HostArena(pinned=False, piece_bytes=64)
+    g = torch.Generator().manual_seed(0)
+    chunks = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (1, 63, 64, 65, 200)]
+    arena.reserve(sum(c.numel() for c in chunks))
+    assert arena.nbytes == 448 and len(arena.pieces) == 7  # 393 bytes in whole pieces of 64
+    offset, offsets = 0, []
+    for c in chunks:  # ranges that start and end inside pieces and cross their borders
+        arena.write(offset, c)
+        offsets.append(offset)
+        offset += c.numel()
+    for c, at in zip(chunks, offsets):
+        back = torch.empty_like(c)
+        arena.read(at, back)
+        assert torch.equal(back, c)
+    arena.reserve(10)
+    assert arena.nbytes == 448  # kept for the next sleep, never shrunk
+
+
+def test_host_bytes_held_reach_the_sleep_plan_budget(monkeypatch):
+    """Host memory the offloader keeps between sleeps is counted by the host as used, yet it is where this
+    sleep's copies go: the plan's RAM budget counts it as available."""
+    from miles.backends import planned_sleep
+    from miles.offload.plan import EngineNeeds
+
+    monkeypatch.setattr(planned_sleep, "available_host_memory", lambda: 40 << 30)
+    budget = [planned_sleep.memory_facts(torch.device("cpu"), EngineNeeds(), None, 2, "embedded",
+                                         host_bytes_held=held).host_ram_budget for held in (0, 6 << 30)]
+    assert budget[1] - budget[0] == 3 << 30  # this rank's share of the held memory (2 ranks on the node)
