@@ -260,9 +260,13 @@ def simulate(out):
     os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled",
                       TOKENIZERS_PARALLELISM="false")
     import ray
+    from ray._private.utils import get_ray_address_file
     from ray.cluster_utils import Cluster
 
     temp_dir = tempfile.mkdtemp(prefix="rmn_", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
+    # Cluster writes the head's address to Ray's default temp folder whatever temp_dir says; on a machine
+    # where no Ray has run yet that folder does not exist and the head fails to start
+    os.makedirs(os.path.dirname(get_ray_address_file(None)), exist_ok=True)
     small = {"object_store_memory": OBJECT_STORE_BYTES}
     cluster = Cluster(initialize_head=True, connect=True, head_node_args={
         "num_cpus": 0, "include_dashboard": False, "temp_dir": temp_dir, **small})
