@@ -40,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -245,7 +246,30 @@ def run_arm(arm: str, model: str, backend: str, args, rates: dict[str, float], s
         return {"arm": arm, "error": f"exit {rc}, {len(records)} rollout record(s); the log's end:\n{tail}"}
     target = "cpu" if arm == "resident-cpu" else "disk"
     return {"arm": arm, "rollouts": len(records), "phases": phase_report(records[1:], target, rates),
-            "reward_first": records[0]["reward_mean"], "reward_last": records[-1]["reward_mean"]}
+            "reward_first": records[0]["reward_mean"], "reward_last": records[-1]["reward_mean"],
+            "losses": [r["loss"] for r in records], "rewards": [r["reward_mean"] for r in records]}
+
+
+def series_agreement(arms: list[dict]) -> Optional[str]:
+    """Whether the arms trained alike: every arm runs the same training on the same seed and differs only in
+    where the state lives between steps, so their loss and reward series should be equal bit for bit. One line
+    saying so, or naming the first rollout where each arm departs from the first arm; None with fewer than two
+    arms that finished (pure)."""
+    done = [a for a in arms if "losses" in a]
+    if len(done) < 2:
+        return None
+    ref, departures = done[0], []
+    rollouts = min(len(a["losses"]) for a in done)
+    for arm in done[1:]:
+        first = next((i for i in range(rollouts) if (arm["losses"][i], arm["rewards"][i]) !=
+                      (ref["losses"][i], ref["rewards"][i])), None)
+        if first is not None:
+            departures.append(f"{arm['arm']} departs from {ref['arm']} at rollout {first} (loss {arm['losses'][first]!r} "
+                              f"vs {ref['losses'][first]!r}, reward {arm['rewards'][first]!r} vs {ref['rewards'][first]!r})")
+    names = ", ".join(a["arm"] for a in done)
+    if not departures:
+        return f"exactness: losses and rewards of {names} equal bit for bit over {rollouts} rollouts"
+    return "exactness: " + "; ".join(departures)
 
 
 # ---- report -------------------------------------------------------------------------------------------
@@ -274,6 +298,9 @@ def format_report(result: dict) -> str:
                 links = ", ".join(f"{k} {v / 1e9:.3f}" for k, v in ph["by_link"].items() if v)
                 extra = f"  ({ph['bytes'] / 1e9:.3f} GB moved{': ' + links + ' GB' if links else ''})"
             lines.append(f"  {name:9s} {ph['seconds']:7.3f} s{floor}{extra}")
+    agreement = series_agreement(result["arms"])
+    if agreement is not None:
+        lines.append(agreement)
     return "\n".join(lines)
 
 

@@ -37,3 +37,18 @@ def test_its_own_folder_from_an_earlier_run_may_be_replaced(tmp_path):
     (earlier / ARM_MARKER).write_text("")
     assert arm_dir_of(str(tmp_path), "stream") == str(earlier)
     assert arm_dir_of(str(tmp_path), "resident-disk") == str(tmp_path / "arm-resident-disk")  # not there yet
+
+
+def test_the_report_says_whether_the_arms_trained_alike():
+    from miles.bench.rl import series_agreement
+
+    def arm(name, losses, rewards=(0.5, 0.25, 0.75)):
+        return {"arm": name, "losses": list(losses), "rewards": list(rewards)}
+
+    same = [arm("stream-plan", (0.1, -0.2, 0.3)), arm("stream", (0.1, -0.2, 0.3)), {"arm": "x", "error": "exit 1"}]
+    assert series_agreement(same) == "exactness: losses and rewards of stream-plan, stream equal bit for bit over 3 rollouts"
+    apart = series_agreement([arm("stream-plan", (0.1, -0.2, 0.3)), arm("stream", (0.1, -0.2000001, 0.3)),
+                              arm("resident-cpu", (0.1, -0.2, 0.3), rewards=(0.5, 0.25, 0.5))])
+    assert apart == ("exactness: stream departs from stream-plan at rollout 1 (loss -0.2000001 vs -0.2, reward 0.25 vs "
+                     "0.25); resident-cpu departs from stream-plan at rollout 2 (loss 0.3 vs 0.3, reward 0.5 vs 0.75)")
+    assert series_agreement(same[:1]) is None
