@@ -170,7 +170,10 @@ def phase_report(records: list[dict], target: str, rates: dict[str, float]) -> d
         "train": {"seconds": med("train_seconds"), "floor": median([_train_floor(r) for r in records]),
                   "rank_seconds": med("train_rank_seconds"), "forward_backward": med("forward_backward_seconds"),
                   "optimizer_step": med("optimizer_step_seconds"), "other": med("other_seconds"),
-                  "mfu": median([r["train_mfu"] for r in records]) if _counted(records) else None},
+                  "mfu": median([r["train_mfu"] for r in records]) if _counted(records) else None,
+                  # the forward/backward's device peak (weights, grads, activations), where a GPU reports one
+                  "peak_gb": max(r["forward_backward_device_peak_gb"] for r in records)
+                  if all("forward_backward_device_peak_gb" in r for r in records) else None},
         "weights": {"seconds": med("weight_sync_seconds"), "rank_seconds": med("weight_handoff_seconds"),
                     "floor": med("weight_handoff_bytes") / rates["device_copy"],
                     "bytes": med("weight_handoff_bytes"), "buckets": med("weight_handoff_buckets")},
@@ -290,7 +293,8 @@ def format_report(result: dict) -> str:
                 extra = f"  {ph['tokens_per_second']:.0f} tokens/s"
             elif name == "train":
                 mfu = f", MFU {100 * ph['mfu']:.1f}%" if ph["mfu"] is not None else ""
-                extra = (f"  (rank: fwd/bwd {ph['forward_backward']:.3f}{mfu} + optimizer {ph['optimizer_step']:.3f} + "
+                peak = f", peak {ph['peak_gb']:.1f} GB" if ph.get("peak_gb") is not None else ""
+                extra = (f"  (rank: fwd/bwd {ph['forward_backward']:.3f}{mfu}{peak} + optimizer {ph['optimizer_step']:.3f} + "
                          f"other {ph['other']:.3f})")
             elif name == "weights":
                 extra = f"  ({ph['bytes'] / 1e9:.3f} GB in {ph['buckets']:.0f} buckets; rank {ph['rank_seconds']:.3f} s)"

@@ -52,3 +52,21 @@ def test_the_report_says_whether_the_arms_trained_alike():
     assert apart == ("exactness: stream departs from stream-plan at rollout 1 (loss -0.2000001 vs -0.2, reward 0.25 vs "
                      "0.25); resident-cpu departs from stream-plan at rollout 2 (loss 0.3 vs 0.3, reward 0.5 vs 0.75)")
     assert series_agreement(same[:1]) is None
+
+
+def test_the_train_line_shows_the_forward_backward_peak_where_a_gpu_reported_it():
+    from test_sleep_plan_record import _bench_record
+
+    from miles.bench.rl import format_report, phase_report
+
+    rates = {"device_copy": 2e12, "d2h_pinned": 50e9, "h2d_pinned": 25e9, "disk_write": 2e9, "disk_read": 1e9}
+    on_gpu = [_bench_record() | {"forward_backward_device_peak_gb": peak} for peak in (30.2, 29.8)]
+    on_cpu = [_bench_record()]
+
+    def text(records):
+        return format_report({"model": "m", "backend": "megatron", "workload": "w", "rates": rates, "arms": [
+            {"arm": "stream", "rollouts": 3, "reward_first": 0.0, "reward_last": 0.0,
+             "phases": phase_report(records, "disk", rates)}]})
+
+    assert "(rank: fwd/bwd 1.000, peak 30.2 GB + optimizer 0.200" in text(on_gpu)  # the largest of the rollouts
+    assert "peak" not in text(on_cpu)
