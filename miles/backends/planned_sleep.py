@@ -112,6 +112,7 @@ def memory_facts(device: torch.device, engine: EngineNeeds, store, ranks_on_node
     return MemoryFacts(
         device_total=int(total), device_free=int(free),
         engine_kv=int(total) if engine.kv_bytes is None else int(engine.kv_bytes),
+        engine_kv_measured=engine.kv_bytes is not None,
         engine_weights=int(engine.weight_bytes),
         host_ram_budget=host_ram_budget(available, reserve_mb * MiB, ranks_on_node, tier_growth),
         masters_in_host_ram=bool(stores) and all(s.mains_in_host_ram for s in stores),

@@ -76,7 +76,9 @@ class MemoryFacts:
     host_ram_budget: what this rank may put in host RAM (the store's 'auto' accounting: its share of
     MemAvailable after the node reserve, less what its tier may still grow into). masters_in_host_ram:
     every store's masters live in host RAM. engine_copy_readable: the engine's weights on this device
-    can be read by the trainer at wake (None: why not). device_is_host: the 'device' is host memory."""
+    can be read by the trainer at wake (None: why not). device_is_host: the 'device' is host memory.
+    engine_kv_measured: False when the engine has not said what it allocates (before its first release,
+    or sglang): engine_kv is then the whole device."""
 
     device_total: int
     device_free: int
@@ -87,6 +89,7 @@ class MemoryFacts:
     engine_copy_unreadable_because: Optional[str] = "no engine copy is readable from the trainer"
     device_is_host: bool = False
     reserve: int = DEVICE_RESERVE_BYTES
+    engine_kv_measured: bool = True  # False: engine_kv is the whole device, the engine not having said
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,9 @@ def _plan_auto(groups: list[Group], facts: MemoryFacts, target: str) -> SleepPla
                      "together at wake")
     if not facts.masters_in_host_ram and any(g.from_masters for g in groups):
         notes.append("masters not used: not every master is in host RAM")
+    if not facts.engine_kv_measured:
+        notes.append("the engine's KV pool is not measured (before its first release, or an engine that does not "
+                      "say): the engine may take the whole device")
     need = max(0, facts.engine_kv + facts.reserve - facts.device_free)
     ways = {g.name: KEEP for g in groups}
     left = need

@@ -126,9 +126,11 @@ def test_measured_facts_under_sglang_and_the_embedded_engine():
     assert sglang.device_is_host and not sglang.masters_in_host_ram
     plan = plan_sleep(_groups(grads=0), sglang, "auto", "disk")
     assert plan.way_of("weights") == TO_DISK and any("sglang" in n for n in plan.notes)
+    assert any("KV pool is not measured" in n for n in plan.notes)  # why everything moved, in the record
     promised = memory_facts(torch.device("cpu"), EngineNeeds(kv_bytes=5, weight_bytes=7, copy_at_wake=True),
                             None, 1, "embedded")
     assert promised.engine_copy_unreadable_because is None and promised.engine_kv == 5
     assert promised.engine_weights == 7
+    assert not any("KV pool" in n for n in plan_sleep(_groups(grads=0), promised, "auto", "disk").notes)
     unpromised = memory_facts(torch.device("cpu"), EngineNeeds(kv_bytes=5), None, 1, "embedded")
     assert "only on GPU" in unpromised.engine_copy_unreadable_because
