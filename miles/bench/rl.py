@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -253,6 +254,11 @@ def run_arm(arm: str, model: str, backend: str, args, rates: dict[str, float], s
             "losses": [r["loss"] for r in records], "rewards": [r["reward_mean"] for r in records]}
 
 
+def _same(a: float, b: float) -> bool:
+    """Equal bit for bit as numbers: two NaNs (a skipped step's loss) count as the same."""
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
 def series_agreement(arms: list[dict]) -> Optional[str]:
     """Whether the arms trained alike: every arm runs the same training on the same seed and differs only in
     where the state lives between steps, so their loss and reward series should be equal bit for bit. One line
@@ -264,8 +270,8 @@ def series_agreement(arms: list[dict]) -> Optional[str]:
     ref, departures = done[0], []
     rollouts = min(len(a["losses"]) for a in done)
     for arm in done[1:]:
-        first = next((i for i in range(rollouts) if (arm["losses"][i], arm["rewards"][i]) !=
-                      (ref["losses"][i], ref["rewards"][i])), None)
+        first = next((i for i in range(rollouts) if not (_same(arm["losses"][i], ref["losses"][i])
+                                                         and _same(arm["rewards"][i], ref["rewards"][i]))), None)
         if first is not None:
             departures.append(f"{arm['arm']} departs from {ref['arm']} at rollout {first} (loss {arm['losses'][first]!r} "
                               f"vs {ref['losses'][first]!r}, reward {arm['rewards'][first]!r} vs {ref['rewards'][first]!r})")

@@ -52,6 +52,8 @@ def test_the_report_says_whether_the_arms_trained_alike():
     assert apart == ("exactness: stream departs from stream-plan at rollout 1 (loss -0.2000001 vs -0.2, reward 0.25 vs "
                      "0.25); resident-cpu departs from stream-plan at rollout 2 (loss 0.3 vs 0.3, reward 0.5 vs 0.75)")
     assert series_agreement(same[:1]) is None
+    skipped = [arm("a", (0.1, float("nan"), 0.3)), arm("b", (0.1, float("nan"), 0.3))]  # a skipped step each
+    assert series_agreement(skipped).endswith("equal bit for bit over 3 rollouts")
 
 
 def test_the_train_line_shows_the_forward_backward_peak_where_a_gpu_reported_it():
