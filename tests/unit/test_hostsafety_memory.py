@@ -75,3 +75,34 @@ def test_nothing_readable_is_unknown_and_a_limit_alone_is_enough(tmp_path):
 def test_a_huge_file_is_read_only_in_part(tmp_path):
     root = _root(tmp_path, {"proc/meminfo": "X: 1 kB\n" * 100_000 + "MemAvailable: 1 kB\n"})
     assert available_host_memory(root) is None  # past the bound: not read
+
+
+def test_clean_page_cache_under_a_v2_limit_counts_as_left(tmp_path):
+    """A model folder just written sits in the cgroup's page cache: the kernel reclaims its clean part under
+    the limit, so it is left; dirty pages and pages under writeback are not."""
+    stat = (f"anon {3 * GIB}\nactive_file {4 * GIB}\ninactive_file {5 * GIB}\nfile_dirty {GIB}\n"
+            f"file_writeback {GIB}\nshmem 0\n")
+    root = _root(tmp_path, {"proc/meminfo": _meminfo(400), "proc/self/cgroup": "0::/c\n",
+                            "sys/fs/cgroup/c/memory.max": f"{20 * GIB}\n",
+                            "sys/fs/cgroup/c/memory.current": f"{12 * GIB}\n",
+                            "sys/fs/cgroup/c/memory.stat": stat})
+    assert available_host_memory(root) == (20 - 12 + 7) * GIB
+
+
+def test_clean_page_cache_under_a_v1_limit_is_read_from_its_hierarchical_counters(tmp_path):
+    stat = (f"cache {9 * GIB}\nactive_file {GIB}\ntotal_active_file {2 * GIB}\ntotal_inactive_file {6 * GIB}\n"
+            f"total_dirty {GIB}\ntotal_writeback 0\n")
+    root = _root(tmp_path, {"proc/meminfo": _meminfo(400), "proc/self/cgroup": "4:memory:/job\n",
+                            "sys/fs/cgroup/memory/job/memory.limit_in_bytes": f"{32 * GIB}\n",
+                            "sys/fs/cgroup/memory/job/memory.usage_in_bytes": f"{12 * GIB}\n",
+                            "sys/fs/cgroup/memory/job/memory.stat": stat})
+    assert available_host_memory(root) == (32 - 12 + 7) * GIB
+
+
+def test_a_memory_stat_that_makes_no_sense_leaves_no_more_than_the_limit(tmp_path):
+    stat = f"active_file {64 * GIB}\ninactive_file x\nfile_dirty -1\n"  # more cache than usage: no use above 0
+    root = _root(tmp_path, {"proc/meminfo": _meminfo(400), "proc/self/cgroup": "0::/c\n",
+                            "sys/fs/cgroup/c/memory.max": f"{20 * GIB}\n",
+                            "sys/fs/cgroup/c/memory.current": f"{12 * GIB}\n",
+                            "sys/fs/cgroup/c/memory.stat": stat})
+    assert available_host_memory(root) == 20 * GIB

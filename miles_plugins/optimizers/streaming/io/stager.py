@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 _NO_FALLOCATE = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
 
 
-_PROC_FILE_MAX_BYTES = 64 << 10  # /proc/meminfo and /proc/self/cgroup are a few KiB; a cgroup value, a line
+_PROC_FILE_MAX_BYTES = 64 << 10  # /proc/meminfo, /proc/self/cgroup and memory.stat are a few KiB; a cgroup value, a line
 
 
 def available_host_memory(root: str = "/") -> int | None:
@@ -75,17 +75,35 @@ def _meminfo_available(root: str) -> int | None:
     return None
 
 
-# (mount point, limit file, usage file) of the memory controller: cgroup v2, then v1 where v2 has none
-_CGROUP_MEMORY = (("sys/fs/cgroup", "memory.max", "memory.current"),
-                  ("sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes"))
+# (mount point, limit file, usage file, memory.stat's clean-page-cache keys: (file LRU keys, dirty keys)) of
+# the memory controller: cgroup v2, then v1 (its hierarchical "total_" counters) where v2 has none
+_CGROUP_MEMORY = (("sys/fs/cgroup", "memory.max", "memory.current",
+                   (("active_file", "inactive_file"), ("file_dirty", "file_writeback"))),
+                  ("sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
+                   (("total_active_file", "total_inactive_file"), ("total_dirty", "total_writeback"))))
+
+
+def _reclaimable_page_cache(stat_text: str | None, keys: tuple[tuple[str, ...], tuple[str, ...]]) -> int:
+    """Clean page cache a cgroup's usage counts and the kernel drops before its limit is hit (files just
+    read or written: a checkpoint, a model folder): its file pages less the dirty ones and those under
+    writeback. 0 when memory.stat cannot be read."""
+    values = {}
+    for line in (stat_text or "").splitlines():
+        fields = line.split()
+        if len(fields) == 2 and fields[1].isdigit():
+            values[fields[0]] = int(fields[1])
+    file_keys, dirty_keys = keys
+    return max(0, sum(values.get(k, 0) for k in file_keys) - sum(values.get(k, 0) for k in dirty_keys))
 
 
 def _cgroup_memory_left(root: str) -> int | None:
     """The least memory left under a limit of this process's cgroup or one above it (a limit may be set on
     a job and its processes sit in a step below), None when no limit applies or none can be read.
-    "max" (v2) is no limit; v1 writes no limit as a huge number, which the host's reading then undercuts."""
+    "max" (v2) is no limit; v1 writes no limit as a huge number, which the host's reading then undercuts.
+    The usage counts the cgroup's page cache; its clean part is left too (the kernel reclaims it under the
+    limit, as MemAvailable counts it): a model folder just written would otherwise shrink an "auto" tier."""
     paths = _own_cgroups(_read_text(root, "proc/self/cgroup") or "")
-    for (mount, limit_file, usage_file), path in zip(_CGROUP_MEMORY, (paths.get("v2"), paths.get("v1"))):
+    for (mount, limit_file, usage_file, cache_keys), path in zip(_CGROUP_MEMORY, (paths.get("v2"), paths.get("v1"))):
         if path is None:
             continue
         left = []
@@ -94,7 +112,10 @@ def _cgroup_memory_left(root: str) -> int | None:
             limit = _read_text(root, os.path.join(directory, limit_file))
             usage = _read_text(root, os.path.join(directory, usage_file))
             if limit is not None and usage is not None and limit.strip().isdigit() and usage.strip().isdigit():
-                left.append(max(0, int(limit.strip()) - int(usage.strip())))
+                clean_cache = _reclaimable_page_cache(_read_text(root, os.path.join(directory, "memory.stat")),
+                                                      cache_keys)
+                in_use = max(0, int(usage.strip()) - clean_cache)
+                left.append(max(0, int(limit.strip()) - in_use))
             if path == "/":
                 break
             path = os.path.dirname(path)
