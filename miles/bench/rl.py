@@ -21,11 +21,12 @@ the first) next to the floor measured in this same run:
 Arms (--arms, comma-separated):
 
   stream         --stream-optimizer-state-to-disk --offload-train-target=disk
-                 --stream-optimizer-state-host-cache-mb auto
-  resident-cpu   resident optimizer state, --offload-train-target=cpu
-  resident-disk  resident optimizer state, --offload-train-target=disk
-  stream-plan    the stream arm with --offload-train-plan auto (the sleep plan: only what must move
-                 moves; the stream arm writes every weight to disk at each sleep): what the plan saves
+                 --stream-optimizer-state-host-cache-mb auto --offload-train-plan offload-all
+  resident-cpu   resident optimizer state, --offload-train-target=cpu --offload-train-plan offload-all
+  resident-disk  resident optimizer state, --offload-train-target=disk --offload-train-plan offload-all
+  stream-plan    the stream arm with --offload-train-plan auto (miles train's default: only what must
+                 move moves; the other arms write every weight to the target at each sleep, the
+                 baselines the plan is measured against)
 
     miles bench rl --preset llama-1b --dir /nvme/bench-rl --json rl.json
     miles bench rl --hf-checkpoint /models/qwen3-0.6b --arms stream --rollouts 6 --train-arg=--micro-batch-size=16
@@ -51,12 +52,13 @@ from miles.models import RANDOM_MODEL_PRESETS
 from .common import Progress, dir_arg, median, number_arg, run_standalone
 
 NAME, HELP = "rl", "the colocated RL loop (generate, train, weights, sleep/wake) per phase against its floor"
+_OFFLOAD_ALL = ["--offload-train-plan", "offload-all"]  # the baselines: every weight to the target at each sleep
 ARMS = {
     "stream": ["--stream-optimizer-state-to-disk", "--offload-train-target=disk",
-               "--stream-optimizer-state-host-cache-mb", "auto"],
-    "resident-cpu": ["--offload-train-target=cpu"],
-    "resident-disk": ["--offload-train-target=disk"],
-    # the stream arm with the sleep plan (opt-in): against the stream arm, what the plan saves
+               "--stream-optimizer-state-host-cache-mb", "auto", *_OFFLOAD_ALL],
+    "resident-cpu": ["--offload-train-target=cpu", *_OFFLOAD_ALL],
+    "resident-disk": ["--offload-train-target=disk", *_OFFLOAD_ALL],
+    # the stream arm with the sleep plan: against the stream arm, what the plan saves
     "stream-plan": ["--stream-optimizer-state-to-disk", "--offload-train-target=disk",
                     "--stream-optimizer-state-host-cache-mb", "auto", "--offload-train-plan", "auto"],
 }

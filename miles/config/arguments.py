@@ -259,6 +259,12 @@ class TrainingConfig:
     expert_tensor_parallel_size: int = knob(
         DEFAULT_EXPERT_TENSOR_PARALLEL_SIZE, "Tensor parallelism inside each routed expert (megatron backend). "
         "Megatron-core defaults it to TP; miles to 1, as MoE recipes do.", metavar="N", at_least=1)
+    experimental_model_parallel: bool = knob(
+        False, "Train with --tensor-model-parallel-size or --pipeline-model-parallel-size > 1. The megatron trainer "
+        "builds these layouts and they are checked on CPU (megatron-core over gloo: TP2, PP2 and TP2 x PP2 match "
+        "TP1, streamed state equals resident, save and resume exact; docs/dev/validation/parallel.md), but they "
+        "have not run on GPUs yet: without this flag such a layout is accepted under --dry-run only. "
+        "scripts/validate_parallel.sh runs the GPU checks on a host with 2 or more GPUs.")
     decoder_first_pipeline_num_layers: Optional[int] = knob(
         None, "Decoder layers of the first pipeline stage (Megatron's uneven pipeline); the stages without a "
         "count split the rest evenly. Unset: an even split.", metavar="N", at_least=1)
@@ -374,12 +380,12 @@ class OffloadConfig:
         None, "Where trainer offload puts its memory (default: cpu).", choices=("cpu", "disk")
     )
     offload_train_plan: str = knob(
-        "offload-all", "How a sleeping trainer makes room (docs/advanced/disk-offload.md, 'The sleep plan'): auto moves "
-        "only what must move, each tensor by its cheapest exact way back (kept on the device when it fits beside "
-        "the engine's KV pool, rebuilt from the optimizer store's masters in host RAM, grads discarded, the rest "
-        "to host RAM, then to --offload-train-target; measured on CPU, not yet on GPUs); offload-all (the default until the plan "
-        "is measured on GPUs) writes every weight and resident optimizer tensor to --offload-train-target at "
-        "every sleep.",
+        "auto", "How a sleeping trainer makes room (docs/advanced/disk-offload.md, 'The sleep plan'): auto (the "
+        "default) moves only what must move, each tensor by its cheapest exact way back (kept on the device when it "
+        "fits beside the engine's weights and KV pool, rebuilt from the engine's copy or the optimizer store's "
+        "masters in host RAM, grads discarded, the rest to host RAM, then to --offload-train-target); offload-all "
+        "writes every weight and resident optimizer tensor to --offload-train-target at every sleep (the behaviour "
+        "before the plan: for comparison, or where the plan misjudges a host).",
         choices=OFFLOAD_TRAIN_PLANS)
     offload_train_disk_dir: Optional[str] = knob(
         None,

@@ -53,6 +53,7 @@ def _run(tmp_path, name, model, *flags):
         "--hf-checkpoint", model, "--train-backend", "torch", "--colocate",
         "--num-train-ranks", "1", "--num-rollout-engines", "1",
         "--offload-train-target", "disk", "--offload-train-disk-dir", str(tmp_path / f"{name}-disk"),
+        "--offload-train-plan", "offload-all",  # every tensor through the disk offload (the plan: test_sleep_plan_e2e.py)
         "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
         "--rollout-max-response-len", "8", "--micro-batch-size", "2",
         "--save", str(save), "--metrics-file", str(metrics), *flags]))

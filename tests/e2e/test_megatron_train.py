@@ -32,6 +32,7 @@ def _run(tmp_path, name, model, *flags):
     config = validate_args(parse_args([
         "--train-backend", "megatron", "--hf-checkpoint", model, "--colocate",
         "--offload-train-target", "disk", "--offload-train-disk-dir", str(tmp_path / f"{name}-disk"),
+        "--offload-train-plan", "offload-all",  # the disk offload itself (the plan: tests/gpu/test_sleep_plan_gpu.py)
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "8",
         "--metrics-file", str(metrics), *flags]))
     summary = run(config)

@@ -107,8 +107,8 @@ def _config(tmp_path, *, stream: bool):
     tmp_path.mkdir(parents=True, exist_ok=True)  # a run creates its disk root, not the root's parents
     argv = ["--tiny-model", "--model-dtype", "bf16", "--micro-batch-size", "2", "--lr", "1e-3",
             "--offload-train-disk-dir", str(tmp_path / "disk")]
-    if stream:
-        argv += ["--stream-optimizer-state-to-disk", "--offload-train-target", "disk"]
+    if stream:  # the offloader itself (the sleep plan: test_sleep_plan_gpu.py)
+        argv += ["--stream-optimizer-state-to-disk", "--offload-train-target", "disk", "--offload-train-plan", "offload-all"]
     config = validate_args(parse_args(argv))
     return dataclasses.replace(
         config, training=dataclasses.replace(config.training, train_backend="megatron"),

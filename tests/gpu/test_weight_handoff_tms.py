@@ -68,6 +68,7 @@ def test_the_same_in_a_ray_train_actor_with_the_train_actors_environment(tmp_pat
     from miles.ray.actor_factory import base_env
 
     config = validate_args(parse_args(["--tiny-model", "--colocate", "--offload-train-target=disk",
+                                       "--offload-train-plan", "offload-all",  # the one plan that pauses under TMS
                                        "--offload-train-disk-dir", str(tmp_path / "disk"),
                                        "--metrics-file", str(tmp_path / "m.jsonl")]))
     env = {**base_env(), **layout.rank_env(config, 0, 0, use_gpu=True, tms_library=layout.tms_preload_library())}
