@@ -128,6 +128,10 @@ def _run_holding_root(config: RunConfig, stop: StopOnSignal, state: RunState) ->
     from miles.ray.node_disk import NodeDiskError
 
     t_run = time.perf_counter()
+    if config.training.experimental_model_parallel:
+        logger.warning("%s: tensor/pipeline parallel training (--experimental-model-parallel) is checked on CPU, "
+                       "not yet on GPUs; scripts/validate_parallel.sh compares it with TP = PP = 1 on this host",
+                       config.parallel_layout.describe())
     try:  # a checkpoint this run cannot resume is refused before Ray and the actors start
         target = checkpoint.resume_target(config.checkpoint.load, config.checkpoint.loads_optimizer_state,
                                           config.parallel_layout)
@@ -182,6 +186,7 @@ def _start_actors(config: RunConfig, actors: Actors, state: RunState, source) ->
     """Placement group, the per-node disk check, the train actors and the rollout engines, initialized;
     one line on what runs where."""
     from miles.ray.node_disk import check_node_disks
+    from miles.ray.layout import engines_load_first
     from miles.ray.placement_group import bundle_nodes, create_placement_group
     from miles.ray.rollout_manager import RolloutManager
     from miles.ray.train_group import RayTrainGroup
@@ -195,8 +200,12 @@ def _start_actors(config: RunConfig, actors: Actors, state: RunState, source) ->
     logger.info("starting %d train actor(s) and %d rollout engine(s) (each imports torch and builds the "
                 "model: this takes a while on a small machine)", len(actors.train_group.actors),
                 len(actors.rollout.engines))
-    infos = actors.train_group.init()
-    engine_infos = actors.rollout.init()
+    if engines_load_first(config):
+        engine_infos = actors.rollout.init()
+        infos = actors.train_group.init()
+    else:
+        infos = actors.train_group.init()
+        engine_infos = actors.rollout.init()
     state.train_ranks, state.rollout_engines = infos, engine_infos
     info0 = infos[0]
     logger.info("policy: %s | %.2fM params, %s on %s | %d train ranks (%s), %d rollout engine(s)%s",

@@ -13,6 +13,7 @@ import os
 from typing import Optional, Sequence
 
 from miles.config import RunConfig
+from miles_plugins.optimizers.streaming.config import HOST_CACHE_AUTO
 
 # Train actor vs. rollout engine share of one bundle when they are colocated. They never run at the
 # same time (one sleeps while the other works), so the split only has to let both fit.
@@ -140,3 +141,14 @@ def rollout_engine_placement(cfg: RunConfig, engine: int, ranks_to_bundles: Opti
         rank = colocated_rank(cfg, engine)
         return ranks_to_bundles[rank] if ranks_to_bundles is not None else rank
     return cfg.cluster.num_train_ranks + engine
+
+
+def engines_load_first(config: RunConfig) -> bool:
+    """An "auto" host tier is sized once, from the memory free when the store is built, and an embedded
+    engine loads its checkpoint through host RAM (a copy as large as the bf16 weights, gone once they are on
+    its device): the engines load first so the tier does not come out smaller by that copy (llama-9.2b on
+    one H200, loading side by side: a 92 GB tier in one run, 17.6 GB of every step on disk; the whole
+    110 GB state in the next). Otherwise both load at once."""
+    return (config.optimizer.stream_optimizer_state_to_disk
+            and config.optimizer.stream_optimizer_state_host_cache_mb == HOST_CACHE_AUTO
+            and config.rollout.rollout_engine == "embedded")

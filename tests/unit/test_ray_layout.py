@@ -107,3 +107,13 @@ def test_uses_rank_dirs():
     assert _cfg("--offload-train-target", "disk").uses_rank_dirs
     assert not _cfg("--offload-train-target", "cpu").uses_rank_dirs
 
+
+
+@pytest.mark.parametrize("argv, first", [
+    ((*STREAM_DISK, "--stream-optimizer-state-host-cache-mb", "auto"), True),  # the tier is sized from free memory
+    ((*STREAM_DISK, "--stream-optimizer-state-host-cache-mb", "1024"), False),  # a fixed tier: both load at once
+    (STREAM_DISK, False),
+    (("--offload-train-target", "disk"), False),
+])
+def test_embedded_engines_load_before_an_auto_host_tier_is_sized(argv, first):
+    assert layout.engines_load_first(_cfg(*argv)) is first
