@@ -15,9 +15,12 @@
 # Run it on every node, the head node first:
 #   NODE_RANK=0 HEAD_ADDR=10.0.0.1 bash scripts/launch_glm5_744b.sh   # head: starts Ray, trains
 #   NODE_RANK=1 HEAD_ADDR=10.0.0.1 bash scripts/launch_glm5_744b.sh   # others: join Ray, wait
-# NOT TRAINABLE YET, and said so before Ray starts: `miles train` accepts this layout under --dry-run only and
-# refuses the run itself (exit 2, naming the flags) until the megatron trainer builds TP/PP > 1 models
-# (issue 39); its model builder also knows the Llama/Qwen families only, not GLM-5's MLA and sparse attention.
+# NOT TRAINABLE YET, and said so before Ray starts: `miles train` accepts this layout under --dry-run and refuses
+# the run itself (exit 2, naming the flags) unless --experimental-model-parallel is added: its TP/PP > 1 training
+# is checked on CPU (docs/dev/validation/parallel.md), not yet on GPUs. The megatron backend builds GLM-5's layers (MLA, the sparse
+# attention's indexer, MoE). The embedded rollout engine below holds the whole model on one GPU, which 744B
+# does not fit: at this size the rollouts need sglang servers with tensor parallelism (--rollout-engine sglang
+# --sglang-url, docs/advanced/sglang.md).
 # Node-local disk per node with bf16 moments (the plan above): 0.78 TB streamed state + 0.19 TB trainer
 # offload, + 0.78 TB when checkpoints go to the same disk.
 set -euo pipefail

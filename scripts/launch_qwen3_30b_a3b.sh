@@ -13,7 +13,8 @@
 # A single node needs no variables beyond the paths. `miles train` connects to the cluster through RAY_ADDRESS,
 # places the ranks of each node together (one rollout engine per node) and, before starting them, checks
 # every node's free space under DISK_DIR against the plan.
-# Rollout: the embedded engine (the one `miles train` runs today; sglang is refused until it is wired in).
+# Rollout: the embedded engine (one engine per node, the whole model on one GPU: 30B in bf16 fits an H200);
+# sglang servers are the other choice (--rollout-engine sglang --sglang-url, docs/advanced/sglang.md).
 set -euo pipefail
 
 NUM_NODES=${NUM_NODES:-1}
@@ -27,7 +28,7 @@ DISK_DIR=${DISK_DIR:-/local_nvme/miles}                    # node-local disk: st
 SAVE_DIR=${SAVE_DIR:-/shared/checkpoints/qwen3-30b-a3b}   # shared storage, seen by every node
 MOMENT_DTYPE=${MOMENT_DTYPE:-bf16}                         # fp32 is bit-exact; bf16 streams 8 B/param, not 12
 EP=${EP:-8}                                                # data parallel over all GPUs, experts split EP ways
-TP=${TP:-1}                                                # TP x PP > 1: --dry-run only until the trainer builds it
+TP=${TP:-1}                                                # TP x PP > 1: add --experimental-model-parallel
 PP=${PP:-1}
 export RAY_USAGE_STATS_ENABLED=0
 

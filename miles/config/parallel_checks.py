@@ -16,11 +16,9 @@ from miles.config.run_config import RunConfig
 from miles.parallel.layout import (DEFAULT_EXPERT_TENSOR_PARALLEL_SIZE, FIRST_STAGE_FLAG, LAST_STAGE_FLAG, PP_FLAG,
                                    SP_FLAG, TP_FLAG, ETP_FLAG, LayoutError, check_layout)
 
-__all__ = ["check_parallel", "model_parallel_sizes", "MODEL_PARALLEL_BUILT"]
+__all__ = ["check_parallel", "model_parallel_sizes", "EXPERIMENTAL_MODEL_PARALLEL_FLAG"]
 
-# Whether the megatron trainer builds TP/PP > 1 models in this version (miles/parallel/ and the trainer's
-# model build). Until it does, validation accepts such a layout under --dry-run only.
-MODEL_PARALLEL_BUILT = False
+EXPERIMENTAL_MODEL_PARALLEL_FLAG = "--experimental-model-parallel"
 
 
 def model_parallel_sizes(d: RunConfig, env: Environment) -> dict[str, Optional[int]]:
@@ -74,12 +72,13 @@ def _check_backend_builds(d: RunConfig) -> None:
             f"{ETP_FLAG} {layout.etp} does not divide {TP_FLAG} {layout.tp}: the megatron backend gathers an "
             "expert's tensor-parallel pieces within a TP group for the weight handoff and checkpoints.",
             (ETP_FLAG, TP_FLAG), f"pass an {ETP_FLAG} that divides {layout.tp} (1 always does).")
-    if not MODEL_PARALLEL_BUILT and layout.tp * layout.pp > 1 and not d.cluster.dry_run:
+    if layout.tp * layout.pp > 1 and not d.cluster.dry_run and not d.training.experimental_model_parallel:
         raise ArgumentError(
-            f"{TP_FLAG} {layout.tp} x {PP_FLAG} {layout.pp}: the megatron trainer of this version builds the layout "
-            "(flags, validation, `miles plan`, weight conversion of TP/PP shards) but not yet the model and the "
-            "pipeline schedule for TP or PP > 1.", (TP_FLAG, PP_FLAG),
-            "pass --dry-run to check this layout on this machine, or train with TP = PP = 1.")
+            f"{TP_FLAG} {layout.tp} x {PP_FLAG} {layout.pp}: the megatron trainer builds TP/PP > 1 models, checked on "
+            "CPU (megatron-core over gloo), but this version has not run them on GPUs.", (TP_FLAG, PP_FLAG),
+            f"add {EXPERIMENTAL_MODEL_PARALLEL_FLAG} to train with this layout anyway (scripts/validate_parallel.sh "
+            "checks it on a host with 2+ GPUs first), pass --dry-run to check the layout on this machine, or train "
+            "with TP = PP = 1.")
 
 
 def _check_batch_split(d: RunConfig) -> None:

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from miles.config import ArgumentError, Environment, build_parser, validate_args
-from miles.config.parallel_checks import MODEL_PARALLEL_BUILT
 from miles.sizing.cli import build_parser as plan_parser
 from miles.sizing.cli import main as plan_main
 from miles.sizing.presets import GLM5_744B, QWEN3_30B_A3B
@@ -115,9 +114,9 @@ def test_the_launcher_checks_the_run_it_then_starts(path):
     assert (args.train_backend, args.offload_train_target) == ("megatron", "disk")
     env = gpu_machine(MODEL_CONFIGS[path.name])
     cfg = validate_args(build_parser().parse_args(check), env)
-    if MODEL_PARALLEL_BUILT or cfg.parallel_layout.tp * cfg.parallel_layout.pp == 1:
+    if cfg.parallel_layout.tp * cfg.parallel_layout.pp == 1:
         validate_args(args, env)
-    else:  # refused before Ray starts, naming the flags, until the trainer builds TP/PP
+    else:  # refused before Ray starts, naming the flags and the opt-in, until TP/PP has run on GPUs
         with pytest.raises(ArgumentError, match="--tensor-model-parallel-size"):
             validate_args(args, env)
 

@@ -6,7 +6,6 @@ import dataclasses
 import pytest
 
 from miles.config import ArgumentError, Environment, parse_args, validate_args
-from miles.config.parallel_checks import MODEL_PARALLEL_BUILT
 from miles.sizing.presets import GLM5_744B
 
 MEGATRON = ["--train-backend", "megatron"]
@@ -44,14 +43,21 @@ def test_glm5s_78_layers_at_pp4_need_the_uneven_stage_flags():
     assert "--decoder-first-pipeline-num-layers 20 --decoder-last-pipeline-num-layers 20" in e.value.fix
 
 
-@pytest.mark.skipif(MODEL_PARALLEL_BUILT, reason="the trainer builds TP/PP models: nothing to refuse")
-def test_tp_or_pp_beyond_one_is_refused_outside_dry_run_until_the_trainer_builds_it():
+def test_tp_or_pp_beyond_one_trains_only_when_asked_for_as_experimental():
     with pytest.raises(ArgumentError) as e:
         check(["--tiny-model", "--tensor-model-parallel-size", "2", "--num-train-ranks", "2"])
     assert "--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 1" in str(e.value)
-    assert "--dry-run" in e.value.fix
+    assert "--experimental-model-parallel" in e.value.fix and "--dry-run" in e.value.fix
     check(["--tiny-model", "--tensor-model-parallel-size", "2", "--num-train-ranks", "2", "--dry-run"])
-    check(["--tiny-model", "--expert-model-parallel-size", "2", "--num-train-ranks", "2"])  # EP alone trains today
+    check(["--tiny-model", "--pipeline-model-parallel-size", "2", "--num-train-ranks", "2",
+           "--experimental-model-parallel"])
+    check(["--tiny-model", "--expert-model-parallel-size", "2", "--num-train-ranks", "2"])  # EP alone needs no opt-in
+
+
+def test_the_experimental_flag_without_tp_or_pp_changes_nothing_and_is_refused():
+    with pytest.raises(ArgumentError) as e:
+        check(["--tiny-model", "--num-train-ranks", "2", "--experimental-model-parallel"])
+    assert "--experimental-model-parallel has no effect" in str(e.value)
 
 
 @pytest.mark.parametrize("argv,words", [

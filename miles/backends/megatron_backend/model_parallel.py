@@ -12,8 +12,8 @@
 
 Under pipeline parallelism each stage holds its layers; ``iter_hf`` hands every part from the stage holding it
 to the other stages (``broadcast_share``), so every rank feeds its engine the whole model, and pipeline.py runs
-Megatron's schedule. Validation refuses TP/PP > 1 outside --dry-run until the GPU tests pass
-(miles/config/parallel_checks.py).
+Megatron's schedule. Checked on CPU, not yet on GPUs: validation asks for --experimental-model-parallel to
+train TP/PP > 1 (miles/config/parallel_checks.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The megatron training backend: one :class:`MegatronTrainer` per train actor (data-parallel rank).
 
 megatron-core GPTModel (expert parallelism; tensor and pipeline parallelism through model_parallel.py and
-pipeline.py, which validation accepts under --dry-run only until the GPU tests pass) built from the policy's
+pipeline.py, which train only with --experimental-model-parallel until run on GPUs) built from the policy's
 transformers config and loaded with its weights, wrapped bf16 (Float16Module) in megatron's
 DistributedDataParallel, stepped by its DistributedOptimizer (a ChainedOptimizer of dense + expert
 members for MoE). With ``--stream-optimizer-state-to-disk`` the store is bound to that optimizer.
