@@ -77,32 +77,27 @@ def test_a_huge_file_is_read_only_in_part(tmp_path):
     assert available_host_memory(root) is None  # past the bound: not read
 
 
-def test_clean_page_cache_under_a_v2_limit_counts_as_left(tmp_path):
-    """A model folder just written sits in the cgroup's page cache: the kernel reclaims its clean part under
-    the limit, so it is left; dirty pages and pages under writeback are not."""
-    stat = (f"anon {3 * GIB}\nactive_file {4 * GIB}\ninactive_file {5 * GIB}\nfile_dirty {GIB}\n"
-            f"file_writeback {GIB}\nshmem 0\n")
-    root = _root(tmp_path, {"proc/meminfo": _meminfo(400), "proc/self/cgroup": "0::/c\n",
-                            "sys/fs/cgroup/c/memory.max": f"{20 * GIB}\n",
-                            "sys/fs/cgroup/c/memory.current": f"{12 * GIB}\n",
-                            "sys/fs/cgroup/c/memory.stat": stat})
-    assert available_host_memory(root) == (20 - 12 + 7) * GIB
+V2_LIMIT = ("0::/c\n", "sys/fs/cgroup/c", "memory.max", "memory.current")
+V1_LIMIT = ("4:memory:/job\n", "sys/fs/cgroup/memory/job", "memory.limit_in_bytes", "memory.usage_in_bytes")
 
 
-def test_clean_page_cache_under_a_v1_limit_is_read_from_its_hierarchical_counters(tmp_path):
-    stat = (f"cache {9 * GIB}\nactive_file {GIB}\ntotal_active_file {2 * GIB}\ntotal_inactive_file {6 * GIB}\n"
-            f"total_dirty {GIB}\ntotal_writeback 0\n")
-    root = _root(tmp_path, {"proc/meminfo": _meminfo(400), "proc/self/cgroup": "4:memory:/job\n",
-                            "sys/fs/cgroup/memory/job/memory.limit_in_bytes": f"{32 * GIB}\n",
-                            "sys/fs/cgroup/memory/job/memory.usage_in_bytes": f"{12 * GIB}\n",
-                            "sys/fs/cgroup/memory/job/memory.stat": stat})
-    assert available_host_memory(root) == (32 - 12 + 7) * GIB
+def _limited(tmp_path, cgroup, limit_gib: int, usage_gib: int, stat: str) -> str:
+    line, directory, limit_file, usage_file = cgroup
+    return _root(tmp_path, {"proc/meminfo": _meminfo(400), "proc/self/cgroup": line,
+                            f"{directory}/{limit_file}": f"{limit_gib * GIB}\n",
+                            f"{directory}/{usage_file}": f"{usage_gib * GIB}\n", f"{directory}/memory.stat": stat})
 
 
-def test_a_memory_stat_that_makes_no_sense_leaves_no_more_than_the_limit(tmp_path):
-    stat = f"active_file {64 * GIB}\ninactive_file x\nfile_dirty -1\n"  # more cache than usage: no use above 0
-    root = _root(tmp_path, {"proc/meminfo": _meminfo(400), "proc/self/cgroup": "0::/c\n",
-                            "sys/fs/cgroup/c/memory.max": f"{20 * GIB}\n",
-                            "sys/fs/cgroup/c/memory.current": f"{12 * GIB}\n",
-                            "sys/fs/cgroup/c/memory.stat": stat})
-    assert available_host_memory(root) == 20 * GIB
+@pytest.mark.parametrize("cgroup, stat, left_gib", [
+    # a model folder just written sits in the cgroup's page cache: the kernel reclaims its clean part under
+    # the limit, so it is left; dirty pages and pages under writeback are not
+    (V2_LIMIT, f"anon {3 * GIB}\nactive_file {4 * GIB}\ninactive_file {5 * GIB}\nfile_dirty {GIB}\n"
+               f"file_writeback {GIB}\nshmem 0\n", 20 - 12 + 7),
+    # v1: its hierarchical total_ counters, not the cgroup's own
+    (V1_LIMIT, f"cache {9 * GIB}\nactive_file {GIB}\ntotal_active_file {2 * GIB}\ntotal_inactive_file {6 * GIB}\n"
+               f"total_dirty {GIB}\ntotal_writeback 0\n", 20 - 12 + 7),
+    # more cache than usage, a value that is no number: never more than the limit itself
+    (V2_LIMIT, f"active_file {64 * GIB}\ninactive_file x\nfile_dirty -1\n", 20),
+], ids=["v2", "v1", "nonsense"])
+def test_clean_page_cache_under_a_limit_counts_as_left(tmp_path, cgroup, stat, left_gib):
+    assert available_host_memory(_limited(tmp_path, cgroup, 20, 12, stat)) == left_gib * GIB
