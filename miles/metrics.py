@@ -218,6 +218,9 @@ def rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, sa
     if "forward_backward_device_peak_bytes" in r0:
         rec["forward_backward_device_peak_gb"] = max(int(r["forward_backward_device_peak_bytes"]) for r in ranks) / GB
     rec.update(_mfu_record(ranks, fwd_bwd))
+    if "micro_batches" in r0:  # how the samples were batched: the most micro-batches a rank ran, the padded tokens
+        rec["train_micro_batches"] = max(int(r["micro_batches"]) for r in ranks)
+        rec["train_padded_tokens"] = sum(int(r["padded_tokens"]) for r in ranks)
     if any("device_used_bytes_asleep" in s for s in sleep):  # GPU backends: device memory in use while asleep
         rec["device_used_gb_asleep"] = max(s.get("device_used_bytes_asleep", 0) for s in sleep) / GB
     if "stream_bytes_read" in r0:

@@ -38,6 +38,7 @@ from miles.config import RunConfig
 from miles.logging_setup import configure_logging, progress_bar, set_driver_env
 from miles.metrics import MetricsSink, format_rollout_line, log_summary, rollout_record
 from miles.parallel.layout import ParallelLayout, rank_slices
+from miles.rollout.recorded import RolloutDataError, read_rollout, write_rollout
 from miles.run_lifecycle import Actors, RunState, StopOnSignal, hold_root_and_run, tear_down
 from miles_plugins.optimizers.streaming.units import GB
 
@@ -163,7 +164,7 @@ def _run_holding_root(config: RunConfig, stop: StopOnSignal, state: RunState) ->
     except ActorFailure as e:
         failure = e
         logger.error("%s failed on %s. The actor's traceback:\n%s", e.what, e.actor, e.remote_traceback)
-    except (NodeDiskError, SkippedStepsError, checkpoint.CheckpointError) as e:
+    except (NodeDiskError, SkippedStepsError, checkpoint.CheckpointError, RolloutDataError) as e:
         failure = e
         logger.error("%s", e)
     except BaseException as e:
@@ -316,18 +317,29 @@ class _Loop:
                 "rewards, or lower --lr; --max-consecutive-skipped-steps sets the limit")
 
     def generate(self, rollout_id: int) -> tuple[list, list[float], list[float]]:
-        """Samples of the rollout's prompts, their rewards and GRPO advantages (set on the samples too)."""
+        """Samples of the rollout's prompts, their rewards and GRPO advantages (set on the samples too); with
+        --load-debug-rollout-data the recorded samples and rewards instead of generating (the prompt cursor
+        moves on as the recording run's did)."""
         from miles.rl import compute_rewards, encode_prompts, grpo_advantages
         from miles.rollout.types import SamplingParams
 
-        config = self.config
-        items = self.cursor.next_batch(config.rollout.rollout_batch_size)
-        prompt_ids = encode_prompts(self.tokenizer, [it.prompt for it in items])
-        samples = self.rollout.generate(prompt_ids, SamplingParams.from_config(config, rollout_id))
-        rewards = compute_rewards([s.response_text for s in samples], [items[s.prompt_index].answer for s in samples])
-        advantages = [float(a) for a in grpo_advantages(rewards, config.rollout.n_samples_per_prompt)]
-        for s, r, a in zip(samples, rewards, advantages):
-            s.reward, s.advantage = r, a
+        r = self.config.rollout
+        items = self.cursor.next_batch(r.rollout_batch_size)
+        if r.load_debug_rollout_data is not None:
+            samples = read_rollout(r.load_debug_rollout_data, rollout_id, r.rollout_batch_size,
+                                   r.n_samples_per_prompt)
+            rewards = [s.reward for s in samples]
+        else:
+            prompt_ids = encode_prompts(self.tokenizer, [it.prompt for it in items])
+            samples = self.rollout.generate(prompt_ids, SamplingParams.from_config(self.config, rollout_id))
+            rewards = compute_rewards([s.response_text for s in samples],
+                                      [items[s.prompt_index].answer for s in samples])
+        advantages = [float(a) for a in grpo_advantages(rewards, r.n_samples_per_prompt)]
+        for s, reward, a in zip(samples, rewards, advantages):
+            s.reward, s.advantage = reward, a
+        if r.save_debug_rollout_data is not None:
+            logger.info("rollout %d recorded to %s", rollout_id,
+                        write_rollout(r.save_debug_rollout_data, rollout_id, samples))
         return samples, rewards, advantages
 
     def save_if_due(self, completed: int) -> Optional[str]:

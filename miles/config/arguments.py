@@ -219,6 +219,15 @@ class RolloutConfig:
     rollout_temperature: float = knob(1.0, "Sampling temperature (> 0).", above=0)
     rollout_top_p: float = knob(1.0, "Nucleus sampling threshold in (0, 1].", above=0, at_most=1)
     rollout_seed: int = knob(42, "Seed of prompt order and sampling (rollout i samples with seed + i).")
+    save_debug_rollout_data: Optional[str] = knob(
+        None, "Record each rollout's samples and rewards to this path, a template with {rollout_id} (one JSON "
+        "file per rollout, never over an existing file): a later run replays them with "
+        "--load-debug-rollout-data (slime's flags).", metavar="PATH")
+    load_debug_rollout_data: Optional[str] = knob(
+        None, "Train on the samples and rewards a run recorded with --save-debug-rollout-data (this path "
+        "template, {rollout_id} in it) instead of generating: two training setups compared on the same samples "
+        "rollout after rollout. The engines still take each new policy's weights; the batch shape must be the "
+        "recording run's.", metavar="PATH")
     weight_sync: str = knob(
         "auto", "How trained weights reach the rollout engines, never through Ray's object store: ipc hands "
         "each engine flattened weight buckets by reference (CUDA IPC handles on the GPU it shares with a train "

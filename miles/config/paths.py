@@ -28,6 +28,15 @@ OPTIMIZER_STATE_SUBDIR = "optimizer_state"
 ROLLOUT_SUBDIR = "rollout"
 
 
+ROLLOUT_ID_PLACEHOLDER = "{rollout_id}"  # in --save/--load-debug-rollout-data templates
+
+
+def rollout_data_path(template: str, rollout_id: int) -> str:
+    """The recorded-rollout file of rollout ``rollout_id``: ``template`` with ``{rollout_id}`` replaced (the only
+    placeholder; validation refuses templates without it)."""
+    return template.replace(ROLLOUT_ID_PLACEHOLDER, str(rollout_id))
+
+
 def new_run_id() -> str:
     """``<YYYYmmdd-HHMMSS>-<pid>``: names this run's default folders."""
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"

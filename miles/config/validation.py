@@ -65,7 +65,7 @@ from miles.config.effective_flags import first_ineffective_flag, is_given
 from miles.config.environment import Environment
 from miles.config.errors import ArgumentError
 from miles.config.parallel_checks import check_parallel
-from miles.config.paths import RunPaths, default_root, new_run_id
+from miles.config.paths import ROLLOUT_ID_PLACEHOLDER, RunPaths, default_root, new_run_id, rollout_data_path
 from miles.config.resource_checks import (check_disk, check_fits_this_machine, check_outputs_outside_scratch,
                                           check_root_is_the_runs_own)
 from miles.config.run_config import STORE_FIELD_FLAGS, RunConfig, field_value, store_config
@@ -329,8 +329,35 @@ def _check_sglang(d: RunConfig, env: Environment) -> None:
                 "miles.models.write_random_model).")
 
 
+def _check_recorded_rollouts(d: RunConfig, env: Environment) -> None:
+    """--save/--load-debug-rollout-data: path templates with {rollout_id}; a recording never lands on a file
+    that exists (checked here for rollouts 0 .. --num-rollout - 1; a --load resume starts later, so its
+    files are checked as they are written)."""
+    r = d.rollout
+    for flag, template in (("--save-debug-rollout-data", r.save_debug_rollout_data),
+                           ("--load-debug-rollout-data", r.load_debug_rollout_data)):
+        if template is not None and ROLLOUT_ID_PLACEHOLDER not in template:
+            raise ArgumentError(
+                f"{flag} {template}: no {ROLLOUT_ID_PLACEHOLDER} in the path: every rollout has its own file.", (flag,),
+                f"pass a template such as {flag} /data/rollouts/rollout_{ROLLOUT_ID_PLACEHOLDER}.json")
+    if r.save_debug_rollout_data is not None and r.save_debug_rollout_data == r.load_debug_rollout_data:
+        raise ArgumentError("--save-debug-rollout-data and --load-debug-rollout-data are the same template: the "
+                            "replayed files would be written again.",
+                            ("--save-debug-rollout-data", "--load-debug-rollout-data"),
+                            "drop --save-debug-rollout-data.")
+    if r.save_debug_rollout_data is not None and not d.checkpoint.load:
+        taken = [p for p in (rollout_data_path(r.save_debug_rollout_data, i) for i in range(r.num_rollout))
+                 if env.path_exists(p)]
+        if taken:
+            raise ArgumentError(f"--save-debug-rollout-data: {taken[0]} exists ({len(taken)} of the run's "
+                                f"{r.num_rollout} rollout files do): a recording never overwrites one.",
+                                ("--save-debug-rollout-data",),
+                                "pass a template under a new folder, or move the files.")
+
+
 def _check_rollout(d: RunConfig, env: Environment) -> None:
     _check_sglang(d, env)
+    _check_recorded_rollouts(d, env)
     weight_sync, colocate, prompt_data = d.rollout.weight_sync, d.cluster.colocate, d.rollout.prompt_data
     if weight_sync == "ipc" and env.cuda_available() and not colocate:
         raise ArgumentError(
