@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 from miles import checkpoint
 from miles.config import RunConfig
+from miles.config.parallel_checks import EXPERIMENTAL_MODEL_PARALLEL_FLAG
 from miles.logging_setup import configure_logging, progress_bar, set_driver_env
 from miles.metrics import MetricsSink, format_rollout_line, log_summary, rollout_record
 from miles.parallel.layout import ParallelLayout, rank_slices
@@ -130,9 +131,9 @@ def _run_holding_root(config: RunConfig, stop: StopOnSignal, state: RunState) ->
 
     t_run = time.perf_counter()
     if config.training.experimental_model_parallel:
-        logger.warning("%s: tensor/pipeline parallel training (--experimental-model-parallel) is checked on CPU, "
-                       "not yet on GPUs; scripts/validate_parallel.sh compares it with TP = PP = 1 on this host",
-                       config.parallel_layout.describe())
+        logger.warning("%s: tensor/pipeline parallel training (%s) is checked on CPU, not yet on GPUs; "
+                       "scripts/validate_parallel.sh compares it with TP = PP = 1 on this host",
+                       config.parallel_layout.describe(), EXPERIMENTAL_MODEL_PARALLEL_FLAG)
     try:  # a checkpoint this run cannot resume is refused before Ray and the actors start
         target = checkpoint.resume_target(config.checkpoint.load, config.checkpoint.loads_optimizer_state,
                                           config.parallel_layout)
