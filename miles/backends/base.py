@@ -46,7 +46,7 @@ from miles import checkpoint
 from miles.config import RunConfig, store_config
 from miles.models import torch_dtype
 from miles.offload import make_offloader
-from miles.offload.plan import OTHER, EngineNeeds, Group
+from miles.offload.plan import OTHER, EngineNeeds, Group, allocator_cache_may_stay
 from miles.offload.planned import PlannedOffloader
 from miles.process_memory import peak_rss_bytes
 from miles.rl.batching import padded_tokens, plan_micro_batches, sample_lengths
@@ -332,12 +332,20 @@ class TrainBackend(abc.ABC):
             metrics["optimizer_step_device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
         if self.store is not None:
             metrics.update(stream_step_metrics(self.streamed_stores(), stepped=skipped is None))
-        if cuda and self.config.cluster.colocate:
+        if cuda and self.config.cluster.colocate and not self.keeps_allocator_cache(engine_weights_resident=False):
             # The colocated engine's weights come back on this device next, while the trainer is awake: the
             # free blocks the caching allocator keeps from the forward's activations would leave it short
             # (llama-9.2b on one H200: 64 GB of them, and the engine's 18 GB did not fit).
             torch.cuda.empty_cache()
         return metrics
+
+    def keeps_allocator_cache(self, engine_weights_resident: bool) -> bool:
+        """Planned sleep only (a storage offloader's pause would back the free blocks up): whether the engine's
+        last measured needs fit beside the caching allocator's free blocks (:func:`allocator_cache_may_stay`)."""
+        if not isinstance(self.offloader, PlannedOffloader) or self.device.type != "cuda":
+            return False
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return allocator_cache_may_stay(free, self.engine_needs, engine_weights_resident)
 
     def policy_gradient(self, samples: list, advantages: list[float], **loss: Any) -> list[float]:
         """Forward and backward over this rank's samples, grads accumulating in the model; the loss sums of the
@@ -425,14 +433,16 @@ class TrainBackend(abc.ABC):
         if cuda:
             torch.cuda.synchronize()
         released = self.before_offload()
+        # the engine's weights are on the device by now; the cache stays only where its KV pool fits beside it
+        keep_cache = self.keeps_allocator_cache(engine_weights_resident=True)
         if isinstance(self.offloader, PlannedOffloader):
-            if cuda:
+            if cuda and not keep_cache:
                 torch.cuda.empty_cache()  # the plan measures free device memory: freed blocks count as free
             moved = sleep_by_plan(self, self.engine_needs)
         else:
             stats = self.offloader.sleep(self.offload_tensors())
             moved = {**offload_stats(stats), **offload_all_split("sleep", stats.target, stats.bytes, stats.skipped)}
-        if cuda:
+        if cuda and not keep_cache:
             torch.cuda.empty_cache()
         return {"rank": self.rank, **moved, **released, **self.asleep_report(), **store_wait}
 

@@ -169,3 +169,24 @@ def test_colocated_train_hands_back_the_cached_blocks(tmp_path):
     finally:
         trainer.shutdown()
     assert still_cached < 1 << 30, f"{still_cached} bytes of free segments stayed reserved after a colocated train call"
+
+
+def test_the_cached_blocks_stay_when_the_engine_fits_beside_them(tmp_path):
+    """Once the engine has said what it allocates and that fits beside the caching allocator's free blocks,
+    neither the colocated train call nor the sleep returns them: the next forward reuses them instead of a
+    cudaMalloc per segment."""
+    trainer = _trainer(tmp_path, "--colocate")
+    try:
+        trainer.train(0, *_rollout(0))
+        trainer.sleep(EngineNeeds(kv_bytes=1 << 30, weight_bytes=1 << 20))
+        trainer.wake()
+        block = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+        del block
+        trainer.train(1, *_rollout(1))
+        cached_after_train = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        trainer.sleep()  # the engine as the last sleep was told
+        cached_after_sleep = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        trainer.wake()
+    finally:
+        trainer.shutdown()
+    assert cached_after_train >= 1 << 30 and cached_after_sleep >= 1 << 30, (cached_after_train, cached_after_sleep)

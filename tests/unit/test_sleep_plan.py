@@ -3,7 +3,8 @@
 import pytest
 
 from miles.offload.plan import (DISCARD, FROM_ENGINE, FROM_MASTERS, GRADS, KEEP, OPTIMIZER_STATE, OTHER, TO_DISK,
-                                TO_RAM, WEIGHTS, Group, MemoryFacts, host_ram_budget, plan_sleep)
+                                TO_RAM, WEIGHTS, DEVICE_RESERVE_BYTES, EngineNeeds, Group, MemoryFacts,
+                                allocator_cache_may_stay, host_ram_budget, plan_sleep)
 
 GB = 1 << 30
 
@@ -134,3 +135,15 @@ def test_measured_facts_under_sglang_and_the_embedded_engine():
     assert not any("KV pool" in n for n in plan_sleep(_groups(grads=0), promised, "auto", "disk").notes)
     unpromised = memory_facts(torch.device("cpu"), EngineNeeds(kv_bytes=5), None, 1, "embedded")
     assert "only on GPU" in unpromised.engine_copy_unreadable_because
+
+
+def test_the_allocator_cache_stays_only_when_the_measured_engine_fits_beside_it():
+    engine = EngineNeeds(kv_bytes=10 * GB, weight_bytes=2 * GB)
+    after_handoff = 10 * GB + DEVICE_RESERVE_BYTES  # the KV pool + reserve, the weights already resident
+    assert allocator_cache_may_stay(after_handoff, engine, engine_weights_resident=True)
+    assert not allocator_cache_may_stay(after_handoff - 1, engine, engine_weights_resident=True)
+    # before the handoff the engine's weights are still to come back
+    assert not allocator_cache_may_stay(after_handoff, engine, engine_weights_resident=False)
+    assert allocator_cache_may_stay(after_handoff + 2 * GB, engine, engine_weights_resident=False)
+    # an engine that has not said what it allocates may take the whole device
+    assert not allocator_cache_may_stay(1 << 60, EngineNeeds(), engine_weights_resident=True)

@@ -70,8 +70,10 @@ def transformer_config_from_hf(hf_config: Any, *, params_dtype: torch.dtype, exp
         perform_initialization=perform_initialization,
         use_cpu_initialization=False,
         **_parallel_kwargs(layout, params_dtype, sequence_parallel),
-        # The fused kernels need apex / Transformer Engine; the plain paths give the same math.
-        bias_activation_fusion=False,
+        # SwiGLU fused by torch.compile (megatron's fused_bias_swiglu, no apex or Transformer Engine): it saves only
+        # its input for the backward, not its intermediates (docs/benchmarks.md, the train call's device peak). The
+        # other fused kernels need apex / Transformer Engine; their plain paths give the same math.
+        bias_activation_fusion=True,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,

@@ -40,6 +40,7 @@ from .router_bias import clear_router_token_counts, keep_routers_fp32, routers_t
 logger = logging.getLogger(__name__)
 
 _EXTRA_STATE = "_extra_state"  # Transformer Engine metadata in state dicts, not a weight
+_FINITE_CHECK_ELEMENTS = 1 << 27  # grads checked per isfinite call: its bool temporary stays at 128 MiB
 _LOW_PRECISION = (torch.bfloat16, torch.float16)  # param buffers whose masters the optimizer keeps in fp32
 
 
@@ -251,7 +252,9 @@ class MegatronTrainer(TrainBackend):
         for inf/NaN only with an fp16 loss scaler, and with bf16 would apply them."""
         finite = torch.ones((), dtype=torch.bool, device=self.device)
         for buffer in self.ddp.buffers + self.ddp.expert_parallel_buffers:
-            finite &= torch.isfinite(buffer.grad_data).all()
+            # by slices: isfinite of a whole buffer is a bool tensor of one byte per param (9 GB at 9.2B)
+            for part in buffer.grad_data.split(_FINITE_CHECK_ELEMENTS):
+                finite &= torch.isfinite(part).all()
         return bool(finite)
 
     def optimizer_step(self, rollout_id: int) -> float:
