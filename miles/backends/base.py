@@ -340,8 +340,9 @@ class TrainBackend(abc.ABC):
         return metrics
 
     def keeps_allocator_cache(self, engine_weights_resident: bool) -> bool:
-        """Planned sleep only (a storage offloader's pause would back the free blocks up): whether the engine's
-        last measured needs fit beside the caching allocator's free blocks (:func:`allocator_cache_may_stay`)."""
+        """Whether the engine's last measured needs fit beside the caching allocator's free blocks
+        (:func:`allocator_cache_may_stay`). Planned sleep only: offload-all empties the cache as before
+        (torch_memory_saver's pause would back the free blocks up)."""
         if not isinstance(self.offloader, PlannedOffloader) or self.device.type != "cuda":
             return False
         free, _ = torch.cuda.mem_get_info(self.device)
