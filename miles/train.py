@@ -131,8 +131,8 @@ def _run_holding_root(config: RunConfig, stop: StopOnSignal, state: RunState) ->
 
     t_run = time.perf_counter()
     if config.training.experimental_model_parallel:
-        logger.warning("%s: tensor/pipeline parallel training (%s) is checked on CPU, not yet on GPUs; "
-                       "scripts/validate_parallel.sh compares it with TP = PP = 1 on this host",
+        logger.warning("%s: tensor/pipeline parallel training (%s) is checked with its ranks sharing one GPU, not "
+                       "yet across GPUs; scripts/validate_parallel.sh compares it with TP = PP = 1 on this host",
                        config.parallel_layout.describe(), EXPERIMENTAL_MODEL_PARALLEL_FLAG)
     try:  # a checkpoint this run cannot resume is refused before Ray and the actors start
         target = checkpoint.resume_target(config.checkpoint.load, config.checkpoint.loads_optimizer_state,

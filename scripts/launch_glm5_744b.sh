@@ -17,8 +17,8 @@
 #   NODE_RANK=1 HEAD_ADDR=10.0.0.1 bash scripts/launch_glm5_744b.sh   # others: join Ray, wait
 # NOT TRAINABLE YET, and said so before Ray starts: `miles train` accepts this layout under --dry-run and refuses
 # the run itself (exit 2, naming the flags) unless --experimental-model-parallel is added: its TP/PP > 1 training
-# is checked on CPU (docs/dev/validation/parallel.md), not yet on GPUs. The megatron backend builds GLM-5's layers (MLA, the sparse
-# attention's indexer, MoE). The embedded rollout engine below holds the whole model on one GPU, which 744B
+# is checked with its ranks sharing one GPU (docs/dev/validation/parallel.md), not yet across GPUs. The megatron
+# backend builds GLM-5's layers (MLA, the sparse attention's indexer, MoE). The embedded rollout engine below holds the whole model on one GPU, which 744B
 # does not fit: at this size the rollouts need sglang servers with tensor parallelism (--rollout-engine sglang
 # --sglang-url, docs/advanced/sglang.md).
 # Node-local disk per node with bf16 moments (the plan above): 0.78 TB streamed state + 0.19 TB trainer

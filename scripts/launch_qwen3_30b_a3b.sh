@@ -60,6 +60,7 @@ TRAIN_ARGS=(
   --save "$SAVE_DIR"
   --save-interval 20
 )
+if (( TP > 1 )); then TRAIN_ARGS+=(--sequence-parallel); fi  # Megatron trains MoE layers under TP only with it
 
 # Before Ray starts, on this node: the flags, the layout against the model, this node's disk and memory. Several
 # nodes: RAY_ADDRESS (not yet reachable) makes validation judge this node's share of the ranks.

@@ -85,6 +85,8 @@ for l in "${layouts[@]}"; do
     model "$m"
     tag="$l-$m"
     read -r -a par <<< "${FLAGS[$l]}"
+    # Megatron trains MoE layers under TP only with sequence parallelism
+    [ "$m" = qwen3-moe-8e ] && [ "$l" != pp2 ] && par+=(--sequence-parallel)
     base=("${common[@]}" --hf-checkpoint "$WORK/$m" --num-rollout-engines 1)
     layout=("${base[@]}" --num-train-ranks "${WORLD[$l]}" "${par[@]}" --experimental-model-parallel)  # every layout has TP or PP > 1
     stream=(--stream-optimizer-state-to-disk --offload-train-target=disk --offload-train-disk-dir "$WORK/disk-$tag")

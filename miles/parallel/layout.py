@@ -18,7 +18,8 @@ Facts from megatron-core 0.19.2 (``parallel_state.initialize_model_parallel``, `
   take the counts given and the other stages split the rest evenly (it must divide).
 - Attention heads and query groups split over TP (Megatron also replicates KV heads when TP is a
   multiple of the groups; the weight conversion here does not, so groups must divide by TP).
-- Sequence parallelism needs TP > 1.
+- Sequence parallelism needs TP > 1. A MoE layer trains under TP > 1 only with sequence parallelism
+  (``MoELayer.forward`` raises otherwise: its token dispatch expects the sequence split over TP).
 """
 
 from __future__ import annotations
@@ -190,10 +191,11 @@ def rank_coordinates(layout: ParallelLayout) -> tuple[RankCoordinates, ...]:
 
 def check_layout(layout: ParallelLayout, *, num_layers: Optional[int] = None,
                  num_attention_heads: Optional[int] = None, num_query_groups: Optional[int] = None,
-                 num_experts: Optional[int] = None, sequence_parallel: bool = False) -> None:
+                 num_experts: Optional[int] = None, sequence_parallel: Optional[bool] = False) -> None:
     """Raise :class:`LayoutError` for the first rule of the module doc the layout breaks for this model
     (a model size given as None is not checked: e.g. before the model's config is known; ``num_experts`` 0:
-    a dense model, whose expert-parallel groups Megatron builds and leaves unused)."""
+    a dense model, whose expert-parallel groups Megatron builds and leaves unused; ``sequence_parallel`` None:
+    not known, as in ``miles plan``, which sizes memory and takes no training flags)."""
     _check_sizes(layout)
     _check_stage_flags(layout)
     if sequence_parallel and layout.tp < 2:
@@ -203,6 +205,10 @@ def check_layout(layout: ParallelLayout, *, num_layers: Optional[int] = None,
         if count is not None and count % layout.tp:
             raise LayoutError(f"the model's {count} {what} do not split over {TP_FLAG} {layout.tp}.", (TP_FLAG,),
                               f"pass a {TP_FLAG} that divides {count}.")
+    if num_experts and layout.tp > 1 and sequence_parallel is False:
+        raise LayoutError(f"the model has {num_experts} experts per MoE layer, and Megatron trains MoE layers under "
+                          f"{TP_FLAG} {layout.tp} only with sequence parallelism.", (TP_FLAG, SP_FLAG),
+                          f"add {SP_FLAG}, or pass {TP_FLAG} 1 (expert parallelism, {EP_FLAG}, splits the experts).")
     if num_experts and num_experts % layout.ep:
         raise LayoutError(f"the model's {num_experts} experts do not split over {EP_FLAG} {layout.ep}.", (EP_FLAG,),
                           f"pass an {EP_FLAG} that divides {num_experts}.")

@@ -68,7 +68,7 @@ def check_parallelism(par: Parallelism, model: ModelTensors, experts: int) -> No
     """Megatron's layout rules (miles/parallel/layout.py, the same check `miles train` runs), then the plan's
     own: expert parallelism on a model without experts sizes nothing."""
     try:
-        check_layout(par.layout(), num_layers=len(model.layers), num_experts=experts)
+        check_layout(par.layout(), num_layers=len(model.layers), num_experts=experts, sequence_parallel=None)
     except ParallelLayoutError as e:
         raise LayoutError(str(e)) from None
     if not experts and par.ep > 1:

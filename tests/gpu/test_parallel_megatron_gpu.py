@@ -1,23 +1,23 @@
-"""The megatron trainer at TP=2 or PP=2 against TP=PP=1: two processes, driven in-process (no Ray), tiny Llama.
+"""The megatron trainer at TP2, PP2, TP2 x PP2, TP2 + SP (tiny Llama) and EP2 x TP2 + SP (tiny Qwen3-MoE, DP2)
+against TP = PP = EP = 1 at the same data-parallel size: one process per rank, driven in-process (no Ray).
 
 Run on the GPU host: ``python -m pytest -q -s tests/gpu/test_parallel_megatron_gpu.py`` (needs CUDA and
-megatron-core). Two cases:
+megatron-core). Two placements:
 
-- ``one_gpu``: both TP ranks on GPU 0, their world joined with gloo (NCCL refuses two ranks on one device;
-  gloo carries CUDA tensors for all-reduce and broadcast only). Megatron's TP without sequence parallelism
-  communicates by all-reduce, but megatron's distributed optimizer gathers the updated params at every step
-  with a coalesced all-gather over the data-parallel group, even of size 1; on an H200 (torch 2.11) gloo
-  segfaults there with CUDA tensors, already in the TP=1 baseline (stack: ``_coalescing_manager`` <-
-  ``start_param_sync`` <- ``DistributedOptimizer.step_with_ready_grads``). So TP on one GPU cannot run with
-  this trainer: the case is a strict xfail, failing the day gloo carries it (then make it a plain case).
-  Each rank prints its stage as it starts it (flushed); a child that dies fails the run at once with the stack
-  it died in, and a run that stops fails after 2 x TIMEOUT naming each rank's last stage (tests/spawned.py).
-- ``two_gpus`` (needs 2 GPUs; NCCL): the same checks, for TP=2 and for PP=2 (Megatron's 1F1B schedule
-  sends activations between the stages point to point, which gloo cannot do with CUDA tensors: PP has no
-  one-GPU case).
+- ``one_gpu``: every rank on GPU 0, their world joined with gloo, each collective and point-to-point send of a
+  CUDA tensor staged through host memory (tests/staged_collectives.py: NCCL refuses two ranks on one device,
+  and gloo alone carries CUDA tensors for all-reduce and broadcast only; its coalesced all-gather of them, which
+  megatron's distributed optimizer runs at every step, segfaults on torch 2.11). TP2, PP2 (Megatron's 1F1B
+  schedule: activations sent stage to stage), TP2 x PP2, TP2 with sequence parallelism, and EP2 x TP2 (4 ranks;
+  the experts' token exchange; sequence parallel, which Megatron's MoE layers need under TP).
+- ``two_gpus`` (needs 2 GPUs; NCCL): TP2 and PP2, the transport of a real run.
 
-Checks: 3 rollouts' losses within bf16 tolerance of TP=1 on the same samples (max |diff| printed); at TP=2 the
-streamed optimizer state gives bit-identical losses and weights to resident Adam; the weights gathered for the
+Each rank prints its stage as it starts it (flushed); a child that dies fails the run at once with the stack
+it died in, and a run that stops fails after 2 x TIMEOUT naming each rank's last stage (tests/spawned.py).
+
+Checks: 3 rollouts' losses within bf16 tolerance of TP=1 on the same samples (max |diff| printed); at the layout
+the streamed optimizer state gives bit-identical losses and weights to resident Adam, and a checkpoint saved after
+rollout SAVE_AFTER and resumed on the same layout trains the rest bit for bit; the weights gathered for the
 handoff (export_weights: TP gather part by part) are the HF tensors, within bf16 tolerance of TP=1's.
 """
 
@@ -28,6 +28,7 @@ import os
 import socket
 import sys
 from types import SimpleNamespace
+from typing import NamedTuple, Optional
 
 import pytest
 import torch
@@ -41,6 +42,7 @@ pytest.importorskip("megatron.core", reason="needs megatron-core (Python >= 3.12
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 ROLLOUTS = 3
+SAVE_AFTER = 1  # the streamed run saves after this rollout; the resumed run loads it and trains the rest
 LOSS_TOL = 0.05  # bf16: TP changes the reduction order of every matmul
 WEIGHT_TOL = 0.05
 # per run (TP1, then the parallel layout resident, then streamed): 2 x TIMEOUT in all, then the run fails naming
@@ -54,22 +56,43 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _config(root: str, tp: int, pp: int, stream: bool):
+class Layout(NamedTuple):
+    tp: int
+    pp: int = 1
+    ep: int = 1
+    dp: int = 1
+    sp: bool = False  # --sequence-parallel (Megatron's MoE layers need it under TP)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def baseline(self) -> "Layout":
+        """TP = PP = EP = 1 at the same data-parallel size (each rank trains the same samples)."""
+        return Layout(1, dp=self.dp)
+
+    def __str__(self) -> str:
+        return f"tp{self.tp} pp{self.pp} ep{self.ep} dp{self.dp}" + (" sp" if self.sp else "")
+
+
+def _config(root: str, layout: Layout, model: Optional[str], stream: bool):
     sys.path.insert(0, REPO)
     from miles.config import parse_args, validate_args
 
     os.makedirs(root, exist_ok=True)
-    argv = ["--tiny-model", "--model-dtype", "bf16", "--micro-batch-size", "2", "--lr", "1e-3",
-            "--offload-train-disk-dir", os.path.join(root, "disk")]
+    argv = ["--hf-checkpoint", model] if model else ["--tiny-model"]
+    argv += ["--model-dtype", "bf16", "--micro-batch-size", "2", "--lr", "1e-3",
+             "--offload-train-disk-dir", os.path.join(root, "disk")]
     if stream:
         argv += ["--stream-optimizer-state-to-disk", "--offload-train-target", "disk"]
     config = validate_args(parse_args(argv))
     # the trainer is driven directly (no Ray, no validation of the layout: miles train asks for
     # --experimental-model-parallel until this test passes on GPUs)
     return dataclasses.replace(
-        config, cluster=dataclasses.replace(config.cluster, num_train_ranks=tp * pp),
-        training=dataclasses.replace(config.training, train_backend="megatron", tensor_model_parallel_size=tp,
-                                     pipeline_model_parallel_size=pp),
+        config, cluster=dataclasses.replace(config.cluster, num_train_ranks=layout.world),
+        training=dataclasses.replace(config.training, train_backend="megatron", tensor_model_parallel_size=layout.tp,
+                                     pipeline_model_parallel_size=layout.pp, expert_model_parallel_size=layout.ep,
+                                     sequence_parallel=layout.sp),
         optimizer=dataclasses.replace(config.optimizer, stream_optimizer_state_bucket_numel=20_000))
 
 
@@ -84,73 +107,127 @@ def _rollout(step: int):
     return samples, [1.0, -1.0, 0.5, -0.5]
 
 
-def _rank(rank: int, sizes: tuple[int, int], port: int, backend: str, gpu: int, root: str, stream: bool,
+def _save(trainer, config, rank: int, save_root: str, completed: int) -> str:
+    """Every rank writes its part, then rank 0 the meta with the layout (as ``miles train --save`` does)."""
+    from miles import checkpoint
+
+    base = checkpoint.prepare(save_root, completed) if rank == 0 else checkpoint.checkpoint_path(save_root, completed)
+    torch.distributed.barrier()
+    trainer.save(base)
+    torch.distributed.barrier()
+    if rank == 0:
+        checkpoint.write_meta(base, next_rollout_id=completed, data_state={}, world_size=config.cluster.num_train_ranks,
+                              extra={"streamed_optimizer_state": config.optimizer.stream_optimizer_state_to_disk,
+                                     checkpoint.LAYOUT_META: checkpoint.layout_meta(config.parallel_layout)})
+    torch.distributed.barrier()
+    return base
+
+
+def _rank(rank: int, layout: Layout, model: Optional[str], port: int, backend: str, gpu: int, root: str, run: str,
           results) -> dict:
-    """One rank: join the world, build the trainer, train ROLLOUTS rollouts, export the weights; each stage
+    """One rank of ``run`` (resident, streamed: saves after rollout SAVE_AFTER, resumed: loads that checkpoint and
+    trains the rollouts after it): join the world, build the trainer, train, export the weights; each stage
     printed (flushed) and reported to the parent as it starts."""
-    tp, pp = sizes
-    world = tp * pp
-    stage = functools.partial(progress, results, f"tp{tp} pp{pp} {'streamed' if stream else 'resident'} rank {rank}")
+    world, tag = layout.world, str(layout).replace(" ", "-")
+    stage = functools.partial(progress, results, f"{layout} {run} rank {rank}")
     stage("import")
     sys.path.insert(0, REPO)
+    if backend == "gloo":  # before megatron is imported: it binds some collectives at import
+        sys.path.insert(0, os.path.join(REPO, "tests"))
+        import staged_collectives
+
+        staged_collectives.install()
     from miles.backends.megatron_backend.trainer import MegatronTrainer
 
     stage(f"join the {backend} world on cuda:{gpu}")
     torch.cuda.set_device(gpu)
     torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    config = _config(os.path.join(root, f"{'streamed' if stream else 'resident'}-tp{tp}-pp{pp}"), tp, pp, stream)
+    config = _config(os.path.join(root, f"{run}-{tag}"), layout, model, stream=run != "resident")
     trainer = MegatronTrainer(config, rank=rank, world_size=world, rank_dir=config.paths.rank_dir(0, rank))
     stage("init (model parallel groups, build, load, DDP, optimizer)")
     trainer.init(f"127.0.0.1:{port}")
-    losses = []
-    for step in range(ROLLOUTS):
+    save_root = os.path.join(root, f"checkpoints-{tag}")
+    first, checkpoint_base = 0, None
+    if run == "resumed":
+        stage("load the checkpoint (weights and streamed optimizer state)")
+        from miles import checkpoint
+
+        trainer.load(checkpoint.checkpoint_path(save_root, SAVE_AFTER + 1), load_optimizer=True)
+        first = SAVE_AFTER + 1
+    losses = {}
+    for step in range(first, ROLLOUTS):
         stage(f"train rollout {step}")
-        losses.append(trainer.train(step, *_rollout(step))["loss"])
+        losses[step] = trainer.train(step, *_rollout(step))["loss"]
+        if run == "streamed" and step == SAVE_AFTER:
+            stage(f"save after rollout {step}")
+            checkpoint_base = _save(trainer, config, rank, save_root, step + 1)
     stage("export (a collective: every TP and PP rank takes part)")
     exported = trainer.export_weights()
-    weights = {k: v.float().tolist() for k, v in exported.items()} if rank == 0 else None
+    weights = {k: v.float().tolist() for k, v in exported.items()}  # every rank's: each feeds an engine
     stage("shutdown")
     trainer.shutdown()
     stage("done")
-    return {"rank": rank, "losses": losses, "weights": weights}
+    return {"rank": rank, "losses": losses, "weights": weights, "checkpoint": checkpoint_base}
 
 
-def _run(sizes: tuple[int, int], backend: str, gpus: list[int], root: str, stream: bool) -> dict:
+def _run(layout: Layout, model: Optional[str], backend: str, placement: str, root: str, run: str) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _port()
-    procs = start(ctx, results, *[(_rank, (r, sizes, port, backend, gpus[r], root, stream, results))
-                                  for r in range(sizes[0] * sizes[1])])
+    gpus = [0] * layout.world if placement == "one_gpu" else list(range(layout.world))
+    procs = start(ctx, results, *[(_rank, (r, layout, model, port, backend, gpus[r], root, run, results))
+                                  for r in range(layout.world)])
     return {g["rank"]: g for g in collect(procs, results, TIMEOUT)}
 
 
-def _max_diff(a: dict, b: dict) -> float:
+def _diffs(a: dict, b: dict) -> list[tuple[float, str]]:
+    """max |a - b| of each tensor, largest first."""
     assert set(a) == set(b), sorted(set(a) ^ set(b))
-    return max((torch.tensor(a[k]) - torch.tensor(b[k])).abs().max().item() for k in a)
+    return sorted(((torch.tensor(a[k]) - torch.tensor(b[k])).abs().max().item(), k) for k in a)[::-1]
 
 
-GLOO_CUDA_ALLGATHER = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="gloo segfaults in the distributed optimizer's coalesced all-gather of CUDA tensors (seen on H200, torch 2.11)")
+def _max_diff(a: dict, b: dict) -> float:
+    return _diffs(a, b)[0][0]
 
 
-@pytest.mark.parametrize("sizes,placement", [pytest.param((2, 1), "one_gpu", marks=GLOO_CUDA_ALLGATHER),
-                                             ((2, 1), "two_gpus"), ((1, 2), "two_gpus")],
-                         ids=["tp2-one_gpu", "tp2-two_gpus", "pp2-two_gpus"])
-def test_tp2_or_pp2_trains_as_tp1_and_streams_bit_identically(tmp_path, sizes, placement):
-    if placement == "two_gpus" and torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs (this host has one; TP on one GPU cannot run: see the one_gpu case)")
-    backend, gpus = ("gloo", [0, 0]) if placement == "one_gpu" else ("nccl", [0, 1])
-    tp1 = _run((1, 1), backend, [0], str(tmp_path), stream=False)[0]
-    resident = _run(sizes, backend, gpus, str(tmp_path), stream=False)
-    streamed = _run(sizes, backend, gpus, str(tmp_path), stream=True)
-    loss_diff = max(abs(a - b) for a, b in zip(tp1["losses"], resident[0]["losses"]))
-    weight_diff = _max_diff(tp1["weights"], resident[0]["weights"])
-    print(f"\nTP{sizes[0]} PP{sizes[1]} {placement} ({backend}): losses TP1 {tp1['losses']} parallel "
-          f"{resident[0]['losses']} streamed {streamed[0]['losses']}; max |loss diff| vs TP1 {loss_diff:.3g}; "
-          f"max |weight diff| after {ROLLOUTS} rollouts {weight_diff:.3g}")
-    assert resident[0]["losses"] == resident[1]["losses"], "the ranks of one replica report one loss"
+@pytest.mark.parametrize("layout,preset,placement", [
+    (Layout(2), None, "one_gpu"), (Layout(1, pp=2), None, "one_gpu"), (Layout(2, pp=2), None, "one_gpu"),
+    (Layout(2, sp=True), None, "one_gpu"), (Layout(2, ep=2, dp=2, sp=True), "qwen3-moe-tiny", "one_gpu"),
+    (Layout(2), None, "two_gpus"), (Layout(1, pp=2), None, "two_gpus")],
+    ids=["tp2-one_gpu", "pp2-one_gpu", "tp2pp2-one_gpu", "tp2sp-one_gpu", "ep2tp2sp-moe-one_gpu", "tp2-two_gpus",
+         "pp2-two_gpus"])
+def test_tp2_or_pp2_trains_as_tp1_and_streams_bit_identically(tmp_path, layout, preset, placement):
+    if placement == "two_gpus" and torch.cuda.device_count() < layout.world:
+        pytest.skip(f"needs {layout.world} GPUs (this host has fewer: the one_gpu cases run the same layouts on one)")
+    model = None
+    if preset:
+        sys.path.insert(0, REPO)
+        from miles.models import write_random_model
+
+        model = write_random_model(str(tmp_path / preset), preset)
+    backend = "gloo" if placement == "one_gpu" else "nccl"
+    run = functools.partial(_run, model=model, backend=backend, placement=placement, root=str(tmp_path))
+    tp1 = run(layout.baseline(), run="resident")[0]
+    resident = run(layout, run="resident")
+    streamed = run(layout, run="streamed")
+    resumed = run(layout, run="resumed")
+    loss_diff = max(abs(tp1["losses"][i] - resident[0]["losses"][i]) for i in range(ROLLOUTS))
+    diffs = _diffs(tp1["weights"], resident[0]["weights"])
+    weight_diff = diffs[0][0]
+    print(f"\n{layout} {preset or 'tiny llama'} {placement} ({backend}): losses TP1 {list(tp1['losses'].values())} "
+          f"parallel {list(resident[0]['losses'].values())} streamed {list(streamed[0]['losses'].values())} "
+          f"resumed after rollout {SAVE_AFTER} {list(resumed[0]['losses'].values())}; max |loss diff| vs TP1 "
+          f"{loss_diff:.3g}; max |weight diff| after {ROLLOUTS} rollouts {weight_diff:.3g} (largest: "
+          f"{', '.join(f'{name} {d:.3g}' for d, name in diffs[:4])}); resumed vs uninterrupted, largest weight "
+          f"diffs: {', '.join(f'{name} {d:.3g}' for d, name in _diffs(streamed[0]['weights'], resumed[0]['weights'])[:3])}")
+    for r in resident:
+        assert _max_diff(resident[r]["weights"], resident[0]["weights"]) == 0.0, f"rank {r} exports other weights"
+    assert all(resident[r]["losses"] == resident[0]["losses"] for r in resident), "one replica reports one loss"
     assert loss_diff < LOSS_TOL
     assert weight_diff < WEIGHT_TOL
     assert streamed[0]["losses"] == resident[0]["losses"], "streamed state is bit-identical to resident Adam"
     assert _max_diff(streamed[0]["weights"], resident[0]["weights"]) == 0.0
+    assert streamed[0]["checkpoint"], "the streamed run saved"
+    assert all(resumed[0]["losses"][i] == streamed[0]["losses"][i] for i in resumed[0]["losses"]), \
+        "a resume on the same layout continues bit for bit"
+    assert _max_diff(resumed[0]["weights"], streamed[0]["weights"]) == 0.0

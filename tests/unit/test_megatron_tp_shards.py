@@ -33,8 +33,8 @@ def test_shard_then_gather_is_the_unsharded_state(family, tp, etp):
     full = hf_to_megatron(hf, config)
     shards = [tp_shard(full, tp_rank=r, tp=tp, etp_rank=r % etp, etp=etp, vocab_size=arch.vocab_size)
               for r in range(tp)]
-    equal_states(tp_gather(shards, etp=etp, vocab_size=arch.vocab_size), full)
-    back = megatron_to_hf(tp_gather(shards, etp=etp, vocab_size=arch.vocab_size), config,
+    equal_states(tp_gather(shards, tp_rank=0, etp=etp, vocab_size=arch.vocab_size), full)
+    back = megatron_to_hf(tp_gather(shards, tp_rank=0, etp=etp, vocab_size=arch.vocab_size), config,
                           hf_moe_layout=hf_moe_layout(hf))
     equal_states(back, hf)
 
@@ -111,7 +111,7 @@ def test_tp_and_pp_together_gather_back_to_hf():
     stages = stage_layers(3, ParallelLayout(world=4, tp=2, pp=2, first_stage_layers=2))
     grid = [[tp_shard(pp_stage(full, stages, s, tied_embeddings=False), tp_rank=r, tp=2, vocab_size=arch.vocab_size)
              for r in range(2)] for s in range(2)]
-    staged = [tp_gather(row, vocab_size=arch.vocab_size) for row in grid]
+    staged = [tp_gather(row, tp_rank=0, vocab_size=arch.vocab_size) for row in grid]
     equal_states(megatron_to_hf(pp_unstage(staged, stages, tied_embeddings=False), config,
                                 hf_moe_layout=hf_moe_layout(hf)), hf)
 

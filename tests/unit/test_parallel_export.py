@@ -42,7 +42,7 @@ def export(config, hf, layout):
         group = FakeTensorParallelGroup(row)
         groups.append(group)
         # TP rank 0's loop (the others run the same one, calling the same gathers)
-        for name, tensor in iter_stage_hf(row[0], stage=s, stages=stages, hf_config=config,
+        for name, tensor in iter_stage_hf(row[0], stage=s, stages=stages, hf_config=config, tp_rank=0,
                                           gather=_by_name(group, s, stages), hf_moe_layout=hf_moe_layout(hf)):
             sent.append((name, tensor.clone()))  # what the engine received; the sender drops its tensor
             del tensor
@@ -114,7 +114,7 @@ def test_every_stage_receives_the_whole_model_over_the_pipeline_group(family):
             assert owner == s and items is not None
             wire[s].append(items)
             return items
-        list(iter_model_hf(row[0], stage=s, stages=stages, hf_config=config,
+        list(iter_model_hf(row[0], stage=s, stages=stages, hf_config=config, tp_rank=0,
                            gather=_by_name(FakeTensorParallelGroup(row), s, stages), share=_only_own(record, s),
                            hf_moe_layout=hf_moe_layout(hf)))
     reference = list(iter_megatron_to_hf(full, config, hf_moe_layout=hf_moe_layout(hf)))
@@ -126,7 +126,7 @@ def test_every_stage_receives_the_whole_model_over_the_pipeline_group(family):
             assert (items is not None) == (owner == s), "only the owner stage converts a part"
             return next(received[owner]) if items is None else (next(sent), items)[1]
 
-        got = list(iter_model_hf(row[0], stage=s, stages=stages, hf_config=config,
+        got = list(iter_model_hf(row[0], stage=s, stages=stages, hf_config=config, tp_rank=0,
                                  gather=_by_name(FakeTensorParallelGroup(row), s, stages), share=share,
                                  hf_moe_layout=hf_moe_layout(hf)))
         assert sorted(n for n, _ in got) == sorted(n for n, _ in reference)
@@ -141,3 +141,48 @@ def _only_own(record, stage):
     def share(owner, items):
         return record(owner, items) if owner == stage else []
     return share
+
+
+@pytest.mark.parametrize("tp,ep,etp", [(2, 2, 1), (4, 2, 2), (2, 4, 1)])
+def test_every_tp_rank_exports_the_tp1_weights_when_its_peers_hold_other_experts(tp, ep, etp):
+    """With EP and TP both > 1 the TP ranks of a group are different expert-parallel ranks (ranks number ETP
+    fastest, then EP): each must hand the EP gather its own experts, not TP rank 0's."""
+    from miles.backends.megatron_backend.convert import experts_to_global
+    from miles.parallel.layout import rank_coordinates
+
+    config, hf = tiny("qwen3_moe")  # 4 experts
+    config.num_experts = 8  # 8 experts: EP 4 and EP 2 x ETP 2 both split them
+    torch.manual_seed(1)
+    hf = {**hf, **{f"model.layers.{i}.mlp.experts.{e}.{p}.weight": torch.randn(24 if p != "down_proj" else 16,
+                                                                                16 if p != "down_proj" else 24)
+                   for i in (0, 2) for e in range(8) for p in ("gate_proj", "up_proj", "down_proj")}}
+    arch = describe(config)
+    layout = ParallelLayout(world=tp * max(1, ep * etp // tp), tp=tp, ep=ep, etp=etp)
+    coords = rank_coordinates(layout)[:tp]  # one TP group: its ranks' EP and ETP ranks
+    stages = stage_layers(arch.num_layers, layout)
+    by_ep = {e: hf_to_megatron(hf, config, ep_rank=e, ep_size=ep) for e in range(ep)}
+    row = [tp_shard(by_ep[c.ep], tp_rank=c.tp, tp=tp, etp_rank=c.etp, etp=etp, vocab_size=arch.vocab_size)
+           for c in coords]
+
+    def gather_over_ep(mine_ep):
+        def layer_experts(layer, local):
+            prefix = f"decoder.layers.{layer}.mlp.experts.local_experts."
+            own = {k: v for k, v in by_ep[mine_ep].items() if k.startswith(prefix)}
+            assert set(local) == set(own) and all(torch.equal(local[k], own[k]) for k in own), \
+                "this rank hands the EP gather experts it does not hold"
+            full = {}
+            for e in range(ep):
+                full.update(experts_to_global({k: v for k, v in by_ep[e].items() if k.startswith(prefix)},
+                                              config, e, ep))
+            return full
+        return layer_experts
+
+    reference = dict(iter_megatron_to_hf(hf_to_megatron(hf, config), config, hf_moe_layout=hf_moe_layout(hf)))
+    for c in coords:
+        got = {name: tensor.clone() for name, tensor in  # the engine's copy: the sender drops its tensor
+               iter_stage_hf(row[c.tp], stage=0, stages=stages, hf_config=config, tp_rank=c.tp, etp=etp,
+                             gather=_by_name(FakeTensorParallelGroup(row), 0, stages),
+                             hf_moe_layout=hf_moe_layout(hf), layer_experts=gather_over_ep(c.ep))}
+        assert set(got) == set(reference)
+        for name, tensor in got.items():
+            assert torch.equal(tensor, reference[name]), (c, name)

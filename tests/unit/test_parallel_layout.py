@@ -93,8 +93,18 @@ def test_sequence_parallel_needs_tp():
     check_layout(ParallelLayout(world=2, tp=2), sequence_parallel=True, num_attention_heads=4, num_query_groups=2)
 
 
+def test_moe_layers_under_tp_need_sequence_parallelism():
+    with pytest.raises(LayoutError) as e:
+        check_layout(ParallelLayout(world=4, tp=2, ep=2), num_experts=8)
+    assert e.value.flags == (TP_FLAG, SP_FLAG) and "8 experts" in str(e.value) and SP_FLAG in e.value.fix
+    check_layout(ParallelLayout(world=4, tp=2, ep=2), num_experts=8, sequence_parallel=True)
+    check_layout(ParallelLayout(world=4, tp=2), num_experts=0)  # a dense model: no MoE layer
+    check_layout(ParallelLayout(world=4, ep=4), num_experts=8)  # TP 1
+    check_layout(ParallelLayout(world=4, tp=2, ep=2), num_experts=8, sequence_parallel=None)  # not known: miles plan
+
+
 def test_etp_within_the_stage_is_accepted():
-    check_layout(ParallelLayout(world=8, tp=2, pp=2, ep=2, etp=1), num_experts=4, num_layers=4)
+    check_layout(ParallelLayout(world=8, tp=2, pp=2, ep=2, etp=1), num_experts=4, num_layers=4, sequence_parallel=True)
     assert ETP_FLAG  # the flag names exist for the messages
 
 

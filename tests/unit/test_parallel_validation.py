@@ -26,7 +26,7 @@ def check(argv, hf_config=None):
 def glm5(*extra):
     return ["--hf-checkpoint", "/models/glm5", "--num-train-ranks", "32", "--tensor-model-parallel-size", "8",
             "--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "8", "--rollout-batch-size", "8",
-            *extra]
+            "--sequence-parallel", *extra]
 
 
 def test_the_glm5_layout_validates_under_dry_run_and_resolves_into_the_config():
@@ -77,11 +77,11 @@ def test_the_tiny_models_sizes_bound_the_layout(argv, words):
 def test_the_rollout_batch_splits_over_data_parallelism_not_the_world():
     # 8 prompts x 4 samples = 32 samples; TP4 on 12 ranks: DP 3
     with pytest.raises(ArgumentError) as e:
-        check(["--hf-checkpoint", "/m", "--dry-run", "--num-train-ranks", "12", "--tensor-model-parallel-size", "4"],
-              {**GLM5_744B, "num_hidden_layers": 4})
+        check(["--hf-checkpoint", "/m", "--dry-run", "--num-train-ranks", "12", "--tensor-model-parallel-size", "4",
+               "--sequence-parallel"], {**GLM5_744B, "num_hidden_layers": 4})
     assert "the data-parallel size 3 (--num-train-ranks 12 / (TP x PP))" in str(e.value)
-    check(["--hf-checkpoint", "/m", "--dry-run", "--num-train-ranks", "8", "--tensor-model-parallel-size", "4"],
-          {**GLM5_744B, "num_hidden_layers": 4})
+    check(["--hf-checkpoint", "/m", "--dry-run", "--num-train-ranks", "8", "--tensor-model-parallel-size", "4",
+           "--sequence-parallel"], {**GLM5_744B, "num_hidden_layers": 4})
 
 
 @pytest.mark.parametrize("flag", [["--pipeline-model-parallel-size", "2"], ["--sequence-parallel"],
@@ -111,4 +111,4 @@ def test_expert_tensor_parallelism_must_divide_tp_for_the_handoffs_gather():
               moe)
     assert "--expert-tensor-parallel-size 2 does not divide --tensor-model-parallel-size 1" in str(e.value)
     check(["--hf-checkpoint", "/m", "--dry-run", "--num-train-ranks", "2", "--tensor-model-parallel-size", "2",
-           "--expert-tensor-parallel-size", "2"], moe)
+           "--expert-tensor-parallel-size", "2", "--sequence-parallel"], moe)

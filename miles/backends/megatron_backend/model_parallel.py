@@ -12,8 +12,9 @@
 
 Under pipeline parallelism each stage holds its layers; ``iter_hf`` hands every part from the stage holding it
 to the other stages (``broadcast_share``), so every rank feeds its engine the whole model, and pipeline.py runs
-Megatron's schedule. Checked on CPU, not yet on GPUs: validation asks for --experimental-model-parallel to
-train TP/PP > 1 (miles/config/parallel_checks.py).
+Megatron's schedule. Checked with the ranks sharing one GPU (tests/gpu/test_parallel_megatron_gpu.py), not yet
+across GPUs: validation asks for --experimental-model-parallel to train TP/PP > 1
+(miles/config/parallel_checks.py).
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ class ModelParallelRank:
                 hf_moe_layout: Optional[str], layer_experts=None) -> Iterator[tuple[str, torch.Tensor]]:
         """The whole model in HF tensors on every rank (a collective of the TP and PP groups)."""
         common = dict(stage=self.pp_rank, stages=self.stages(hf_config.num_hidden_layers), hf_config=hf_config,
-                      gather=broadcast_gather(self.tp_group, list(self.tp_ranks)), etp=self.layout.etp,
+                      gather=broadcast_gather(self.tp_group, list(self.tp_ranks)), tp_rank=self.tp_rank,
+                      etp=self.layout.etp,
                       fused_norms=fused_norms, hf_moe_layout=hf_moe_layout, layer_experts=layer_experts)
         if self.layout.pp == 1:
             return iter_stage_hf(local, **common)

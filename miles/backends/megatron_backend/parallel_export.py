@@ -7,7 +7,7 @@ then the head on the last stage), each part gathered over the tensor-parallel gr
 one part's gathered tensors beyond its own shards (the caller drops what it has sent)::
 
     for hf_name, tensor in iter_stage_hf(local_state, stage=s, stages=stages, hf_config=cfg,
-                                         gather=all_gather_over_tp, tp=2, etp=1):
+                                         gather=all_gather_over_tp, tp_rank=1, etp=1):
         bucket.add(hf_name, tensor)
 
 ``gather(part_state)`` is the collective (an all-gather over the TP group, on the device): it takes this
@@ -49,11 +49,13 @@ def _local_part(local: dict[str, torch.Tensor], part, layers: range) -> dict[str
 
 
 def _part_hf(local: dict[str, torch.Tensor], part, *, stage: int, stages: Sequence[range], hf_config,
-             gather: TensorParallelGather, etp: int, fused_norms: bool, hf_moe_layout: Optional[str],
+             gather: TensorParallelGather, tp_rank: int, etp: int, fused_norms: bool, hf_moe_layout: Optional[str],
              layer_experts: Optional[LayerExperts]) -> list[tuple[str, torch.Tensor]]:
-    """One part of stage ``stage``, gathered over TP and converted: its ``(hf_name, tensor)`` pairs."""
+    """One part of stage ``stage``, gathered over TP and converted: its ``(hf_name, tensor)`` pairs (the routed
+    experts this rank's expert-parallel rank holds, before ``layer_experts`` gathers them over EP)."""
     arch = describe(hf_config)
-    full = tp_gather(gather(_local_part(local, part, stages[stage])), etp=etp, vocab_size=arch.vocab_size)
+    full = tp_gather(gather(_local_part(local, part, stages[stage])), tp_rank=tp_rank, etp=etp,
+                     vocab_size=arch.vocab_size)
     if layer_experts is not None and isinstance(part, int) and arch.is_moe_layer(part):
         prefix = f"decoder.layers.{part}.mlp.experts.local_experts."
         experts = {k: v for k, v in full.items() if k.startswith(prefix)}
@@ -68,21 +70,23 @@ def _part_hf(local: dict[str, torch.Tensor], part, *, stage: int, stages: Sequen
 
 
 def iter_stage_hf(local: dict[str, torch.Tensor], *, stage: int, stages: Sequence[range], hf_config,
-                  gather: TensorParallelGather, etp: int = 1, fused_norms: bool = False,
+                  gather: TensorParallelGather, tp_rank: int, etp: int = 1, fused_norms: bool = False,
                   hf_moe_layout: Optional[str] = None,
                   layer_experts: Optional[LayerExperts] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The full HF tensors of stage ``stage``, part by part (module doc). A tied output layer is sent as
     ``lm_head.weight`` next to the embedding at PP 1, and from the last stage's copy at PP > 1."""
     for part in stage_parts(stage, stages):
-        yield from _part_hf(local, part, stage=stage, stages=stages, hf_config=hf_config, gather=gather, etp=etp,
-                            fused_norms=fused_norms, hf_moe_layout=hf_moe_layout, layer_experts=layer_experts)
+        yield from _part_hf(local, part, stage=stage, stages=stages, hf_config=hf_config, gather=gather,
+                            tp_rank=tp_rank, etp=etp, fused_norms=fused_norms, hf_moe_layout=hf_moe_layout,
+                            layer_experts=layer_experts)
 
 
 PipelineShare = Callable[[int, Optional[list]], list]
 
 
 def iter_model_hf(local: dict[str, torch.Tensor], *, stage: int, stages: Sequence[range], hf_config,
-                  gather: TensorParallelGather, share: PipelineShare, etp: int = 1, fused_norms: bool = False,
+                  gather: TensorParallelGather, share: PipelineShare, tp_rank: int, etp: int = 1,
+                  fused_norms: bool = False,
                   hf_moe_layout: Optional[str] = None,
                   layer_experts: Optional[LayerExperts] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every part of the model on every stage's ranks, in the engines' order: the stage holding a part gathers
@@ -91,7 +95,8 @@ def iter_model_hf(local: dict[str, torch.Tensor], *, stage: int, stages: Sequenc
     engine gets the whole model, one part's tensors at a time."""
     for owner in range(len(stages)):
         for part in stage_parts(owner, stages):
-            items = (_part_hf(local, part, stage=stage, stages=stages, hf_config=hf_config, gather=gather, etp=etp,
-                              fused_norms=fused_norms, hf_moe_layout=hf_moe_layout, layer_experts=layer_experts)
+            items = (_part_hf(local, part, stage=stage, stages=stages, hf_config=hf_config, gather=gather,
+                              tp_rank=tp_rank, etp=etp, fused_norms=fused_norms, hf_moe_layout=hf_moe_layout,
+                              layer_experts=layer_experts)
                      if owner == stage else None)
             yield from share(owner, items)

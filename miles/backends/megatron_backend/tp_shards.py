@@ -1,7 +1,7 @@
 """Megatron state dicts cut into tensor- and pipeline-parallel shards, and gathered back (pure, CPU-testable).
 
     shard = tp_shard(full_mcore_state, tp_rank=1, tp=2, etp_rank=0, etp=1, vocab_size=arch.vocab_size)
-    full = tp_gather([shard_0, shard_1], etp=1, vocab_size=arch.vocab_size)            # == the full state
+    full = tp_gather([shard_0, shard_1], tp_rank=0, etp=1, vocab_size=arch.vocab_size)  # == the full state
     stage = pp_stage(full_mcore_state, stage_layers(arch.num_layers, layout), stage=2, tied_embeddings=False)
     full = pp_unstage([stage_0, ..., stage_3], stages, tied_embeddings=False)
 
@@ -128,15 +128,17 @@ def tp_shard(state: dict[str, torch.Tensor], *, tp_rank: int, tp: int, etp_rank:
     return out
 
 
-def tp_gather(shards: Sequence[dict[str, torch.Tensor]], *, etp: int = 1,
+def tp_gather(shards: Sequence[dict[str, torch.Tensor]], *, tp_rank: int, etp: int = 1,
               vocab_size: int) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`tp_shard`: ``shards[r]`` is TP rank r's state (its ETP rank is ``r % etp``: the
-    expert tensors of ranks 0..etp-1 make each expert whole, as the layout's ETP groups are the first
-    ``etp`` ranks of each TP group when ETP divides TP)."""
+    """Inverse of :func:`tp_shard`, as TP rank ``tp_rank`` of the group sees it: ``shards[r]`` is TP rank r's
+    state. The dense tensors join over every rank; a routed expert's over ``tp_rank``'s expert-tensor-parallel
+    group only, the ``etp`` ranks ``(tp_rank // etp) * etp ..`` (ranks number ETP fastest, then EP, and ETP
+    divides TP): with expert parallelism the other TP ranks hold other experts under the same local names."""
+    first = (tp_rank // etp) * etp
     out = {}
     for name in shards[0]:
         kind = split_kind(name)
-        parts = [s[name] for s in (shards[:etp] if _is_expert(name) else shards)]
+        parts = [s[name] for s in (shards[first:first + etp] if _is_expert(name) else shards)]
         out[name] = _join(parts, kind, vocab_size)
     return out
 
