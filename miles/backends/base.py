@@ -16,7 +16,8 @@ Lifecycle, as :class:`miles.ray.train_actor.TrainActor` calls it::
     info = trainer.init("127.0.0.1:29500")      # process group at host:port, model, optimizer, store, offloader
     metrics = trainer.train(rollout_id, samples, advantages)              # one optimizer step
     trainer.join_weight_group(spec)             # the source of the weight-update group (engines elsewhere)
-    stats = trainer.push_weights(ipc_engines, group_engines, payload, tp_size)   # as the engines consume them
+    trainer.join_payload_groups(groups)         # the ranks feeding one sglang engine's TP ranks, each a group
+    stats = trainer.push_weights(ipc_engines, group_engines, payload, tp_size, peer_ranks)   # as engines consume
     trainer.save(base, wait); trainer.finish_save(); trainer.load(base, load_optimizer)
     trainer.sleep(); trainer.wake()             # idempotent; dicts of offload stats
     trainer.shutdown()                          # closes files, removes rank_dir; idempotent
@@ -164,6 +165,7 @@ class TrainBackend(abc.ABC):
         self.store = None
         self.offloader = None  # the sleep/wake offloader when --offload-train (miles.offload)
         self.weight_group = None  # the weight-update group, when this rank is its source
+        self.payload_groups: dict[tuple[int, ...], Any] = {}  # per engine fed by several ranks: their group
         self.engine_needs = EngineNeeds()  # what the last sleep was told of the colocated engine
         self.engine_weights = None  # at wake: the engine's weights by reference (miles.weights.readback)
         self.init_info: dict[str, Any] = {}
@@ -379,17 +381,25 @@ class TrainBackend(abc.ABC):
 
         self.weight_group = WeightUpdateGroup(rank=0, **spec)
 
-    def push_weights(self, ipc_engines: list, group_engines: list, payload: str, tp_size: int) -> dict[str, Any]:
+    def join_payload_groups(self, groups: list[tuple[int, ...]]) -> None:
+        """The process group of each sglang engine's feeding ranks (every rank makes each: a collective)."""
+        self.payload_groups = {tuple(ranks): dist.new_group(list(ranks)) for ranks in groups}
+
+    def push_weights(self, ipc_engines: list, group_engines: list, payload: str, tp_size: int,
+                     peer_ranks: Optional[tuple[int, ...]] = None) -> dict[str, Any]:
         """Hand the weights to the rollout engines as the ``payload`` they consume
         (:func:`miles.weights.push.push_weights`): by reference to ``ipc_engines``, by broadcast over the
-        weight-update group to ``group_engines``. Every rank calls it (see :meth:`hf_weights`); an engine's
-        session is opened and closed by the driver."""
-        from miles.weights.push import push_weights
+        weight-update group to ``group_engines``; ``peer_ranks``: the train ranks (this one among them, a
+        group of :meth:`join_payload_groups`) whose payloads one sglang engine's ranks take. Every rank calls it
+        (see :meth:`hf_weights`); an engine's session is opened and closed by the driver."""
+        from miles.weights.push import PayloadPeers, push_weights
 
         mb = self.config.rollout.weight_sync_bucket_mb
+        peers = PayloadPeers(tuple(peer_ranks), self.payload_groups[tuple(peer_ranks)]) if peer_ranks else None
         with self.awake():
             stats = push_weights(self.hf_weights(), payload=payload, tp_size=tp_size, ipc_engines=ipc_engines,
-                                 group=self.weight_group, group_engines=group_engines, max_bucket_bytes=mb * 2**20)
+                                 group=self.weight_group, group_engines=group_engines, peers=peers,
+                                 max_bucket_bytes=mb * 2**20)
         return {"rank": self.rank, **stats}
 
     # ---- checkpoints --------------------------------------------------------------------------

@@ -77,8 +77,13 @@ class TrainActor:
         self.trainer.join_weight_group(spec)
 
     @reports_logs
-    def push_weights(self, ipc_engines: list, group_engines: list, payload: str, tp_size: int) -> dict[str, Any]:
-        return self.trainer.push_weights(ipc_engines, group_engines, payload, tp_size)
+    def join_payload_groups(self, groups: list) -> None:
+        self.trainer.join_payload_groups(groups)
+
+    @reports_logs
+    def push_weights(self, ipc_engines: list, group_engines: list, payload: str, tp_size: int,
+                     peer_ranks: Optional[tuple] = None) -> dict[str, Any]:
+        return self.trainer.push_weights(ipc_engines, group_engines, payload, tp_size, peer_ranks)
 
     @reports_logs
     def save(self, base: str, wait: bool = True) -> dict[str, Any]:

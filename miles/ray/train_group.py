@@ -53,15 +53,23 @@ class RayTrainGroup:
         refs = [a.train.remote(rollout_id, samples, adv) for a, (samples, adv) in zip(self.actors, shards)]
         return wait_all(refs, f"train (rollout {rollout_id})", self.labels)
 
-    def push_weights(self, routes, engines: list, payload: str, tp_size: int) -> list[dict[str, Any]]:
+    def push_weights(self, routes, engines: list, payload: str, tp_size: int,
+                     peers: Optional[dict[int, tuple[int, ...]]] = None) -> list[dict[str, Any]]:
         """Every rank hands its weights, as the ``payload`` the engines consume (each ``tp_size`` ranks), to the
-        engines ``routes`` give it (:mod:`miles.ray.weight_sync`): by reference to ``routes.ipc[rank]``, and
-        rank 0 by broadcast to ``routes.broadcast``. Every rank is called: with expert parallelism the weights'
-        iteration gathers experts (a collective)."""
+        engines ``routes`` give it (:mod:`miles.ray.weight_sync`): by reference to ``routes.ipc[rank]`` (with
+        the other ranks of ``peers[engine]`` when the rank is among them), and rank 0 by broadcast to
+        ``routes.broadcast``. Every rank is called: with expert parallelism the weights' iteration gathers
+        experts (a collective)."""
+        peer_ranks = {r: ranks for ranks in (peers or {}).values() for r in ranks}
         refs = [a.push_weights.remote([engines[i] for i in routes.ipc.get(r, ())],
-                                      [engines[i] for i in routes.broadcast] if r == 0 else [], payload, tp_size)
+                                      [engines[i] for i in routes.broadcast] if r == 0 else [], payload, tp_size,
+                                      peer_ranks.get(r))
                 for r, a in enumerate(self.actors)]
         return wait_all(refs, "push_weights", self.labels)
+
+    def join_payload_groups(self, groups: list[tuple[int, ...]]) -> None:
+        """Every rank makes the process group of each engine's feeding ranks (weight_sync.payload_peer_ranks)."""
+        self._all("join_payload_groups", groups)
 
     def join_weight_group(self, spec: dict[str, Any]):
         """The ref of rank 0 joining the weight-update group as its source (waited for with the engines')."""

@@ -10,7 +10,9 @@ Two paths (:mod:`miles.weights`):
 
 - **ipc**: a train rank hands the engines that share its GPU (``--colocate``; on CPU, its node) each
   flattened bucket by reference (a CUDA IPC handle, or a shared-memory file on CPU); the engine copies the
-  weights into its own parameters and answers; only then does the rank drop the bucket.
+  weights into its own parameters and answers; only then does the rank drop the bucket. An sglang engine with
+  tensor parallelism whose ranks run on the GPUs of train ranks ``r .. r + tp - 1`` (``r`` its colocated rank)
+  gets each of its ranks' payloads from the train rank on that GPU (:func:`payload_peer_ranks`).
 - **distributed**: train rank 0 broadcasts each bucket over a weight-update process group that the
   engines joined (NCCL on GPU, gloo on CPU); each engine receives it while its Ray call waits.
 
@@ -23,6 +25,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
+
+from miles.rollout.contract import SGLANG_FLATTENED_BUCKET
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +113,27 @@ def engine_payload(engine_infos: Sequence[dict]) -> EnginePayload:
     return kinds[0]
 
 
+def payload_peer_ranks(routes: WeightRoutes, payload: EnginePayload,
+                       train_infos: Sequence[dict]) -> dict[int, tuple[int, ...]]:
+    """For each sglang engine fed by reference with tensor parallelism: the train ranks whose GPUs its ranks use,
+    in its rank order (pure). An engine's ranks run on the GPUs of its colocated rank ``r`` and the next
+    ``tp - 1`` ranks (the documented placement of an ``--sglang-url`` server under ``--colocate``); where those
+    ranks are not on ``r``'s node with a GPU each, or ``r`` feeds other engines too, the engine is left out and
+    ``r`` hands it all ``tp`` payloads of its own bucket (each sglang rank then reads ``r``'s GPU)."""
+    if payload.kind != SGLANG_FLATTENED_BUCKET or payload.tp_size < 2:
+        return {}
+    peers = {}
+    for rank, engines in sorted(routes.ipc.items()):
+        ranks = tuple(range(rank, rank + payload.tp_size))
+        if len(engines) != 1 or ranks[-1] >= len(train_infos):
+            continue
+        infos = [train_infos[r] for r in ranks]
+        if (all(i["node_id"] == infos[0]["node_id"] for i in infos)
+                and len({i["cuda_visible_devices"] for i in infos}) == len(ranks)):
+            peers[engines[0]] = ranks
+    return peers
+
+
 def group_ranks(engine_tp_sizes: Sequence[int]) -> tuple[int, list[int]]:
     """``(world_size, rank_offsets)`` of the weight-update group (pure): the train source at rank 0, then each
     engine's tensor-parallel ranks in order (``rank_offsets[k]``: engine k's first rank)."""
@@ -133,7 +158,10 @@ class WeightSync:
                                   engine_ranks=engine_feed_ranks(train_infos, engine_infos, use_gpu=use_gpu,
                                                                  colocated_rank=colocated))
         self.payload = engine_payload(engine_infos)
+        self.peers = payload_peer_ranks(self.routes, self.payload, train_infos)
         self.train_group, self.rollout = train_group, rollout
+        if self.peers:  # a process group per engine's feeding ranks (made by every rank: a collective)
+            train_group.join_payload_groups(list(self.peers.values()))
         # rank r's engine to read the weights back from at wake (the sleep plan's rebuild_from_engine): the
         # embedded engine on its GPU, by CUDA IPC; None unless every rank has one (on CPU it would be a copy)
         ipc = [self.routes.ipc.get(r, ()) for r in range(len(train_infos))]
@@ -149,12 +177,14 @@ class WeightSync:
                     + rollout.join_weight_group(spec, self.routes.broadcast, offsets))
             wait_all(refs, "joining the weight-update group",
                      train_group.labels[:1] + [rollout.labels[i] for i in self.routes.broadcast])
-        logger.info("weight handoff: %s; payload %s", self.routes.describe(), self.payload.kind)
+        logger.info("weight handoff: %s; payload %s%s", self.routes.describe(), self.payload.kind,
+                    "".join(f"; engine {e}'s tensor-parallel ranks fed by train ranks {list(r)}"
+                            for e, r in sorted(self.peers.items())))
 
     def push(self, version: int) -> list[dict[str, Any]]:
         """Weights of the train ranks into every engine as ``version``; each rank's stats."""
         self.rollout.begin_weight_update(version)
         stats = self.train_group.push_weights(self.routes, self.rollout.engines, self.payload.kind,
-                                              self.payload.tp_size)
+                                              self.payload.tp_size, self.peers)
         self.rollout.end_weight_update(version)
         return stats

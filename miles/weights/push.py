@@ -12,7 +12,9 @@ that, one bucket at a time (:func:`miles.weights.plan_buckets`: one copy of the 
   itself (:func:`miles.weights.send_buckets`).
 - :data:`~miles.rollout.contract.SGLANG_FLATTENED_BUCKET`: sglang's own ``FlattenedTensorBucket`` (its class,
   imported here at run time); by reference its ``MultiprocessingSerializer`` payloads, one per tensor-parallel
-  rank, which the engine hands to sglang as they are; by broadcast its flat.
+  rank, which the engine hands to sglang as they are; by broadcast its flat. An sglang engine whose
+  tensor-parallel ranks run on the GPUs of several train ranks (:class:`PayloadPeers`) gets each rank's payload
+  from the train rank on that rank's GPU: every sglang rank reads its own GPU's memory.
 
 Each bucket goes to every engine of this rank at once (``ipc_engines`` by reference; with a ``group``, of which
 this rank is the source, ``group_engines`` by broadcast); the next is built once every engine acknowledged, and
@@ -25,9 +27,11 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from miles.rollout.contract import FLATTENED_BUCKET, MILES_FLAT_BUCKET, SGLANG_FLATTENED_BUCKET, WEIGHT_PAYLOADS
 
@@ -149,6 +153,36 @@ def _cpu_sharing_strategy(strategy: str):
         mp.set_sharing_strategy(before)
 
 
+@dataclass(frozen=True)
+class PayloadPeers:
+    """The train ranks on the GPUs of one sglang engine's tensor-parallel ranks, in the engine's rank order
+    (``ranks``; the first calls the engine), and their process group. Per bucket each serializes its own
+    copy; the first gathers the payloads, calls the engine, and says how it went; every rank keeps its bucket
+    alive until then."""
+
+    ranks: tuple[int, ...]
+    group: Any
+
+    @property
+    def calls_engine(self) -> bool:
+        return dist.get_rank() == self.ranks[0]
+
+    def gather(self, payload: Any) -> Optional[list]:
+        """Every rank's payload, in ``ranks`` order, on the first rank (None on the others)."""
+        gathered = [None] * len(self.ranks) if self.calls_engine else None
+        dist.gather_object(payload, gathered, dst=self.ranks[0], group=self.group)
+        return gathered
+
+    def settle(self, engine_ok: bool) -> None:
+        """After the engine's call: the first rank tells the others whether it succeeded (they raise if not,
+        rather than wait in the next bucket's gather for a rank that stopped)."""
+        flag = [engine_ok]
+        dist.broadcast_object_list(flag, src=self.ranks[0], group=self.group)
+        if not flag[0] and not self.calls_engine:
+            raise RuntimeError(f"the rollout engine fed by train ranks {list(self.ranks)} failed to load a weight "
+                               f"bucket (see train rank {self.ranks[0]}'s error)")
+
+
 def payload_builder(payload: str):
     """The builder of the engines' ``weight_payload`` kind; ValueError naming the kinds for another."""
     if payload == MILES_FLAT_BUCKET:
@@ -160,10 +194,12 @@ def payload_builder(payload: str):
 
 
 def push_weights(named_tensors: Iterable, *, payload: str, tp_size: int = 1, ipc_engines: Sequence[Any] = (),
-                 group=None, group_engines: Sequence[Any] = (), max_bucket_bytes: int) -> dict[str, Any]:
+                 group=None, group_engines: Sequence[Any] = (), peers: Optional[PayloadPeers] = None,
+                 max_bucket_bytes: int) -> dict[str, Any]:
     """Hand ``named_tensors`` (HF-layout ``(name, tensor)`` pairs on this rank's device) to the engines as
     ``payload`` (each engine ``tp_size`` ranks), one bucket at a time: each bucket is shared with
-    ``ipc_engines`` (Ray actor handles) and, with a ``group`` (this rank its source), broadcast to
+    ``ipc_engines`` (Ray actor handles; with ``peers``, one sglang engine fed one payload by each of its ranks'
+    train ranks, this rank's among them) and, with a ``group`` (this rank its source), broadcast to
     ``group_engines``; the next bucket is built once every engine acknowledged the last. Returns the
     handoff's stats for the metrics."""
     import ray
@@ -172,7 +208,7 @@ def push_weights(named_tensors: Iterable, *, payload: str, tp_size: int = 1, ipc
     sharer = Sharer()
     buckets = nbytes = largest = 0
     broadcast = group is not None and bool(group_engines)
-    feeds = bool(ipc_engines) or broadcast
+    feeds = bool(ipc_engines) or broadcast or peers is not None
     builder = payload_builder(payload) if feeds else None
     with bucket_allocation():
         for spec, sources in plan_buckets(named_tensors, max_bucket_bytes):
@@ -180,10 +216,16 @@ def push_weights(named_tensors: Iterable, *, payload: str, tp_size: int = 1, ipc
                 continue
             bucket = builder.build(spec, sources)
             del sources
-            release = None
+            release, engine_ok = None, False
             try:
                 refs = []
-                if ipc_engines:
+                if peers is not None:  # this rank's own payload; the engine gets every peer's at once
+                    shared, release = builder.share(sharer, spec, bucket, 1)
+                    gathered = peers.gather(shared[0])
+                    if gathered is not None:
+                        refs += [e.update_weights_from_tensor.remote(gathered, load_format=FLATTENED_BUCKET)
+                                 for e in ipc_engines]
+                elif ipc_engines:
                     shared, release = builder.share(sharer, spec, bucket, tp_size)
                     refs += [e.update_weights_from_tensor.remote(shared, load_format=FLATTENED_BUCKET)
                              for e in ipc_engines]
@@ -192,9 +234,14 @@ def push_weights(named_tensors: Iterable, *, payload: str, tp_size: int = 1, ipc
                              for e in group_engines]
                     builder.broadcast(group, spec, bucket)
                 ray.get(refs)
+                engine_ok = True
             finally:  # an engine that failed or died, or this actor interrupted: the bucket goes all the same
-                if release is not None:
-                    release()
+                try:
+                    if peers is not None:  # the peers' payloads stay alive until the engine has read them
+                        peers.settle(engine_ok)
+                finally:
+                    if release is not None:
+                        release()
             size = builder.nbytes(spec, bucket)
             del bucket
             buckets += 1

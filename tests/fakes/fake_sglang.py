@@ -245,6 +245,7 @@ class FakeSglangEngine:
             body = self.serializer.deserialize(payload)
             bucket = self.bucket_cls(flattened_tensor=body["flattened_tensor"], metadata=body["metadata"])
             received.append({n: t.clone() for n, t in bucket.reconstruct_tensors()})
+        self.received_by_rank = received  # what each tensor-parallel rank read
         self.weights.update(received[0])
         self.weights_defined = True
         return True, "Success"

@@ -210,3 +210,83 @@ def test_broadcast_to_sglang_from_the_trainer_lands_bit_exact(sglang_engine):
         assert torch.equal(fake.weights[name], tensor), name
     engine.close()
     assert not fake.groups
+
+
+def _peer_rank(rank, port, engine_fails, queue):
+    """Train rank ``rank`` of 2 feeding one sglang engine of TP 2 (rank 0 runs it and calls it): each rank's
+    weights are its own (plus ``rank``), so what each sglang rank read tells whose payload it was."""
+    sys.path[:0] = [FAKES, REPO]
+    fake_sglang = _load_fake()
+    import ray
+    import torch.distributed as dist
+
+    from miles.rollout.contract import SGLANG_FLATTENED_BUCKET
+    from miles.weights.push import PayloadPeers, push_weights
+
+    ray.get = lambda refs: refs
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        peers = PayloadPeers((0, 1), dist.new_group([0, 1]))
+        engines, fake, server = [], None, None
+        if rank == 0:
+            from miles.rollout.sglang.engine import SglangRolloutEngine
+            from miles.rollout.sglang.payloads import SglangPayloads
+            from miles.rollout.sglang.transport import HttpSglang
+
+            fake = fake_sglang.FakeSglangEngine(tp_size=2)
+            fake.resident["weights"] = not engine_fails  # released weights: the engine refuses the update
+            server = fake_sglang.FakeSglangServer(fake).__enter__()
+            payloads = SglangPayloads(fake_sglang.FakeFlattenedTensorBucket, fake_sglang.FakeSerializer)
+            engine = SglangRolloutEngine(HttpSglang(server.url, timeout_s=60), tp_size=2, payloads=payloads)
+            engine.begin_weight_update(1)
+            engines = [_EngineHandle(engine)]
+        mine = [(n, t + rank) for n, t in _weights()]
+        try:
+            stats = push_weights(mine, payload=SGLANG_FLATTENED_BUCKET, tp_size=2, ipc_engines=engines, peers=peers,
+                                 max_bucket_bytes=1 << 20)
+        except Exception as e:  # noqa: BLE001 - the parent checks what each rank raised
+            queue.put({"rank": rank, "raised": f"{type(e).__name__}: {e}"})
+            return
+        read = ([{n: t.tolist() for n, t in by_rank.items()} for by_rank in fake.received_by_rank]
+                if fake is not None else None)
+        queue.put({"rank": rank, "stats": stats, "read": read,
+                   "calls": [c[1]["payloads"] for c in fake.calls if c[0] == "update_weights_from_tensor"]
+                   if fake is not None else None})
+        if server is not None:
+            server.__exit__(None, None, None)
+    except BaseException as e:
+        queue.put({"rank": rank, "error": repr(e)})
+
+
+def _run_peers(engine_fails: bool) -> dict:
+    from miles.weights import free_port
+
+    port = free_port()
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_peer_rank, args=(r, port, engine_fails, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = {g["rank"]: g for g in (queue.get(timeout=90) for _ in procs)}
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert not any("error" in g for g in got.values()), got
+    return got
+
+
+def test_each_sglang_rank_reads_the_payload_of_the_train_rank_on_its_gpu():
+    got = _run_peers(engine_fails=False)
+    assert got[0]["calls"] == [2, 2]  # one call per bucket (bf16, fp32), with both ranks' payloads
+    for tp_rank, read in enumerate(got[0]["read"]):  # the fp32 bucket's, the last: rank i read rank i's tensors
+        assert read == {n: (t + tp_rank).tolist() for n, t in _weights() if t.dtype == torch.float32}
+    assert got[1]["stats"]["weight_handoff_buckets"] == 2  # the other rank built and shared every bucket too
+
+
+def test_a_failed_engine_call_stops_every_peer_instead_of_leaving_it_waiting():
+    got = _run_peers(engine_fails=True)
+    assert "weights are released" in got[0]["raised"]
+    assert "RuntimeError: the rollout engine fed by train ranks [0, 1] failed to load a weight bucket" in got[1]["raised"]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from miles.ray.weight_sync import WeightRoutes, engine_feed_ranks, plan_routes
+from miles.ray.weight_sync import EnginePayload, WeightRoutes, engine_feed_ranks, payload_peer_ranks, plan_routes
 
 
 def test_auto_hands_colocated_engines_by_reference_and_broadcasts_the_rest():
@@ -48,6 +48,18 @@ def test_feed_ranks_on_cpu_take_any_rank_of_the_node():
     engines = [_info("b"), _info("c")]
     assert engine_feed_ranks(ranks, engines, use_gpu=False, colocated_rank=None) == [1, None]
     assert engine_feed_ranks(ranks, [_info("a")], use_gpu=False, colocated_rank=[1]) == [0]
+
+
+def test_an_sglang_engine_with_tp_takes_each_ranks_payload_from_the_train_rank_on_its_gpu():
+    sglang_tp2 = EnginePayload("sglang_flattened_bucket", 2)
+    ranks = [_info("a", "0"), _info("a", "1"), _info("a", "2"), _info("b", "0")]
+    routes = plan_routes("ipc", num_ranks=4, engine_ranks=[0, 2])
+    assert payload_peer_ranks(routes, sglang_tp2, ranks) == {0: (0, 1)}  # engine 1's next rank is on node b
+    assert payload_peer_ranks(routes, EnginePayload("sglang_flattened_bucket", 1), ranks) == {}
+    assert payload_peer_ranks(routes, EnginePayload("miles_flat_bucket", 2), ranks) == {}
+    # a rank feeding two engines hands each all its payloads; two ranks on one GPU are no peers
+    assert payload_peer_ranks(plan_routes("ipc", num_ranks=2, engine_ranks=[0, 0]), sglang_tp2, ranks) == {}
+    assert payload_peer_ranks(routes, sglang_tp2, [_info("a", "0")] * 4) == {}
 
 
 def _tiny_moe(transformers, seed: int):
@@ -255,3 +267,37 @@ def test_a_store_knob_given_at_its_default_value_is_used_as_given(make_config):
     assert given.bucket_numel == DEFAULT_BUCKET_NUMEL and given.device_budget_mb == 4096
     with pytest.raises(Exception, match="device-budget-mb must be a positive budget in MiB"):
         make_config(*stream, "--stream-optimizer-state-device-budget-mb", "0")
+
+
+def test_the_train_group_tells_each_rank_its_engines_and_its_peers(monkeypatch):
+    """RayTrainGroup.push_weights: rank 0 calls the TP-2 engine with rank 1 as its peer, rank 1 only
+    contributes its payload, rank 2 feeds nothing (it still iterates: expert gathers are collectives)."""
+    from miles.ray import train_group as tg
+
+    calls = []
+
+    class Method:
+        def __init__(self, rank, name):
+            self.rank, self.name = rank, name
+
+        def remote(self, *args):
+            calls.append((self.rank, self.name, args))
+            return (self.rank, self.name)
+
+    class Actor:
+        def __init__(self, rank):
+            self.push_weights = Method(rank, "push_weights")
+            self.join_payload_groups = Method(rank, "join_payload_groups")
+
+    group = object.__new__(tg.RayTrainGroup)
+    group.actors, group.labels = [Actor(r) for r in range(3)], ["r0", "r1", "r2"]
+    monkeypatch.setattr(tg, "wait_all", lambda refs, what, labels: refs)
+    routes = plan_routes("ipc", num_ranks=3, engine_ranks=[0])
+    group.join_payload_groups([(0, 1)])
+    group.push_weights(routes, ["engine 0"], "sglang_flattened_bucket", 2, {0: (0, 1)})
+    assert [c for c in calls if c[1] == "join_payload_groups"] == [(r, "join_payload_groups", ([(0, 1)],))
+                                                                    for r in range(3)]
+    pushes = {r: args for r, name, args in calls if name == "push_weights"}
+    assert pushes == {0: (["engine 0"], [], "sglang_flattened_bucket", 2, (0, 1)),
+                      1: ([], [], "sglang_flattened_bucket", 2, (0, 1)),
+                      2: ([], [], "sglang_flattened_bucket", 2, None)}
