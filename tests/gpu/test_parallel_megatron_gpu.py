@@ -1,5 +1,6 @@
-"""The megatron trainer at TP2, PP2, TP2 x PP2, TP2 + SP (tiny Llama) and EP2 x TP2 + SP (tiny Qwen3-MoE, DP2)
-against TP = PP = EP = 1 at the same data-parallel size: one process per rank, driven in-process (no Ray).
+"""The megatron trainer at TP2, PP2, TP2 x PP2, TP2 + SP (tiny Llama), EP2 x TP2 + SP (tiny Qwen3-MoE, DP2), and
+GLM-5's and Qwen3.5-MoE's architectures at TP2 + SP / PP2 against TP = PP = EP = 1 at the same data-parallel size:
+one process per rank, driven in-process (no Ray).
 
 Run on the GPU host: ``python -m pytest -q -s tests/gpu/test_parallel_megatron_gpu.py`` (needs CUDA and
 megatron-core). Two placements:
@@ -62,6 +63,7 @@ class Layout(NamedTuple):
     ep: int = 1
     dp: int = 1
     sp: bool = False  # --sequence-parallel (Megatron's MoE layers need it under TP)
+    first_stage_layers: Optional[int] = None  # --decoder-first-pipeline-num-layers (uneven stages)
 
     @property
     def world(self) -> int:
@@ -72,7 +74,8 @@ class Layout(NamedTuple):
         return Layout(1, dp=self.dp)
 
     def __str__(self) -> str:
-        return f"tp{self.tp} pp{self.pp} ep{self.ep} dp{self.dp}" + (" sp" if self.sp else "")
+        return (f"tp{self.tp} pp{self.pp} ep{self.ep} dp{self.dp}" + (" sp" if self.sp else "")
+                + (f" first{self.first_stage_layers}" if self.first_stage_layers else ""))
 
 
 def _config(root: str, layout: Layout, model: Optional[str], stream: bool):
@@ -92,7 +95,8 @@ def _config(root: str, layout: Layout, model: Optional[str], stream: bool):
         config, cluster=dataclasses.replace(config.cluster, num_train_ranks=layout.world),
         training=dataclasses.replace(config.training, train_backend="megatron", tensor_model_parallel_size=layout.tp,
                                      pipeline_model_parallel_size=layout.pp, expert_model_parallel_size=layout.ep,
-                                     sequence_parallel=layout.sp),
+                                     sequence_parallel=layout.sp,
+                                     decoder_first_pipeline_num_layers=layout.first_stage_layers),
         optimizer=dataclasses.replace(config.optimizer, stream_optimizer_state_bucket_numel=20_000))
 
 
@@ -193,9 +197,13 @@ def _max_diff(a: dict, b: dict) -> float:
 @pytest.mark.parametrize("layout,preset,placement", [
     (Layout(2), None, "one_gpu"), (Layout(1, pp=2), None, "one_gpu"), (Layout(2, pp=2), None, "one_gpu"),
     (Layout(2, sp=True), None, "one_gpu"), (Layout(2, ep=2, dp=2, sp=True), "qwen3-moe-tiny", "one_gpu"),
+    # GLM-5's architecture (MLA, the sparse attention's indexer, MoE; 3 layers: uneven stages at PP2) and
+    # Qwen3.5-MoE's (Gated DeltaNet + gated attention)
+    (Layout(2, sp=True), "glm5-tiny", "one_gpu"), (Layout(1, pp=2, first_stage_layers=2), "glm5-tiny", "one_gpu"),
+    (Layout(2, sp=True), "qwen3.5-moe-tiny", "one_gpu"),
     (Layout(2), None, "two_gpus"), (Layout(1, pp=2), None, "two_gpus")],
-    ids=["tp2-one_gpu", "pp2-one_gpu", "tp2pp2-one_gpu", "tp2sp-one_gpu", "ep2tp2sp-moe-one_gpu", "tp2-two_gpus",
-         "pp2-two_gpus"])
+    ids=["tp2-one_gpu", "pp2-one_gpu", "tp2pp2-one_gpu", "tp2sp-one_gpu", "ep2tp2sp-moe-one_gpu",
+         "tp2sp-glm5-one_gpu", "pp2-glm5-one_gpu", "tp2sp-qwen35-one_gpu", "tp2-two_gpus", "pp2-two_gpus"])
 def test_tp2_or_pp2_trains_as_tp1_and_streams_bit_identically(tmp_path, layout, preset, placement):
     if placement == "two_gpus" and torch.cuda.device_count() < layout.world:
         pytest.skip(f"needs {layout.world} GPUs (this host has fewer: the one_gpu cases run the same layouts on one)")
