@@ -15,12 +15,14 @@
 # Run it on every node, the head node first:
 #   NODE_RANK=0 HEAD_ADDR=10.0.0.1 bash scripts/launch_glm5_744b.sh   # head: starts Ray, trains
 #   NODE_RANK=1 HEAD_ADDR=10.0.0.1 bash scripts/launch_glm5_744b.sh   # others: join Ray, wait
-# NOT TRAINABLE YET, and said so before Ray starts: `miles train` accepts this layout under --dry-run and refuses
-# the run itself (exit 2, naming the flags) unless --experimental-model-parallel is added: its TP/PP > 1 training
-# is checked with its ranks sharing one GPU (docs/dev/validation/parallel.md), not yet across GPUs. The megatron
-# backend builds GLM-5's layers (MLA, the sparse attention's indexer, MoE). The embedded rollout engine below holds the whole model on one GPU, which 744B
-# does not fit: at this size the rollouts need sglang servers with tensor parallelism (--rollout-engine sglang
-# --sglang-url, docs/advanced/sglang.md).
+# Rollouts: the embedded engine (the default) holds the whole model on one GPU, which 744B does not fit. Start one
+# sglang server per node, `--tp-size $GPUS_PER_NODE` on that node's GPUs in order (its rank i on GPU i), and name
+# them in node order: SGLANG_URLS="http://node0:30000 http://node1:30000 ..." (docs/advanced/sglang.md): each
+# server's rank i then takes the weights from the train rank on its GPU.
+# EXPERIMENTAL: `miles train` accepts this layout under --dry-run and refuses the run itself (exit 2, naming the
+# flags) unless EXTRA_ARGS=--experimental-model-parallel: its TP/PP > 1 training is checked with its ranks sharing
+# one GPU (docs/dev/validation/parallel.md), not yet across GPUs. The megatron backend builds GLM-5's layers (MLA,
+# the sparse attention's indexer, MoE).
 # Node-local disk per node with bf16 moments (the plan above): 0.78 TB streamed state + 0.19 TB trainer
 # offload, + 0.78 TB when checkpoints go to the same disk.
 set -euo pipefail
@@ -43,6 +45,8 @@ ETP=${ETP:-1}
 FIRST_STAGE_LAYERS=${FIRST_STAGE_LAYERS:-22}
 LAST_STAGE_LAYERS=${LAST_STAGE_LAYERS:-18}
 MOMENT_DTYPE=${MOMENT_DTYPE:-bf16}                         # bf16: 8 B/param streamed instead of 12
+SGLANG_URLS=${SGLANG_URLS:-}                               # one sglang server per node (above); empty: embedded
+EXTRA_ARGS=${EXTRA_ARGS:-}                                 # more `miles train` flags
 export RAY_USAGE_STATS_ENABLED=0
 
 TRAIN_ARGS=(
@@ -58,7 +62,6 @@ TRAIN_ARGS=(
   --expert-tensor-parallel-size "$ETP"
   --sequence-parallel
   --num-rollout-engines "$NUM_NODES"
-  --rollout-engine embedded
   --colocate
   --prompt-data "$PROMPT_DATA"
   --num-rollout 100
@@ -75,6 +78,11 @@ TRAIN_ARGS=(
   --save "$SAVE_DIR"
   --save-interval 20
 )
+if [[ -n "$SGLANG_URLS" ]]; then
+  TRAIN_ARGS+=(--rollout-engine sglang --sglang-tp-size "$GPUS_PER_NODE")
+  for url in $SGLANG_URLS; do TRAIN_ARGS+=(--sglang-url "$url"); done
+fi
+if [[ -n "$EXTRA_ARGS" ]]; then read -r -a extra <<< "$EXTRA_ARGS"; TRAIN_ARGS+=("${extra[@]}"); fi
 
 miles plan --preset glm5-744b --nodes "$NUM_NODES" --gpus-per-node "$GPUS_PER_NODE" --tp "$TP" --pp "$PP" \
   --ep "$EP" --decoder-first-pipeline-num-layers "$FIRST_STAGE_LAYERS" \

@@ -28,8 +28,9 @@ DISK_DIR=${DISK_DIR:-/local_nvme/miles}                    # node-local disk: st
 SAVE_DIR=${SAVE_DIR:-/shared/checkpoints/qwen3-30b-a3b}   # shared storage, seen by every node
 MOMENT_DTYPE=${MOMENT_DTYPE:-bf16}                         # fp32 is bit-exact; bf16 streams 8 B/param, not 12
 EP=${EP:-8}                                                # data parallel over all GPUs, experts split EP ways
-TP=${TP:-1}                                                # TP x PP > 1: add --experimental-model-parallel
+TP=${TP:-1}                                                # TP x PP > 1: EXTRA_ARGS=--experimental-model-parallel
 PP=${PP:-1}
+EXTRA_ARGS=${EXTRA_ARGS:-}                                 # more `miles train` flags
 export RAY_USAGE_STATS_ENABLED=0
 
 DRY_RUN=0
@@ -61,6 +62,7 @@ TRAIN_ARGS=(
   --save-interval 20
 )
 if (( TP > 1 )); then TRAIN_ARGS+=(--sequence-parallel); fi  # Megatron trains MoE layers under TP only with it
+if [[ -n "$EXTRA_ARGS" ]]; then read -r -a extra <<< "$EXTRA_ARGS"; TRAIN_ARGS+=("${extra[@]}"); fi
 
 # Before Ray starts, on this node: the flags, the layout against the model, this node's disk and memory. Several
 # nodes: RAY_ADDRESS (not yet reachable) makes validation judge this node's share of the ranks.

@@ -17,7 +17,7 @@ Lifecycle, as :class:`miles.ray.train_actor.TrainActor` calls it::
     metrics = trainer.train(rollout_id, samples, advantages)              # one optimizer step
     trainer.join_weight_group(spec)             # the source of the weight-update group (engines elsewhere)
     trainer.join_payload_groups(groups)         # the ranks feeding one sglang engine's TP ranks, each a group
-    stats = trainer.push_weights(ipc_engines, group_engines, payload, tp_size, peer_ranks)   # as engines consume
+    stats = trainer.push_weights(ipc_engines, group_engines, payload, tp_size, peers)   # as the engines consume them
     trainer.save(base, wait); trainer.finish_save(); trainer.load(base, load_optimizer)
     trainer.sleep(); trainer.wake()             # idempotent; dicts of offload stats
     trainer.shutdown()                          # closes files, removes rank_dir; idempotent
@@ -386,16 +386,18 @@ class TrainBackend(abc.ABC):
         self.payload_groups = {tuple(ranks): dist.new_group(list(ranks)) for ranks in groups}
 
     def push_weights(self, ipc_engines: list, group_engines: list, payload: str, tp_size: int,
-                     peer_ranks: Optional[tuple[int, ...]] = None) -> dict[str, Any]:
+                     peers=None) -> dict[str, Any]:
         """Hand the weights to the rollout engines as the ``payload`` they consume
         (:func:`miles.weights.push.push_weights`): by reference to ``ipc_engines``, by broadcast over the
-        weight-update group to ``group_engines``; ``peer_ranks``: the train ranks (this one among them, a
-        group of :meth:`join_payload_groups`) whose payloads one sglang engine's ranks take. Every rank calls it
-        (see :meth:`hf_weights`); an engine's session is opened and closed by the driver."""
-        from miles.weights.push import PayloadPeers, push_weights
+        weight-update group to ``group_engines``; ``peers`` (:class:`miles.weights.push.PayloadPeers`, planned
+        by the driver, one of :meth:`join_payload_groups`' groups): the train ranks, this one among them, whose
+        payloads one sglang engine's ranks take. Every rank calls it (see :meth:`hf_weights`); an engine's
+        session is opened and closed by the driver."""
+        from miles.weights.push import push_weights
 
         mb = self.config.rollout.weight_sync_bucket_mb
-        peers = PayloadPeers(tuple(peer_ranks), self.payload_groups[tuple(peer_ranks)]) if peer_ranks else None
+        if peers is not None:
+            peers = dataclasses.replace(peers, group=self.payload_groups[peers.ranks])
         with self.awake():
             stats = push_weights(self.hf_weights(), payload=payload, tp_size=tp_size, ipc_engines=ipc_engines,
                                  group=self.weight_group, group_engines=group_engines, peers=peers,

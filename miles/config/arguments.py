@@ -182,10 +182,11 @@ class RolloutConfig:
         "installed, and without --colocate (its weights arrive by reference only).",
         choices=("embedded", "sglang"),
     )
-    sglang_url: Optional[str] = knob(
-        None, "With --rollout-engine sglang: drive the sglang server already running at this URL "
-        "(http://HOST:PORT) instead of starting an engine in the actor; its model and server args are its own.",
-        metavar="URL")
+    sglang_url: tuple[str, ...] = knob(
+        (), "With --rollout-engine sglang: drive the sglang server already running at this URL "
+        "(http://HOST:PORT) instead of starting an engine in the actor; its model and server args are its own. "
+        "Repeat the flag for more servers, one per rollout engine (--num-rollout-engines): engine i drives the "
+        "i-th URL.", metavar="URL", repeatable=True)
     sglang_request_timeout: float = knob(
         600.0, "With --sglang-url: seconds one request to the server may take in all (connecting, sending, and "
         "reading the whole answer), > 0; a server that answers slower fails the call with an error naming this "

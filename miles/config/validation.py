@@ -293,22 +293,28 @@ def _check_sglang(d: RunConfig, env: Environment) -> None:
                             f"{INSTALL_HINT}; or use --rollout-engine embedded.")
     try:
         parse_server_args(r.sglang_server_arg)
-        if r.sglang_url is not None:
-            check_url(r.sglang_url)
+        for url in r.sglang_url:
+            check_url(url)
     except ValueError as e:
         flag = "--sglang-url" if str(e).startswith("--sglang-url") else "--sglang-server-arg"
         raise ArgumentError(f"{e}.", (flag,), f"fix {flag} as the message says.") from None
-    if r.sglang_url is not None:
+    if r.sglang_url:
+        urls = " ".join(r.sglang_url)
         for flag in ("--sglang-mem-fraction-static", "--sglang-server-arg"):
             if flag in given:
-                raise ArgumentError(f"{flag} has no effect with --sglang-url {r.sglang_url}: the server runs with the "
-                                    "arguments it was started with.", (flag, "--sglang-url"),
-                                    f"pass it to the server when starting it, or drop {flag}.")
-        if d.cluster.num_rollout_engines != 1:
+                raise ArgumentError(f"{flag} has no effect with --sglang-url {urls}: the servers run with the "
+                                    "arguments they were started with.", (flag, "--sglang-url"),
+                                    f"pass it to the servers when starting them, or drop {flag}.")
+        if len(r.sglang_url) != d.cluster.num_rollout_engines:
             raise ArgumentError(
-                f"--sglang-url drives one server, and --num-rollout-engines is {d.cluster.num_rollout_engines}.",
+                f"--sglang-url names {len(r.sglang_url)} server(s) ({urls}), and --num-rollout-engines is "
+                f"{d.cluster.num_rollout_engines}: each rollout engine drives one server.",
                 ("--sglang-url", "--num-rollout-engines"),
-                "pass --num-rollout-engines 1.")
+                f"pass --num-rollout-engines {len(r.sglang_url)}, or one --sglang-url per rollout engine.")
+        same = sorted({u for u in r.sglang_url if [v.rstrip("/") for v in r.sglang_url].count(u.rstrip("/")) > 1})
+        if same:
+            raise ArgumentError(f"--sglang-url names the server {same[0]} more than once: two rollout engines would "
+                                "drive one server.", ("--sglang-url",), "name each server once.")
     else:
         if "--sglang-request-timeout" in given:
             raise ArgumentError("--sglang-request-timeout has no effect without --sglang-url: an in-process sglang "
@@ -421,7 +427,8 @@ def draft_config(args: argparse.Namespace, env: Environment) -> RunConfig:
     environment-dependent defaults still None, so a rule can tell "not given"), with what the run derives
     from them without looking at any disk (the model source, the run id, the run's paths; ``creates`` empty).
     The rules check this draft; :func:`validate_args` resolves it."""
-    values = dict(vars(args), sglang_server_arg=tuple(args.sglang_server_arg or ()))  # repeatable: None or a list
+    repeatable = [f.name for _, cls in CONFIG_GROUPS for f in dataclasses.fields(cls) if f.metadata.get("repeatable")]
+    values = {**vars(args), **{name: tuple(getattr(args, name) or ()) for name in repeatable}}  # None or a list
     groups = {title: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)}) for title, cls in CONFIG_GROUPS}
     run_id = env.run_id or new_run_id()
     root = groups["offload"].offload_train_disk_dir

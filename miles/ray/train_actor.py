@@ -82,8 +82,8 @@ class TrainActor:
 
     @reports_logs
     def push_weights(self, ipc_engines: list, group_engines: list, payload: str, tp_size: int,
-                     peer_ranks: Optional[tuple] = None) -> dict[str, Any]:
-        return self.trainer.push_weights(ipc_engines, group_engines, payload, tp_size, peer_ranks)
+                     peers=None) -> dict[str, Any]:
+        return self.trainer.push_weights(ipc_engines, group_engines, payload, tp_size, peers)
 
     @reports_logs
     def save(self, base: str, wait: bool = True) -> dict[str, Any]:

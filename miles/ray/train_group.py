@@ -54,16 +54,17 @@ class RayTrainGroup:
         return wait_all(refs, f"train (rollout {rollout_id})", self.labels)
 
     def push_weights(self, routes, engines: list, payload: str, tp_size: int,
-                     peers: Optional[dict[int, tuple[int, ...]]] = None) -> list[dict[str, Any]]:
+                     peers: Optional[dict[int, Any]] = None) -> list[dict[str, Any]]:
         """Every rank hands its weights, as the ``payload`` the engines consume (each ``tp_size`` ranks), to the
         engines ``routes`` give it (:mod:`miles.ray.weight_sync`): by reference to ``routes.ipc[rank]`` (with
-        the other ranks of ``peers[engine]`` when the rank is among them), and rank 0 by broadcast to
+        the other ranks of ``peers[engine]``, a :class:`miles.weights.push.PayloadPeers`, when the rank is among
+        them), and rank 0 by broadcast to
         ``routes.broadcast``. Every rank is called: with expert parallelism the weights' iteration gathers
         experts (a collective)."""
-        peer_ranks = {r: ranks for ranks in (peers or {}).values() for r in ranks}
+        peers_of = {r: p for p in (peers or {}).values() for r in p.ranks}
         refs = [a.push_weights.remote([engines[i] for i in routes.ipc.get(r, ())],
                                       [engines[i] for i in routes.broadcast] if r == 0 else [], payload, tp_size,
-                                      peer_ranks.get(r))
+                                      peers_of.get(r))
                 for r, a in enumerate(self.actors)]
         return wait_all(refs, "push_weights", self.labels)
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from miles.rollout.contract import SGLANG_FLATTENED_BUCKET
+from miles.weights.push import PayloadPeers
 
 logger = logging.getLogger(__name__)
 
@@ -113,24 +114,32 @@ def engine_payload(engine_infos: Sequence[dict]) -> EnginePayload:
     return kinds[0]
 
 
+def _gpu_order(device: str):
+    return (0, int(device), "") if device.isdigit() else (1, 0, device)
+
+
 def payload_peer_ranks(routes: WeightRoutes, payload: EnginePayload,
-                       train_infos: Sequence[dict]) -> dict[int, tuple[int, ...]]:
+                       train_infos: Sequence[dict]) -> dict[int, PayloadPeers]:
     """For each sglang engine fed by reference with tensor parallelism: the train ranks whose GPUs its ranks use,
-    in its rank order (pure). An engine's ranks run on the GPUs of its colocated rank ``r`` and the next
-    ``tp - 1`` ranks (the documented placement of an ``--sglang-url`` server under ``--colocate``); where those
-    ranks are not on ``r``'s node with a GPU each, or ``r`` feeds other engines too, the engine is left out and
-    ``r`` hands it all ``tp`` payloads of its own bucket (each sglang rank then reads ``r``'s GPU)."""
+    in its rank order, and its colocated rank, which calls it (pure; each rank adds the process group). The
+    engine's ranks are taken to run on the GPUs of its colocated rank ``r`` and the next ``tp - 1`` ranks (a
+    node's ranks are consecutive), rank i on the i-th of those GPUs by number: an ``--sglang-url`` server with
+    ``--tp-size`` the node's GPU count, started on them in order. Where those ranks are not on ``r``'s node with a
+    GPU each, or ``r`` feeds other engines too, the engine is left out and ``r`` hands it all ``tp`` payloads of
+    its own bucket (each sglang rank then reads ``r``'s GPU)."""
     if payload.kind != SGLANG_FLATTENED_BUCKET or payload.tp_size < 2:
         return {}
     peers = {}
     for rank, engines in sorted(routes.ipc.items()):
-        ranks = tuple(range(rank, rank + payload.tp_size))
-        if len(engines) != 1 or ranks[-1] >= len(train_infos):
+        block = range(rank, rank + payload.tp_size)
+        if len(engines) != 1 or block[-1] >= len(train_infos):
             continue
-        infos = [train_infos[r] for r in ranks]
-        if (all(i["node_id"] == infos[0]["node_id"] for i in infos)
-                and len({i["cuda_visible_devices"] for i in infos}) == len(ranks)):
-            peers[engines[0]] = ranks
+        devices = {r: train_infos[r]["cuda_visible_devices"] for r in block}
+        if (all(train_infos[r]["node_id"] == train_infos[rank]["node_id"] for r in block)
+                and all(isinstance(d, str) and "," not in d for d in devices.values())
+                and len(set(devices.values())) == len(block)):
+            ranks = tuple(sorted(block, key=lambda r: _gpu_order(devices[r])))
+            peers[engines[0]] = PayloadPeers(ranks=ranks, caller=rank)
     return peers
 
 
@@ -161,7 +170,7 @@ class WeightSync:
         self.peers = payload_peer_ranks(self.routes, self.payload, train_infos)
         self.train_group, self.rollout = train_group, rollout
         if self.peers:  # a process group per engine's feeding ranks (made by every rank: a collective)
-            train_group.join_payload_groups(list(self.peers.values()))
+            train_group.join_payload_groups([p.ranks for p in self.peers.values()])
         # rank r's engine to read the weights back from at wake (the sleep plan's rebuild_from_engine): the
         # embedded engine on its GPU, by CUDA IPC; None unless every rank has one (on CPU it would be a copy)
         ipc = [self.routes.ipc.get(r, ()) for r in range(len(train_infos))]
@@ -178,8 +187,8 @@ class WeightSync:
             wait_all(refs, "joining the weight-update group",
                      train_group.labels[:1] + [rollout.labels[i] for i in self.routes.broadcast])
         logger.info("weight handoff: %s; payload %s%s", self.routes.describe(), self.payload.kind,
-                    "".join(f"; engine {e}'s tensor-parallel ranks fed by train ranks {list(r)}"
-                            for e, r in sorted(self.peers.items())))
+                    "".join(f"; engine {e}'s tensor-parallel ranks fed by train ranks {list(p.ranks)}"
+                            for e, p in sorted(self.peers.items())))
 
     def push(self, version: int) -> list[dict[str, Any]]:
         """Weights of the train ranks into every engine as ``version``; each rank's stats."""

@@ -156,31 +156,35 @@ def _cpu_sharing_strategy(strategy: str):
 @dataclass(frozen=True)
 class PayloadPeers:
     """The train ranks on the GPUs of one sglang engine's tensor-parallel ranks, in the engine's rank order
-    (``ranks``; the first calls the engine), and their process group. Per bucket each serializes its own
-    copy; the first gathers the payloads, calls the engine, and says how it went; every rank keeps its bucket
-    alive until then."""
+    (``ranks``), the one of them that calls the engine (``caller``, the engine's colocated rank), and their
+    process group. Per bucket each serializes its own copy; the caller gathers the payloads, calls the engine,
+    and says how it went; every rank keeps its bucket alive until then."""
 
     ranks: tuple[int, ...]
-    group: Any
+    caller: int
+    group: Any = None  # each rank's own (the driver plans the peers without it)
 
     @property
     def calls_engine(self) -> bool:
-        return dist.get_rank() == self.ranks[0]
+        return dist.get_rank() == self.caller
 
     def gather(self, payload: Any) -> Optional[list]:
-        """Every rank's payload, in ``ranks`` order, on the first rank (None on the others)."""
+        """Every rank's payload, in ``ranks`` order, on the caller (None on the others)."""
         gathered = [None] * len(self.ranks) if self.calls_engine else None
-        dist.gather_object(payload, gathered, dst=self.ranks[0], group=self.group)
-        return gathered
+        dist.gather_object(payload, gathered, dst=self.caller, group=self.group)
+        if gathered is None:
+            return None
+        by_rank = dict(zip(sorted(self.ranks), gathered))  # a group orders its members by global rank
+        return [by_rank[r] for r in self.ranks]
 
     def settle(self, engine_ok: bool) -> None:
-        """After the engine's call: the first rank tells the others whether it succeeded (they raise if not,
+        """After the engine's call: the caller tells the others whether it succeeded (they raise if not,
         rather than wait in the next bucket's gather for a rank that stopped)."""
         flag = [engine_ok]
-        dist.broadcast_object_list(flag, src=self.ranks[0], group=self.group)
+        dist.broadcast_object_list(flag, src=self.caller, group=self.group)
         if not flag[0] and not self.calls_engine:
             raise RuntimeError(f"the rollout engine fed by train ranks {list(self.ranks)} failed to load a weight "
-                               f"bucket (see train rank {self.ranks[0]}'s error)")
+                               f"bucket (see train rank {self.caller}'s error)")
 
 
 def payload_builder(payload: str):

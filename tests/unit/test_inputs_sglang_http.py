@@ -197,3 +197,22 @@ def test_an_output_without_meta_info_says_what_it_has(output, shape):
     with pytest.raises(SglangCallError) as ei:
         samples_from_outputs([output], [[1]], 1, return_logprob=False, weight_version=0)
     assert str(ei.value) == f"sglang: generate failed: output 0: expected a dict with a meta_info dict; got {shape}"
+
+
+def test_each_rollout_engine_drives_its_own_server(tmp_path, monkeypatch):
+    from miles.rollout.sglang import engine as engine_module
+
+    urls = ["http://node0:30000", "http://node1:30000"]
+    config = validate_args(parse_args(_args(tmp_path, "--sglang-url", urls[0], "--sglang-url", urls[1],
+                                            "--num-rollout-engines", "2", "--num-train-ranks", "2")), _env(tmp_path))
+    built = []
+
+    class Recording:
+        def __init__(self, url, timeout_s):
+            built.append(url)
+            self.version, self.tp_size, self.where = "0.5.17", 1, url
+
+    monkeypatch.setattr(engine_module, "HttpSglang", Recording)
+    for engine_id in (1, 0):
+        engine_module.SglangRolloutEngine.from_config(config, engine_id)
+    assert built == [urls[1], urls[0]]

@@ -183,3 +183,25 @@ def test_a_checked_run_starts_ray_and_trains(path, tmp_path):
     made = [c.split()[:2] for c in calls(tmp_path) if not c.startswith("miles plan")]
     assert made == [["miles", "train"], ["ray", "start"], ["miles", "train"]]
     assert calls(tmp_path)[-1].startswith("miles train") and not calls(tmp_path)[-1].endswith("--dry-run")
+
+
+def test_the_glm5_launcher_rolls_out_on_one_sglang_server_per_node_and_takes_extra_flags(tmp_path):
+    """SGLANG_URLS (one server per node, TP = the node's GPUs) and EXTRA_ARGS reach both `miles train` calls;
+    what the run gets validates on the pretend GPU machine with the opt-in, and is refused without it."""
+    path = SCRIPTS / "launch_glm5_744b.sh"
+    urls = [f"http://node{i}:30000" for i in range(8)]
+    env = {**fake_tools(tmp_path), "NUM_NODES": "8", "SGLANG_URLS": " ".join(urls),
+           "EXTRA_ARGS": "--experimental-model-parallel --seed 7"}
+    (tmp_path / "bin" / "python").write_text("#!/bin/sh\necho 8\n")  # the head's wait: 8 Ray nodes alive
+    proc = subprocess.run(["bash", str(path)], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    check, run = [shlex.split(c)[2:] for c in calls(tmp_path) if c.startswith("miles train")]
+    assert check == [*run, "--dry-run"]
+    args = build_parser().parse_args(run)
+    assert (args.rollout_engine, args.sglang_tp_size, args.sglang_url) == ("sglang", 4, urls)
+    assert args.experimental_model_parallel and args.seed == 7
+    cfg = validate_args(args, gpu_machine(GLM5_744B))
+    assert cfg.rollout.sglang_url == tuple(urls) and cfg.cluster.num_rollout_engines == 8
+    without = [a for a in run if a != "--experimental-model-parallel"]
+    with pytest.raises(ArgumentError, match="--experimental-model-parallel"):
+        validate_args(build_parser().parse_args(without), gpu_machine(GLM5_744B))

@@ -212,9 +212,10 @@ def test_broadcast_to_sglang_from_the_trainer_lands_bit_exact(sglang_engine):
     assert not fake.groups
 
 
-def _peer_rank(rank, port, engine_fails, queue):
-    """Train rank ``rank`` of 2 feeding one sglang engine of TP 2 (rank 0 runs it and calls it): each rank's
-    weights are its own (plus ``rank``), so what each sglang rank read tells whose payload it was."""
+def _peer_rank(rank, port, engine_order, engine_fails, queue):
+    """Train rank ``rank`` of 2 feeding one sglang engine of TP 2 (rank 0 runs it and calls it; its rank i on the
+    GPU of train rank ``engine_order[i]``): each rank's weights are its own (plus ``rank``), so what each sglang
+    rank read tells whose payload it was."""
     sys.path[:0] = [FAKES, REPO]
     fake_sglang = _load_fake()
     import ray
@@ -226,7 +227,7 @@ def _peer_rank(rank, port, engine_fails, queue):
     ray.get = lambda refs: refs
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        peers = PayloadPeers((0, 1), dist.new_group([0, 1]))
+        peers = PayloadPeers(engine_order, caller=0, group=dist.new_group([0, 1]))
         engines, fake, server = [], None, None
         if rank == 0:
             from miles.rollout.sglang.engine import SglangRolloutEngine
@@ -258,13 +259,13 @@ def _peer_rank(rank, port, engine_fails, queue):
         queue.put({"rank": rank, "error": repr(e)})
 
 
-def _run_peers(engine_fails: bool) -> dict:
+def _run_peers(engine_fails: bool, engine_order=(0, 1)) -> dict:
     from miles.weights import free_port
 
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_peer_rank, args=(r, port, engine_fails, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_peer_rank, args=(r, port, engine_order, engine_fails, queue)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -278,11 +279,12 @@ def _run_peers(engine_fails: bool) -> dict:
     return got
 
 
-def test_each_sglang_rank_reads_the_payload_of_the_train_rank_on_its_gpu():
-    got = _run_peers(engine_fails=False)
+@pytest.mark.parametrize("engine_order", [(0, 1), (1, 0)])
+def test_each_sglang_rank_reads_the_payload_of_the_train_rank_on_its_gpu(engine_order):
+    got = _run_peers(engine_fails=False, engine_order=engine_order)
     assert got[0]["calls"] == [2, 2]  # one call per bucket (bf16, fp32), with both ranks' payloads
-    for tp_rank, read in enumerate(got[0]["read"]):  # the fp32 bucket's, the last: rank i read rank i's tensors
-        assert read == {n: (t + tp_rank).tolist() for n, t in _weights() if t.dtype == torch.float32}
+    for tp_rank, read in enumerate(got[0]["read"]):  # the fp32 bucket's, the last: its train rank's tensors
+        assert read == {n: (t + engine_order[tp_rank]).tolist() for n, t in _weights() if t.dtype == torch.float32}
     assert got[1]["stats"]["weight_handoff_buckets"] == 2  # the other rank built and shared every bucket too
 
 

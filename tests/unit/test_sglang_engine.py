@@ -393,14 +393,17 @@ def test_sglang_flags_parse_into_the_run_config(tmp_path):
     config = _validate(tmp_path, "--sglang-mem-fraction-static", "0.6", "--sglang-server-arg",
                        "attention_backend=triton", "--sglang-server-arg", "disable_cuda_graph=true")
     r = config.rollout
-    assert (r.rollout_engine, r.sglang_tp_size, r.sglang_mem_fraction_static, r.sglang_url) == ("sglang", 1, 0.6, None)
+    assert (r.rollout_engine, r.sglang_tp_size, r.sglang_mem_fraction_static, r.sglang_url) == ("sglang", 1, 0.6, ())
     assert r.sglang_server_arg == ("attention_backend=triton", "disable_cuda_graph=true")
     args = server_args(config, "/m", engine_id=2)
     assert args == {"model_path": "/m", "tp_size": 1, "enable_memory_saver": True, "base_gpu_id": 0,
                     "random_seed": 44, "dtype": "float32", "skip_server_warmup": True, "mem_fraction_static": 0.6,
                     "attention_backend": "triton", "disable_cuda_graph": True}
     url = _validate(tmp_path, "--sglang-url", "http://127.0.0.1:30000/", "--sglang-tp-size", "2").rollout
-    assert (url.sglang_url, url.sglang_tp_size) == ("http://127.0.0.1:30000/", 2)
+    assert (url.sglang_url, url.sglang_tp_size) == (("http://127.0.0.1:30000/",), 2)
+    two = _validate(tmp_path, "--sglang-url", "http://node0:30000", "--sglang-url", "http://node1:30000",
+                    "--num-rollout-engines", "2", "--num-train-ranks", "2").rollout
+    assert two.sglang_url == ("http://node0:30000", "http://node1:30000")  # engine i drives the i-th
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -424,7 +427,11 @@ def test_sglang_not_installed_says_what_to_install(tmp_path, argv, message):
     (["--sglang-url", "ftp://host:1"], "--sglang-url 'ftp://host:1': it is not http(s)://HOST[:PORT]"),
     (["--sglang-url", "http://h:1/generate"], "it has a path"),
     (["--sglang-url", "http://h:1", "--sglang-mem-fraction-static", "0.5"], "has no effect with --sglang-url"),
-    (["--sglang-url", "http://h:1", "--num-rollout-engines", "2", "--num-train-ranks", "2"], "drives one server"),
+    (["--sglang-url", "http://h:1", "--num-rollout-engines", "2", "--num-train-ranks", "2"],
+     "--sglang-url names 1 server(s) (http://h:1), and --num-rollout-engines is 2: each rollout engine drives one "
+     "server. Fix: pass --num-rollout-engines 1, or one --sglang-url per rollout engine."),
+    (["--sglang-url", "http://h:1", "--sglang-url", "http://h:1/", "--num-rollout-engines", "2",
+      "--num-train-ranks", "2"], "names the server http://h:1 more than once"),
 ])
 def test_sglang_flags_validated_at_the_boundary(tmp_path, argv, message):
     with pytest.raises(ArgumentError) as e:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from miles.ray.weight_sync import EnginePayload, WeightRoutes, engine_feed_ranks, payload_peer_ranks, plan_routes
+from miles.weights.push import PayloadPeers
 
 
 def test_auto_hands_colocated_engines_by_reference_and_broadcasts_the_rest():
@@ -54,7 +55,13 @@ def test_an_sglang_engine_with_tp_takes_each_ranks_payload_from_the_train_rank_o
     sglang_tp2 = EnginePayload("sglang_flattened_bucket", 2)
     ranks = [_info("a", "0"), _info("a", "1"), _info("a", "2"), _info("b", "0")]
     routes = plan_routes("ipc", num_ranks=4, engine_ranks=[0, 2])
-    assert payload_peer_ranks(routes, sglang_tp2, ranks) == {0: (0, 1)}  # engine 1's next rank is on node b
+    # engine 0: its rank i on GPU i; engine 1's next rank is on node b
+    assert payload_peer_ranks(routes, sglang_tp2, ranks) == {0: PayloadPeers(ranks=(0, 1), caller=0)}
+    # ranks in the engine's order are by GPU number (10 after 9), whatever order Ray gave them
+    shuffled = [_info("a", "10"), _info("a", "9"), _info("a", "11"), _info("a", "8")]
+    tp4 = EnginePayload("sglang_flattened_bucket", 4)
+    assert payload_peer_ranks(plan_routes("ipc", num_ranks=4, engine_ranks=[0]), tp4, shuffled) == {
+        0: PayloadPeers(ranks=(3, 1, 0, 2), caller=0)}
     assert payload_peer_ranks(routes, EnginePayload("sglang_flattened_bucket", 1), ranks) == {}
     assert payload_peer_ranks(routes, EnginePayload("miles_flat_bucket", 2), ranks) == {}
     # a rank feeding two engines hands each all its payloads; two ranks on one GPU are no peers
@@ -293,11 +300,12 @@ def test_the_train_group_tells_each_rank_its_engines_and_its_peers(monkeypatch):
     group.actors, group.labels = [Actor(r) for r in range(3)], ["r0", "r1", "r2"]
     monkeypatch.setattr(tg, "wait_all", lambda refs, what, labels: refs)
     routes = plan_routes("ipc", num_ranks=3, engine_ranks=[0])
-    group.join_payload_groups([(0, 1)])
-    group.push_weights(routes, ["engine 0"], "sglang_flattened_bucket", 2, {0: (0, 1)})
-    assert [c for c in calls if c[1] == "join_payload_groups"] == [(r, "join_payload_groups", ([(0, 1)],))
+    peers = PayloadPeers(ranks=(1, 0), caller=0)
+    group.join_payload_groups([(1, 0)])
+    group.push_weights(routes, ["engine 0"], "sglang_flattened_bucket", 2, {0: peers})
+    assert [c for c in calls if c[1] == "join_payload_groups"] == [(r, "join_payload_groups", ([(1, 0)],))
                                                                     for r in range(3)]
     pushes = {r: args for r, name, args in calls if name == "push_weights"}
-    assert pushes == {0: (["engine 0"], [], "sglang_flattened_bucket", 2, (0, 1)),
-                      1: ([], [], "sglang_flattened_bucket", 2, (0, 1)),
+    assert pushes == {0: (["engine 0"], [], "sglang_flattened_bucket", 2, peers),
+                      1: ([], [], "sglang_flattened_bucket", 2, peers),
                       2: ([], [], "sglang_flattened_bucket", 2, None)}

@@ -179,10 +179,11 @@ class SglangRolloutEngine:
 
     @classmethod
     def from_config(cls, config, engine_id: int = 0) -> "SglangRolloutEngine":
-        """A client of the server at ``--sglang-url``, or an in-process ``sglang.Engine`` of the policy's folder."""
+        """A client of engine ``engine_id``'s server (the ``engine_id``-th ``--sglang-url``), or an in-process
+        ``sglang.Engine`` of the policy's folder."""
         rollout = config.rollout
         if rollout.sglang_url:
-            return cls(HttpSglang(rollout.sglang_url, timeout_s=rollout.sglang_request_timeout),
+            return cls(HttpSglang(rollout.sglang_url[engine_id], timeout_s=rollout.sglang_request_timeout),
                        tp_size=rollout.sglang_tp_size, engine_id=engine_id)
         from miles.models import resolve_policy_source
 
