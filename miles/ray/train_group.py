@@ -58,9 +58,8 @@ class RayTrainGroup:
         """Every rank hands its weights, as the ``payload`` the engines consume (each ``tp_size`` ranks), to the
         engines ``routes`` give it (:mod:`miles.ray.weight_sync`): by reference to ``routes.ipc[rank]`` (with
         the other ranks of ``peers[engine]``, a :class:`miles.weights.push.PayloadPeers`, when the rank is among
-        them), and rank 0 by broadcast to
-        ``routes.broadcast``. Every rank is called: with expert parallelism the weights' iteration gathers
-        experts (a collective)."""
+        them), and rank 0 by broadcast to ``routes.broadcast``. Every rank is called: with expert parallelism
+        the weights' iteration gathers experts (a collective)."""
         peers_of = {r: p for p in (peers or {}).values() for r in p.ranks}
         refs = [a.push_weights.remote([engines[i] for i in routes.ipc.get(r, ())],
                                       [engines[i] for i in routes.broadcast] if r == 0 else [], payload, tp_size,

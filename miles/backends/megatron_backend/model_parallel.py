@@ -146,8 +146,8 @@ class ModelParallelRank:
         """The whole model in HF tensors on every rank (a collective of the TP and PP groups)."""
         common = dict(stage=self.pp_rank, stages=self.stages(hf_config.num_hidden_layers), hf_config=hf_config,
                       gather=broadcast_gather(self.tp_group, list(self.tp_ranks)), tp_rank=self.tp_rank,
-                      etp=self.layout.etp,
-                      fused_norms=fused_norms, hf_moe_layout=hf_moe_layout, layer_experts=layer_experts)
+                      etp=self.layout.etp, fused_norms=fused_norms, hf_moe_layout=hf_moe_layout,
+                      layer_experts=layer_experts)
         if self.layout.pp == 1:
             return iter_stage_hf(local, **common)
         device = next(iter(local.values())).device
