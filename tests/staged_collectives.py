@@ -129,7 +129,8 @@ def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_o
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                       async_op=False):
     host_out = torch.empty(output.shape, dtype=output.dtype)
-    _original["all_to_all_single"](host_out, _host(input), output_split_sizes, input_split_sizes, group=group)
+    sizes = [None if s is None else [int(n) for n in s] for s in (output_split_sizes, input_split_sizes)]
+    _original["all_to_all_single"](host_out, _host(input), *sizes, group=group)  # sizes may come as an array
     _copy_back(output, host_out)
     return _done(async_op)
 

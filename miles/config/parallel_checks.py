@@ -8,7 +8,7 @@ flags, the values and the fix.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
 from miles.config.environment import Environment
 from miles.config.errors import ArgumentError
@@ -21,12 +21,13 @@ __all__ = ["check_parallel", "model_parallel_sizes", "EXPERIMENTAL_MODEL_PARALLE
 EXPERIMENTAL_MODEL_PARALLEL_FLAG = "--experimental-model-parallel"
 
 
-def model_parallel_sizes(d: RunConfig, env: Environment) -> dict[str, Optional[int]]:
+def model_parallel_sizes(d: RunConfig, env: Environment) -> dict[str, Any]:
     """The policy's sizes the layout rules read (None where unknown here: a size is then not checked)."""
     from miles.models import TINY_MODEL_CONFIG
     from miles.sizing.model_params import ModelConfigError, num_experts, text_config
 
-    unknown = dict(num_layers=None, num_attention_heads=None, num_query_groups=None, num_experts=None)
+    unknown = dict(num_layers=None, num_attention_heads=None, num_query_groups=None, num_experts=None,
+                   indexer_layers=None)
     if d.model_source == "tiny":
         config = dict(TINY_MODEL_CONFIG)
     elif d.model_source == "hf_checkpoint":
@@ -41,8 +42,12 @@ def model_parallel_sizes(d: RunConfig, env: Environment) -> dict[str, Optional[i
         experts = num_experts(config)
     except (ModelConfigError, TypeError, ValueError):
         experts = None
+    types = config.get("indexer_types")  # GLM-5's sparse attention: "full" computes its own top-k, "shared" reuses
+    indexer_layers = ([t == "full" for t in types] if isinstance(types, list)
+                      and len(types) == config.get("num_hidden_layers") else None)
     return dict(num_layers=config.get("num_hidden_layers"), num_attention_heads=heads,
-                num_query_groups=config.get("num_key_value_heads", heads), num_experts=experts)
+                num_query_groups=config.get("num_key_value_heads", heads), num_experts=experts,
+                indexer_layers=indexer_layers)
 
 
 def _given_model_parallel_flags(d: RunConfig) -> list[str]:
@@ -74,8 +79,8 @@ def _check_backend_builds(d: RunConfig) -> None:
             (ETP_FLAG, TP_FLAG), f"pass an {ETP_FLAG} that divides {layout.tp} (1 always does).")
     if layout.tp * layout.pp > 1 and not d.cluster.dry_run and not d.training.experimental_model_parallel:
         raise ArgumentError(
-            f"{TP_FLAG} {layout.tp} x {PP_FLAG} {layout.pp}: the megatron trainer builds TP/PP > 1 models, checked on "
-            "CPU (megatron-core over gloo), but this version has not run them on GPUs.", (TP_FLAG, PP_FLAG),
+            f"{TP_FLAG} {layout.tp} x {PP_FLAG} {layout.pp}: the megatron trainer builds TP/PP > 1 models, checked "
+            "with their ranks sharing one GPU, but this version has not run them across GPUs.", (TP_FLAG, PP_FLAG),
             f"add {EXPERIMENTAL_MODEL_PARALLEL_FLAG} to train with this layout anyway (scripts/validate_parallel.sh "
             "checks it on a host with 2+ GPUs first), pass --dry-run to check the layout on this machine, or train "
             "with TP = PP = 1.")

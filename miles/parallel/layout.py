@@ -20,12 +20,15 @@ Facts from megatron-core 0.19.2 (``parallel_state.initialize_model_parallel``, `
   multiple of the groups; the weight conversion here does not, so groups must divide by TP).
 - Sequence parallelism needs TP > 1. A MoE layer trains under TP > 1 only with sequence parallelism
   (``MoELayer.forward`` raises otherwise: its token dispatch expects the sequence split over TP).
+- DeepSeek sparse attention (GLM-5) with index sharing: a layer whose indexer is shared reuses the top-k
+  indices of the layer before it in the same stage, so every pipeline stage starts on a layer that computes
+  its own (the DSA module raises otherwise, at the first forward).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 __all__ = ["ParallelLayout", "RankCoordinates", "LayoutError", "check_layout", "rank_coordinates",
            "stage_layer_counts", "stage_layers", "rank_slices", "DEFAULT_EXPERT_TENSOR_PARALLEL_SIZE",
@@ -191,11 +194,13 @@ def rank_coordinates(layout: ParallelLayout) -> tuple[RankCoordinates, ...]:
 
 def check_layout(layout: ParallelLayout, *, num_layers: Optional[int] = None,
                  num_attention_heads: Optional[int] = None, num_query_groups: Optional[int] = None,
-                 num_experts: Optional[int] = None, sequence_parallel: Optional[bool] = False) -> None:
+                 num_experts: Optional[int] = None, sequence_parallel: Optional[bool] = False,
+                 indexer_layers: Optional[Sequence[bool]] = None) -> None:
     """Raise :class:`LayoutError` for the first rule of the module doc the layout breaks for this model
     (a model size given as None is not checked: e.g. before the model's config is known; ``num_experts`` 0:
     a dense model, whose expert-parallel groups Megatron builds and leaves unused; ``sequence_parallel`` None:
-    not known, as in ``miles plan``, which sizes memory and takes no training flags)."""
+    not known, as in ``miles plan``, which sizes memory and takes no training flags; ``indexer_layers``: per
+    decoder layer, whether it computes its own sparse-attention indexer, None for a model without DSA)."""
     _check_sizes(layout)
     _check_stage_flags(layout)
     if sequence_parallel and layout.tp < 2:
@@ -214,6 +219,20 @@ def check_layout(layout: ParallelLayout, *, num_layers: Optional[int] = None,
                           f"pass an {EP_FLAG} that divides {num_experts}.")
     if num_layers is not None:
         stage_layer_counts(num_layers, layout)
+    if num_layers is not None and indexer_layers is not None and layout.pp > 1:
+        for stage, layers in enumerate(stage_layers(num_layers, layout)):
+            if not indexer_layers[layers.start]:
+                starts = [i for i in range(1, num_layers) if indexer_layers[i]]
+                raise LayoutError(
+                    f"pipeline stage {stage} starts at decoder layer {layers.start}, whose sparse-attention indexer "
+                    "is shared (it reuses the previous layer's top-k, and megatron shares them within a stage "
+                    "only).", (PP_FLAG, FIRST_STAGE_FLAG, LAST_STAGE_FLAG),
+                    f"choose stage sizes so that every stage starts on a layer with its own indexer: one of "
+                    f"{_listed(starts)} ({FIRST_STAGE_FLAG} / {LAST_STAGE_FLAG} set the first and last stage's).")
+
+
+def _listed(values: list[int], most: int = 12) -> str:
+    return ", ".join(map(str, values[:most])) + (" ..." if len(values) > most else "")
 
 
 def rank_slices(count: int, layout: ParallelLayout) -> list[slice]:

@@ -249,3 +249,26 @@ def test_the_embedded_engine_decodes_glm5_with_the_dynamic_cache():
     assert not decode.supports_static_cache(model)
     with pytest.raises(ValueError, match="sparse"):
         EmbeddedRolloutEngine(model=model, tokenizer=build_tiny_tokenizer(), device="cpu", static_cache=True)
+
+
+def test_tp_shards_split_mla_by_heads_keep_the_indexer_whole_and_gather_back_exactly():
+    """Tensor parallelism: megatron's local MLA builds the up projections column-parallel (whole heads per rank)
+    and the down projections column-parallel too (MLA gathers the latent); the DSA indexer's projections and
+    norms are whole on every rank. Shard then gather is the unsharded state, for every TP rank's view."""
+    from miles.backends.megatron_backend.tp_shards import split_kind, tp_gather, tp_shard
+
+    config, hf = tiny_glm()
+    full = hf_to_megatron(hf, config)
+    a, idx = "decoder.layers.0.self_attention.", "decoder.layers.0.self_attention.core_attention.indexer."
+    assert {split_kind(a + p + ".weight") for p in ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+                                                      "linear_kv_up_proj")} == {"column"}
+    assert {split_kind(k) for k in full if ".indexer." in k} == {"replicated"}
+    shards = [tp_shard(full, tp_rank=r, tp=2, vocab_size=config.vocab_size) for r in range(2)]
+    qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+    for r, shard in enumerate(shards):  # rank r: heads 2r, 2r + 1 of the 4
+        assert torch.equal(shard[a + "linear_q_up_proj.weight"], full[a + "linear_q_up_proj.weight"][2 * r * qk:
+                                                                                                    2 * (r + 1) * qk])
+        assert torch.equal(shard[idx + "linear_wq_b.weight"], full[idx + "linear_wq_b.weight"])
+    for r in range(2):
+        gathered = tp_gather(shards, tp_rank=r, vocab_size=config.vocab_size)
+        assert set(gathered) == set(full) and all(torch.equal(gathered[k], full[k]) for k in full)

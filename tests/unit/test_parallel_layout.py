@@ -116,3 +116,13 @@ def test_samples_split_over_data_parallelism_and_a_replicas_ranks_share_theirs()
     assert tp2_dp2 == [slice(0, 4), slice(0, 4), slice(4, 8), slice(4, 8)]  # ranks 0,1 = replica 0
     pp2 = rank_slices(6, ParallelLayout(world=4, pp=2))  # DP2: ranks 0,1 stage 0, ranks 2,3 stage 1
     assert pp2 == [slice(0, 3), slice(3, 6), slice(0, 3), slice(3, 6)]
+
+
+def test_every_pipeline_stage_starts_on_a_layer_that_computes_its_sparse_attention_indices():
+    computes = [True, True, False, True, False, True, False, True]  # GLM-5's pattern: full, full, shared, full, ...
+    with pytest.raises(LayoutError) as e:  # 4 + 4: stage 1 would start on layer 4, which shares layer 3's top-k
+        check_layout(ParallelLayout(world=2, pp=2), num_layers=8, indexer_layers=computes)
+    assert "stage 1 starts at decoder layer 4" in str(e.value) and PP_FLAG in e.value.flags
+    assert "one of 1, 3, 5, 7" in e.value.fix and FIRST_STAGE_FLAG in e.value.fix
+    check_layout(ParallelLayout(world=2, pp=2, first_stage_layers=3), num_layers=8, indexer_layers=computes)
+    check_layout(ParallelLayout(world=2, tp=2), num_layers=8, indexer_layers=computes)  # one stage: nothing to cut

@@ -112,3 +112,13 @@ def test_expert_tensor_parallelism_must_divide_tp_for_the_handoffs_gather():
     assert "--expert-tensor-parallel-size 2 does not divide --tensor-model-parallel-size 1" in str(e.value)
     check(["--hf-checkpoint", "/m", "--dry-run", "--num-train-ranks", "2", "--tensor-model-parallel-size", "2",
            "--expert-tensor-parallel-size", "2", "--sequence-parallel"], moe)
+
+
+def test_glm5s_pipeline_stages_start_on_layers_that_compute_their_sparse_attention_indices():
+    shared = {**GLM5_744B, "num_hidden_layers": 8,
+              "indexer_types": ["full", "full", "shared", "full", "shared", "full", "shared", "full"]}
+    argv = ["--hf-checkpoint", "/m", "--dry-run", "--num-train-ranks", "2", "--pipeline-model-parallel-size", "2"]
+    with pytest.raises(ArgumentError) as e:
+        check(argv, shared)
+    assert "stage 1 starts at decoder layer 4" in str(e.value) and "--decoder-first-pipeline-num-layers" in e.value.fix
+    check([*argv, "--decoder-first-pipeline-num-layers", "3"], shared)

@@ -12,6 +12,7 @@ attention + DSA) always gets ``families/glm_moe_dsa_layers.py``'s spec (no Trans
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from typing import Any, Optional
 
@@ -163,6 +164,17 @@ def te_available() -> bool:
         return False
 
 
+def _this_stage(spec: Any, config: Any, pp_rank: int) -> Any:
+    """A block spec of every decoder layer cut to pipeline stage ``pp_rank``'s (as megatron's own
+    ``get_gpt_decoder_block_spec`` cuts its spec: ``TransformerBlock`` builds every layer spec it is given)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
+    count = get_num_layers_to_build(config, pp_rank=pp_rank)
+    return dataclasses.replace(spec, layer_specs=spec.layer_specs[offset:offset + count])
+
+
 def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype, expert_model_parallel_size: int = 1,
                     use_te: bool | None = None, fused_attention: bool = True,
                     layout: Optional[ParallelLayout] = None, sequence_parallel: bool = False, pp_rank: int = 0):
@@ -192,22 +204,20 @@ def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype, expert_model_p
 
         config = MLATransformerConfig(**kwargs)
         log_left_out_mtp(arch.mla_dsa)
-        return GPTModel(config, dsa_decoder_block_spec(config), **stage), config, False
-    use_te = te_available() if use_te is None else use_te
-    hybrid = arch.linear_attention is not None  # Qwen3.5: its own spec, never TE's
-    if hybrid:
+        use_te, spec = False, _this_stage(dsa_decoder_block_spec(config), config, pp_rank)
+    elif arch.linear_attention is not None:  # Qwen3.5: its own spec, never TE's
         from .families import qwen3_5_moe_layers
 
-        kwargs.update(qwen3_5_moe_layers.gated_delta_rule_kwargs())
-    config = TransformerConfig(**kwargs)
-    if hybrid:
-        use_te, spec = False, qwen3_5_moe_layers.block_spec(config)
-    else:  # the block spec places MoE and dense layers by config.moe_layer_freq and picks the final norm
+        config = TransformerConfig(**kwargs, **qwen3_5_moe_layers.gated_delta_rule_kwargs())
+        use_te, spec = False, _this_stage(qwen3_5_moe_layers.block_spec(config), config, pp_rank)
+    else:  # megatron's block spec is this stage's already  # the block spec places MoE and dense layers by config.moe_layer_freq and picks the final norm
+        use_te = te_available() if use_te is None else use_te
+        config = TransformerConfig(**kwargs)
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
         if not use_te and fused_attention:
             spec = with_core_attention(spec, SDPACoreAttention)
-        if not use_te and sequence_parallel:  # megatron's torch norm (no apex) refuses sequence parallelism
-            from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    if not use_te and sequence_parallel:  # megatron's torch norm (no apex) refuses sequence parallelism
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-            spec = with_norm(spec, WrappedTorchNorm, SequenceParallelRMSNorm)
+        spec = with_norm(spec, WrappedTorchNorm, SequenceParallelRMSNorm)
     return GPTModel(config, spec, **stage), config, use_te

@@ -10,14 +10,16 @@ rank, so ETP cuts the experts a rank holds). How megatron-core 0.19 splits each 
 
 - column-parallel (output rows split over TP): ``linear_qkv`` (weight and bias) -- its rows are grouped per
   query group, so a contiguous cut gives each rank whole groups (the layout check makes groups divide by
-  TP); ``linear_fc1`` of a SwiGLU MLP is ``[gate; up]`` and each rank holds ``[gate_r; up_r]``: gate and up
+  TP); multi-latent attention's (GLM-5) up projections (rows head by head: whole heads per rank) and its
+  down projections (megatron's local MLA builds them column-parallel and gathers the latent); ``linear_fc1`` of a SwiGLU MLP is ``[gate; up]`` and each rank holds ``[gate_r; up_r]``: gate and up
   are cut each, not the fused rows;
 - row-parallel (input columns split): ``linear_proj``, ``linear_fc2``;
 - vocab-parallel: ``embedding.word_embeddings`` and ``output_layer`` rows, after padding the vocabulary to a
   multiple of 128 x TP (Megatron-LM's ``--make-vocab-size-divisible-by 128``). At TP 1 the backend builds the
   HF vocabulary unpadded (as before TP existed): :func:`padded_vocab_size` says which. Padding rows are
   zero; the vocab-parallel log-softmax masks their logits;
-- replicated: norms (``*layernorm*``, ``layer_norm_weight``), q/k norms (per head dim), the MoE router;
+- replicated: norms (``*layernorm*``, ``layer_norm_weight``), q/k norms (per head dim), the MoE router, the
+  sparse-attention indexer (its projections are duplicated on every rank);
 - routed experts (``mlp.experts.local_experts.{i}``) the same rules over the expert-tensor-parallel group
   (ETP), not TP.
 Pipeline stages hold their decoder layers renumbered from 0 (``decoder.layers.{local}``); the first stage the
@@ -38,12 +40,12 @@ __all__ = ["VOCAB_DIVISIBLE_BY", "padded_vocab_size", "split_kind", "tp_shard", 
 VOCAB_DIVISIBLE_BY = 128  # Megatron-LM's --make-vocab-size-divisible-by default (times TP)
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-_COLUMN = re.compile(r"linear_qkv\.(weight|bias)$")
+_COLUMN = re.compile(r"(linear_qkv\.(weight|bias)|linear_(q|kv)_(down|up)_proj\.weight)$")
 _SWIGLU = re.compile(r"linear_fc1\.weight$")
 _ROW = re.compile(r"(linear_proj|linear_fc2)\.weight$")
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _REPLICATED = re.compile(r"(layernorm\.weight|layernorm\.bias|layer_norm_weight|layer_norm_bias|router\.weight"
-                         r"|router\.expert_bias)$")
+                         r"|router\.expert_bias|\.indexer\..*)$")
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:

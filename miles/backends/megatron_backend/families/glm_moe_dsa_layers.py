@@ -7,10 +7,14 @@ helper (``get_transformer_layer_with_experimental_attention_variant_spec``) take
 supplies one: megatron's local modules plus
 
 - ``linear()``: ``ColumnParallelLinear`` for the MLA down projections (the one non-TE class absorbed MLA
-  accepts there); the indexer's projections, which megatron builds with ``parallel_mode="duplicated"`` (a
-  TE argument), are :func:`duplicated_linear`'s class (tensor parallelism is 1 here);
+  accepts there: under TP each rank computes its slice of the latent, which MLA gathers); the indexer's
+  projections, which megatron builds with ``parallel_mode="duplicated"`` (a TE argument), are
+  :class:`DuplicatedLinear`: whole on every tensor-parallel rank (the indexer gathers its inputs over the
+  sequence-parallel split, and megatron averages its grads over TP);
 - the q/kv latent norms with transformers' fixed eps (``glm_moe_dsa.LATENT_NORM_EPS``) and the indexer's key
-  LayerNorm with the configured one (``dsa_indexer_k_norm_epsilon``);
+  LayerNorm with the configured one (``dsa_indexer_k_norm_epsilon``), their params marked ``sequence_parallel``
+  under sequence parallelism (MLA scatters the latents back over the sequence: each rank's grads are partial,
+  and megatron's ``finalize_model_grads`` sums the marked ones over TP);
 - no fused norm+linear: every norm is its own module (``convert.py``'s unfused names).
 
 Sparse attention runs megatron's PyTorch path (``dsa_kernel_backend="none"``: no tilelang, no cuDNN).
@@ -19,42 +23,49 @@ Sparse attention runs megatron's PyTorch path (``dsa_kernel_backend="none"``: no
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
 from .glm_moe_dsa import LATENT_NORM_EPS
 
-__all__ = ["dsa_decoder_block_spec", "duplicated_linear", "LocalDsaSpecProvider", "QKNorm"]
+__all__ = ["dsa_decoder_block_spec", "DuplicatedLinear", "LocalDsaSpecProvider", "QKNorm"]
 
 
-@functools.cache
-def duplicated_linear() -> type:
-    """``DuplicatedLinear``: a projection every tensor-parallel rank holds whole (megatron's DSA indexer asks
-    for TE's ``parallel_mode="duplicated"``); with tensor parallelism 1, a plain ``ColumnParallelLinear``.
-    Made on first use: megatron-core is imported only on the GPU host."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+class DuplicatedLinear(torch.nn.Module):
+    """A projection every tensor-parallel rank holds whole, called as megatron's linears are (``(output,
+    bias)``): megatron's DSA indexer asks for TE's ``parallel_mode="duplicated"``, which no local class has."""
 
-    class DuplicatedLinear(ColumnParallelLinear):
-        def __init__(self, input_size: int, output_size: int, *, parallel_mode: str = "duplicated", **kwargs):
-            if parallel_mode != "duplicated":
-                raise ValueError(f"DuplicatedLinear builds parallel_mode='duplicated' only, not {parallel_mode!r}")
-            kwargs.pop("gather_output", None)
-            super().__init__(input_size, output_size, gather_output=False, **kwargs)
+    def __init__(self, input_size: int, output_size: int, *, config, init_method, bias: bool = False,
+                 parallel_mode: str = "duplicated", skip_bias_add: bool = False,
+                 skip_weight_param_allocation: bool = False, **_unused):
+        if parallel_mode != "duplicated" or bias or skip_weight_param_allocation:
+            raise ValueError("DuplicatedLinear builds a bias-free parallel_mode='duplicated' projection only, not "
+                             f"parallel_mode={parallel_mode!r}, bias={bias}, skip_weight_param_allocation="
+                             f"{skip_weight_param_allocation}")
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        if config.perform_initialization:
+            init_method(self.weight)
 
-    return DuplicatedLinear
+    def forward(self, x: torch.Tensor):
+        return torch.nn.functional.linear(x, self.weight), None
 
 
 class QKNorm:
     """Builder of the attention-internal norms: RMSNorm with transformers' fixed eps (GLM-5's q/kv latent
-    norms ignore ``rms_norm_eps``), LayerNorm with the eps megatron passes (the indexer's key norm)."""
+    norms ignore ``rms_norm_eps``), LayerNorm with the eps megatron passes (the indexer's key norm); params
+    marked ``sequence_parallel`` as the config says (module doc)."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
         if config.normalization == "RMSNorm":
-            return torch.nn.RMSNorm(hidden_size, eps=LATENT_NORM_EPS)
-        if config.normalization == "LayerNorm":
-            return torch.nn.LayerNorm(hidden_size, eps=eps)
-        raise ValueError(f"no attention-internal norm for normalization={config.normalization!r}")
+            norm = torch.nn.RMSNorm(hidden_size, eps=LATENT_NORM_EPS)
+        elif config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+        else:
+            raise ValueError(f"no attention-internal norm for normalization={config.normalization!r}")
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
 
 
 class LocalDsaSpecProvider:
@@ -85,9 +96,8 @@ class LocalDsaSpecProvider:
 def _with_duplicated_indexer_linears(layer_spec):
     """The layer spec with its DSA indexer's three projections built as ``DuplicatedLinear``."""
     indexer = layer_spec.submodules.self_attention.submodules.core_attention.submodules.indexer
-    linear = duplicated_linear()
-    indexer.submodules = dataclasses.replace(indexer.submodules, linear_wq_b=linear, linear_wk=linear,
-                                             linear_weights_proj=linear)
+    indexer.submodules = dataclasses.replace(indexer.submodules, linear_wq_b=DuplicatedLinear,
+                                             linear_wk=DuplicatedLinear, linear_weights_proj=DuplicatedLinear)
     return layer_spec
 
 
