@@ -98,3 +98,22 @@ def test_resume_on_another_data_parallel_size(tmp_path):
     assert_same(dp2["same_dp_at6"], dp1_at6, "DP=2 -> DP=2: resumed run")
     assert_same(dp2["resharded_at3"], dp1_at3, "DP=1 -> DP=2: state after load")
     assert_same(dp2["resharded_at6"], dp1_at6, "DP=1 -> DP=2: resumed run")
+
+
+def test_resharding_over_data_parallelism_reads_only_this_ranks_tensor_parallel_shard():
+    """TP2 x DP1 saved, TP2 x DP2 loading: every TP rank's store has the same identity, over its own params
+    (the megatron binding names them with the rank); a rank reshards from its TP shard's states only."""
+    from types import SimpleNamespace
+
+    from miles_plugins.optimizers.streaming.checkpoint.save_load import same_shard
+
+    def saved(rank, tp):
+        return (f"nvme_opt_state/rank{rank:05d}/opt0_0",
+                {"entries": [{"name": f"pp0.chunk0.tp{tp}.{p}"} for p in ("qkv.weight", "norm.weight")]})
+
+    manifests = [saved(0, 0), saved(1, 1)]
+    tp1 = SimpleNamespace(model_params={"pp0.chunk0.tp1.qkv.weight": 8, "pp0.chunk0.tp1.norm.weight": 4})
+    assert same_shard(manifests, tp1) == [manifests[1]]
+    other_model = SimpleNamespace(model_params={"pp0.chunk0.tp0.mlp.weight": 8})
+    assert same_shard(manifests, other_model) == manifests  # none of its params: the coverage check reports it
+    assert same_shard(manifests, SimpleNamespace(model_params=None)) == manifests

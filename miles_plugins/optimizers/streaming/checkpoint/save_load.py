@@ -537,6 +537,17 @@ def _check_coverage(manifests: list[tuple[str, dict]], store) -> None:
                        "now. Load a checkpoint of this model")
 
 
+def same_shard(manifests: list[tuple[str, dict]], store) -> list[tuple[str, dict]]:
+    """The saved states of this store's model shard. Under tensor or pipeline parallelism every TP/PP rank has a
+    store of the same identity over other params (the binding's names carry the rank: ``pp0.chunk0.tp1...``):
+    data parallelism reshards among the ranks that hold this store's params only. With nameless entries, or
+    none of this store's params saved, every state is kept (the coverage check then says what differs)."""
+    if store.model_params is None:
+        return manifests
+    mine = [(d, m) for d, m in manifests if any(e["name"] in store.model_params for e in m["entries"])]
+    return mine or manifests
+
+
 def _reshard(store, base: str, own: str, diff: str, sources: dict[str, int]):
     """Plan the copies from every rank's state of this store identity; open (into `sources`) and verify
     every file they read."""
@@ -554,6 +565,7 @@ def _reshard(store, base: str, own: str, diff: str, sources: dict[str, int]):
         for path in paths:
             manifests.append((os.path.dirname(path), _read_manifest(os.path.dirname(path), base, store)))
             _check_format(manifests[-1][1], manifests[-1][0], store)
+        manifests = same_shard(manifests, store)
         _check_coverage(manifests, store)
         copies, requants, steps, moments, used = plan_reshard(store, manifests)
     except ReshardError as e:
