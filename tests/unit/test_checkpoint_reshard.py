@@ -102,18 +102,25 @@ def test_resume_on_another_data_parallel_size(tmp_path):
 
 def test_resharding_over_data_parallelism_reads_only_this_ranks_tensor_parallel_shard():
     """TP2 x DP1 saved, TP2 x DP2 loading: every TP rank's store has the same identity, over its own params
-    (the megatron binding names them with the rank); a rank reshards from its TP shard's states only."""
+    (the megatron binding names them with their shard); a rank reshards from its TP shard's states only."""
     from types import SimpleNamespace
 
+    from miles_plugins.optimizers.streaming.bind.megatron_optimizer import name_shard
     from miles_plugins.optimizers.streaming.checkpoint.save_load import same_shard
 
-    def saved(rank, tp):
-        return (f"nvme_opt_state/rank{rank:05d}/opt0_0",
-                {"entries": [{"name": f"pp0.chunk0.tp{tp}.{p}"} for p in ("qkv.weight", "norm.weight")]})
+    assert name_shard("pp1.chunk0.tp1.module.decoder.layers.0.mlp.linear_fc1.weight") == "pp1.tp1"
+    assert name_shard("pp0.chunk1.ep3.etp0.module.decoder.layers.1.mlp.experts.weight1") == "pp0.ep3.etp0"
 
-    manifests = [saved(0, 0), saved(1, 1)]
-    tp1 = SimpleNamespace(model_params={"pp0.chunk0.tp1.qkv.weight": 8, "pp0.chunk0.tp1.norm.weight": 4})
+    def saved(rank, tp, params):
+        return (f"nvme_opt_state/rank{rank:05d}/opt0_0",
+                {"entries": [{"name": f"pp0.chunk0.tp{tp}.{p}"} for p in params]})
+
+    # TP rank 1 at DP 2 holds qkv and norm; the checkpoint's DP 1 states: TP rank 0's, TP rank 1's
+    manifests = [saved(0, 0, ["qkv.weight", "norm.weight"]), saved(1, 1, ["qkv.weight", "norm.weight"])]
+    tp1 = SimpleNamespace(model_params={"pp0.chunk0.tp1.qkv.weight": 8, "pp0.chunk0.tp1.norm.weight": 4},
+                          shard_of=name_shard)
     assert same_shard(manifests, tp1) == [manifests[1]]
-    other_model = SimpleNamespace(model_params={"pp0.chunk0.tp0.mlp.weight": 8})
-    assert same_shard(manifests, other_model) == manifests  # none of its params: the coverage check reports it
-    assert same_shard(manifests, SimpleNamespace(model_params=None)) == manifests
+    # a DP rank of this shard whose slice holds a param this model lacks stays (the coverage check names it)
+    larger = [saved(0, 1, ["qkv.weight"]), saved(1, 1, ["extra.weight"])]
+    assert same_shard(larger, tp1) == larger
+    assert same_shard(manifests, SimpleNamespace(model_params=tp1.model_params, shard_of=None)) == manifests

@@ -50,6 +50,7 @@ import logging
 import os
 import time
 import weakref
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -78,7 +79,8 @@ class NVMeOptimizerStateStore:
     """
 
     def __init__(self, entries: list[StreamEntry], master: torch.optim.Optimizer, config: StreamConfig, *,
-                 instance: int = 0, part: int = 0, resident_adam=None, model_params: dict[str, int] | None = None):
+                 instance: int = 0, part: int = 0, resident_adam=None, model_params: dict[str, int] | None = None,
+                 shard_of: Callable[[str], str] | None = None):
         """config: a StreamConfig (valid by construction: config.check_config; stream_optimizer_state checks that it
         is one); its rank must be resolved.
         instance, part: the store's identity, chosen by the binding (layout.store_relative_dir): the
@@ -86,7 +88,9 @@ class NVMeOptimizerStateStore:
         always-resident Adam over native-fp32 params the binding steps beside the store (or None);
         checkpoints carry its state. model_params: {entry name: elements} of every param this store's
         identity covers across ranks, so a load refuses a checkpoint of another model (None: the binding
-        cannot list them; not checked)."""
+        cannot list them; not checked). shard_of: an entry name's model shard (the parallel coordinates other
+        than data parallelism it carries), with which a load on another data-parallel size reshards from this
+        shard's saved states only (None: every saved state of this identity is this shard's)."""
         if config.rank is None:
             raise StoreConfigError("config.rank is None: resolve it (torch.distributed's rank) before building a store")
         _check_entries(entries)
@@ -95,6 +99,7 @@ class NVMeOptimizerStateStore:
         self.entries = entries
         self.resident_adam = resident_adam
         self.model_params = model_params
+        self.shard_of = shard_of
         self.streams_main = bool(entries) and entries[0].model_view is not None
         self.device = entries[0].main.device if entries else torch.device("cpu")
         self.moment_dtype = config.moment_dtype

@@ -123,6 +123,14 @@ def _param_names(opt) -> dict[int, str]:
     return names
 
 
+def name_shard(name: str) -> str:
+    """The model shard a :func:`_param_names` name carries: its coordinates other than data parallelism and the
+    model chunk (``pp0.tp1``, ``pp0.ep1.etp0``)."""
+    pp, _chunk, rest = name.split(".", 2)
+    where = ".".join(rest.split(".")[:2]) if rest.startswith("ep") else rest.split(".", 1)[0]
+    return f"{pp}.{where}"
+
+
 def streamed_param_sizes(buffers, names: dict[int, str], entries: list[StreamEntry]) -> dict[str, int] | None:
     """{name: elements} of every param a DistributedOptimizer streams, all data-parallel ranks' together:
     the bf16/fp16 params of its DDP buffers (`param_index_map`: each buffer holds every rank's params, the
@@ -161,7 +169,8 @@ def _bind_distributed(opt, config: StreamConfig, *, instance: int, part: int) ->
     resident = ResidentAdam(opt.optimizer, [list(group) for group in opt.shard_fp32_groups])
     store = NVMeOptimizerStateStore(entries, opt.optimizer, config, instance=instance, part=part,
                                     resident_adam=resident,
-                                    model_params=streamed_param_sizes(opt.buffers, names, entries))
+                                    model_params=streamed_param_sizes(opt.buffers, names, entries),
+                                    shard_of=name_shard)
     # Megatron hangs each bf16 model param's fp32 shard on it as `main_param`; the store has released
     # that storage. Readers (megatron.training's calc_params_l2_norm) fall back to the model weights
     # when the handle is absent, instead of reading a tensor with no storage.

@@ -539,13 +539,14 @@ def _check_coverage(manifests: list[tuple[str, dict]], store) -> None:
 
 def same_shard(manifests: list[tuple[str, dict]], store) -> list[tuple[str, dict]]:
     """The saved states of this store's model shard. Under tensor or pipeline parallelism every TP/PP rank has a
-    store of the same identity over other params (the binding's names carry the rank: ``pp0.chunk0.tp1...``):
-    data parallelism reshards among the ranks that hold this store's params only. With nameless entries, or
-    none of this store's params saved, every state is kept (the coverage check then says what differs)."""
-    if store.model_params is None:
+    store of the same identity over other params (the binding's names carry the shard, ``store.shard_of``):
+    data parallelism reshards among the states of this store's shard only. Without ``shard_of`` or
+    ``model_params``, or with nameless entries, every state is kept."""
+    if store.shard_of is None or store.model_params is None:
         return manifests
-    mine = [(d, m) for d, m in manifests if any(e["name"] in store.model_params for e in m["entries"])]
-    return mine or manifests
+    mine = {store.shard_of(name) for name in store.model_params}
+    return [(d, m) for d, m in manifests
+            if any(e["name"] is None or store.shard_of(e["name"]) in mine for e in m["entries"])]
 
 
 def _reshard(store, base: str, own: str, diff: str, sources: dict[str, int]):
