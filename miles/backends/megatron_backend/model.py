@@ -208,7 +208,7 @@ def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype, expert_model_p
     elif arch.linear_attention is not None:  # Qwen3.5: its own spec, never TE's
         from .families import qwen3_5_moe_layers
 
-        config = TransformerConfig(**kwargs, **qwen3_5_moe_layers.gated_delta_rule_kwargs())
+        config = TransformerConfig(**{**kwargs, **qwen3_5_moe_layers.gated_delta_rule_kwargs()})  # its kernels win
         use_te, spec = False, _this_stage(qwen3_5_moe_layers.block_spec(config), config, pp_rank)
     else:  # megatron's block spec is this stage's already  # the block spec places MoE and dense layers by config.moe_layer_freq and picks the final norm
         use_te = te_available() if use_te is None else use_te
