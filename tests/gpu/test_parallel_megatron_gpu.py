@@ -19,7 +19,8 @@ it died in, and a run that stops fails after 2 x TIMEOUT naming each rank's last
 Checks: 3 rollouts' losses within bf16 tolerance of TP=1 on the same samples (max |diff| printed); at the layout
 the streamed optimizer state gives bit-identical losses and weights to resident Adam, and a checkpoint saved after
 rollout SAVE_AFTER and resumed on the same layout trains the rest bit for bit; the weights gathered for the
-handoff (export_weights: TP gather part by part) are the HF tensors, within bf16 tolerance of TP=1's.
+handoff (export_weights: TP gather part by part) are the HF tensors, within bf16 tolerance of TP=1's, the same on
+every rank; every replicated tensor (norms, routers, indexers) is bit-identical on the ranks of a TP group.
 """
 
 import dataclasses
