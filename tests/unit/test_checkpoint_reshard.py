@@ -110,6 +110,7 @@ def test_resharding_over_data_parallelism_reads_only_this_ranks_tensor_parallel_
 
     assert name_shard("pp1.chunk0.tp1.module.decoder.layers.0.mlp.linear_fc1.weight") == "pp1.tp1"
     assert name_shard("pp0.chunk1.ep3.etp0.module.decoder.layers.1.mlp.experts.weight1") == "pp0.ep3.etp0"
+    assert name_shard("param3") == name_shard("x.y") == ""  # not the binding's form (a name read from disk)
 
     def saved(rank, tp, params):
         return (f"nvme_opt_state/rank{rank:05d}/opt0_0",

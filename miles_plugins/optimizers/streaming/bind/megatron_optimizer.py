@@ -125,10 +125,14 @@ def _param_names(opt) -> dict[int, str]:
 
 def name_shard(name: str) -> str:
     """The model shard a :func:`_param_names` name carries: its coordinates other than data parallelism and the
-    model chunk (``pp0.tp1``, ``pp0.ep1.etp0``)."""
-    pp, _chunk, rest = name.split(".", 2)
+    model chunk (``pp0.tp1``, ``pp0.ep1.etp0``); "" for a name not of that form (a checkpoint's names are read
+    from disk)."""
+    parts = name.split(".", 2)
+    if len(parts) < 3 or not parts[0].startswith("pp"):
+        return ""
+    rest = parts[2]
     where = ".".join(rest.split(".")[:2]) if rest.startswith("ep") else rest.split(".", 1)[0]
-    return f"{pp}.{where}"
+    return f"{parts[0]}.{where}"
 
 
 def streamed_param_sizes(buffers, names: dict[int, str], entries: list[StreamEntry]) -> dict[str, int] | None:
