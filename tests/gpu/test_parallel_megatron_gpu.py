@@ -27,7 +27,6 @@ import dataclasses
 import functools
 import multiprocessing as mp
 import os
-import socket
 import sys
 from types import SimpleNamespace
 from typing import NamedTuple, Optional
@@ -50,12 +49,6 @@ WEIGHT_TOL = 0.05
 # per run (TP1, then the parallel layout resident, then streamed): 2 x TIMEOUT in all, then the run fails naming
 # each rank's last stage with its stacks; a tiny llama's 3 rollouts take ~15 s on a CPU (megatron's import most)
 TIMEOUT = 150
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Layout(NamedTuple):
@@ -183,7 +176,10 @@ def _rank(rank: int, layout: Layout, model: Optional[str], port: int, backend: s
 def _run(layout: Layout, model: Optional[str], backend: str, placement: str, root: str, run: str) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _port()
+    sys.path.insert(0, REPO)
+    from miles.weights import free_port
+
+    port = free_port()
     gpus = [0] * layout.world if placement == "one_gpu" else list(range(layout.world))
     procs = start(ctx, results, *[(_rank, (r, layout, model, port, backend, gpus[r], root, run, results))
                                   for r in range(layout.world)])

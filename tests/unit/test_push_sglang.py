@@ -10,6 +10,9 @@ import pytest
 import torch
 from test_sglang_engine import _load_fake
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from spawned import collect, start  # noqa: E402
+
 FAKES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fakes")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -212,10 +215,10 @@ def test_broadcast_to_sglang_from_the_trainer_lands_bit_exact(sglang_engine):
     assert not fake.groups
 
 
-def _peer_rank(rank, port, engine_order, engine_fails, queue):
+def _peer_rank(rank, port, engine_order, engine_fails):
     """Train rank ``rank`` of 2 feeding one sglang engine of TP 2 (rank 0 runs it and calls it; its rank i on the
     GPU of train rank ``engine_order[i]``): each rank's weights are its own (plus ``rank``), so what each sglang
-    rank read tells whose payload it was."""
+    rank read tells whose payload it was. What push_weights raised is part of the result."""
     sys.path[:0] = [FAKES, REPO]
     fake_sglang = _load_fake()
     import ray
@@ -225,38 +228,34 @@ def _peer_rank(rank, port, engine_order, engine_fails, queue):
     from miles.weights.push import PayloadPeers, push_weights
 
     ray.get = lambda refs: refs
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        peers = PayloadPeers(engine_order, caller=0, group=dist.new_group([0, 1]))
-        engines, fake, server = [], None, None
-        if rank == 0:
-            from miles.rollout.sglang.engine import SglangRolloutEngine
-            from miles.rollout.sglang.payloads import SglangPayloads
-            from miles.rollout.sglang.transport import HttpSglang
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    peers = PayloadPeers(engine_order, caller=0, group=dist.new_group([0, 1]))
+    engines, fake, server = [], None, None
+    if rank == 0:
+        from miles.rollout.sglang.engine import SglangRolloutEngine
+        from miles.rollout.sglang.payloads import SglangPayloads
+        from miles.rollout.sglang.transport import HttpSglang
 
-            fake = fake_sglang.FakeSglangEngine(tp_size=2)
-            fake.resident["weights"] = not engine_fails  # released weights: the engine refuses the update
-            server = fake_sglang.FakeSglangServer(fake).__enter__()
-            payloads = SglangPayloads(fake_sglang.FakeFlattenedTensorBucket, fake_sglang.FakeSerializer)
-            engine = SglangRolloutEngine(HttpSglang(server.url, timeout_s=60), tp_size=2, payloads=payloads)
-            engine.begin_weight_update(1)
-            engines = [_EngineHandle(engine)]
-        mine = [(n, t + rank) for n, t in _weights()]
-        try:
-            stats = push_weights(mine, payload=SGLANG_FLATTENED_BUCKET, tp_size=2, ipc_engines=engines, peers=peers,
-                                 max_bucket_bytes=1 << 20)
-        except Exception as e:  # noqa: BLE001 - the parent checks what each rank raised
-            queue.put({"rank": rank, "raised": f"{type(e).__name__}: {e}"})
-            return
-        read = ([{n: t.tolist() for n, t in by_rank.items()} for by_rank in fake.received_by_rank]
-                if fake is not None else None)
-        queue.put({"rank": rank, "stats": stats, "read": read,
-                   "calls": [c[1]["payloads"] for c in fake.calls if c[0] == "update_weights_from_tensor"]
-                   if fake is not None else None})
+        fake = fake_sglang.FakeSglangEngine(tp_size=2)
+        fake.resident["weights"] = not engine_fails  # released weights: the engine refuses the update
+        server = fake_sglang.FakeSglangServer(fake).__enter__()
+        payloads = SglangPayloads(fake_sglang.FakeFlattenedTensorBucket, fake_sglang.FakeSerializer)
+        engine = SglangRolloutEngine(HttpSglang(server.url, timeout_s=60), tp_size=2, payloads=payloads)
+        engine.begin_weight_update(1)
+        engines = [_EngineHandle(engine)]
+    try:
+        stats = push_weights([(n, t + rank) for n, t in _weights()], payload=SGLANG_FLATTENED_BUCKET, tp_size=2,
+                             ipc_engines=engines, peers=peers, max_bucket_bytes=1 << 20)
+    except Exception as e:  # noqa: BLE001 - the parent checks what each rank raised
+        return {"rank": rank, "raised": f"{type(e).__name__}: {e}"}
+    finally:
         if server is not None:
             server.__exit__(None, None, None)
-    except BaseException as e:
-        queue.put({"rank": rank, "error": repr(e)})
+    if fake is None:
+        return {"rank": rank, "stats": stats}
+    return {"rank": rank, "stats": stats,
+            "read": [{n: t.tolist() for n, t in by_rank.items()} for by_rank in fake.received_by_rank],
+            "calls": [c[1]["payloads"] for c in fake.calls if c[0] == "update_weights_from_tensor"]}
 
 
 def _run_peers(engine_fails: bool, engine_order=(0, 1)) -> dict:
@@ -264,19 +263,9 @@ def _run_peers(engine_fails: bool, engine_order=(0, 1)) -> dict:
 
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_peer_rank, args=(r, port, engine_order, engine_fails, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = {g["rank"]: g for g in (queue.get(timeout=90) for _ in procs)}
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    assert not any("error" in g for g in got.values()), got
-    return got
+    results = ctx.Queue()
+    procs = start(ctx, results, *[(_peer_rank, (r, port, engine_order, engine_fails)) for r in range(2)])
+    return {g["rank"]: g for g in collect(procs, results, 90)}
 
 
 @pytest.mark.parametrize("engine_order", [(0, 1), (1, 0)])

@@ -4,19 +4,12 @@ would be); a module that bound a collective before install() is rebound."""
 
 import multiprocessing as mp
 import os
-import socket
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from spawned import collect, start  # noqa: E402
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int) -> dict:
@@ -76,7 +69,9 @@ def _rank(rank: int, port: int) -> dict:
 def test_each_staged_call_gives_what_the_collective_means():
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _port()
+    from miles.weights import free_port
+
+    port = free_port()
     procs = start(ctx, results, *[(_rank, (r, port)) for r in range(2)])
     by_rank = {g["rank"]: g for g in collect(procs, results, 120)}
     for rank, got in by_rank.items():
