@@ -27,7 +27,7 @@ def model_parallel_sizes(d: RunConfig, env: Environment) -> dict[str, Any]:
     from miles.sizing.model_params import ModelConfigError, num_experts, text_config
 
     unknown = dict(num_layers=None, num_attention_heads=None, num_query_groups=None, num_experts=None,
-                   indexer_layers=None)
+                   indexer_layers=None, linear_key_heads=None, linear_value_heads=None)
     if d.model_source == "tiny":
         config = dict(TINY_MODEL_CONFIG)
     elif d.model_source == "hf_checkpoint":
@@ -47,7 +47,8 @@ def model_parallel_sizes(d: RunConfig, env: Environment) -> dict[str, Any]:
                       and len(types) == config.get("num_hidden_layers") else None)
     return dict(num_layers=config.get("num_hidden_layers"), num_attention_heads=heads,
                 num_query_groups=config.get("num_key_value_heads", heads), num_experts=experts,
-                indexer_layers=indexer_layers)
+                indexer_layers=indexer_layers, linear_key_heads=config.get("linear_num_key_heads"),
+                linear_value_heads=config.get("linear_num_value_heads"))
 
 
 def _given_model_parallel_flags(d: RunConfig) -> list[str]:

@@ -17,7 +17,8 @@ Facts from megatron-core 0.19.2 (``parallel_state.initialize_model_parallel``, `
   ``--decoder-first-pipeline-num-layers`` and/or ``--decoder-last-pipeline-num-layers``, those stages
   take the counts given and the other stages split the rest evenly (it must divide).
 - Attention heads and query groups split over TP (Megatron also replicates KV heads when TP is a
-  multiple of the groups; the weight conversion here does not, so groups must divide by TP).
+  multiple of the groups; the weight conversion here does not, so groups must divide by TP); so do a Gated
+  DeltaNet's key and value heads (Qwen3.5).
 - Sequence parallelism needs TP > 1. A MoE layer trains under TP > 1 only with sequence parallelism
   (``MoELayer.forward`` raises otherwise: its token dispatch expects the sequence split over TP).
 - DeepSeek sparse attention (GLM-5) with index sharing: a layer whose indexer is shared reuses the top-k
@@ -195,18 +196,22 @@ def rank_coordinates(layout: ParallelLayout) -> tuple[RankCoordinates, ...]:
 def check_layout(layout: ParallelLayout, *, num_layers: Optional[int] = None,
                  num_attention_heads: Optional[int] = None, num_query_groups: Optional[int] = None,
                  num_experts: Optional[int] = None, sequence_parallel: Optional[bool] = False,
-                 indexer_layers: Optional[Sequence[bool]] = None) -> None:
+                 indexer_layers: Optional[Sequence[bool]] = None, linear_key_heads: Optional[int] = None,
+                 linear_value_heads: Optional[int] = None) -> None:
     """Raise :class:`LayoutError` for the first rule of the module doc the layout breaks for this model
     (a model size given as None is not checked: e.g. before the model's config is known; ``num_experts`` 0:
     a dense model, whose expert-parallel groups Megatron builds and leaves unused; ``sequence_parallel`` None:
     not known, as in ``miles plan``, which sizes memory and takes no training flags; ``indexer_layers``: per
-    decoder layer, whether it computes its own sparse-attention indexer, None for a model without DSA)."""
+    decoder layer, whether it computes its own sparse-attention indexer, None for a model without DSA;
+    ``linear_key_heads`` / ``linear_value_heads``: a Gated DeltaNet's (Qwen3.5), None for a model without)."""
     _check_sizes(layout)
     _check_stage_flags(layout)
     if sequence_parallel and layout.tp < 2:
         raise LayoutError(f"{SP_FLAG} splits activations over tensor parallelism, and {TP_FLAG} is {layout.tp}.",
                           (SP_FLAG, TP_FLAG), f"drop {SP_FLAG}, or pass {TP_FLAG} 2 or more.")
-    for count, what in ((num_attention_heads, "attention heads"), (num_query_groups, "query groups (KV heads)")):
+    for count, what in ((num_attention_heads, "attention heads"), (num_query_groups, "query groups (KV heads)"),
+                        (linear_key_heads, "Gated DeltaNet key heads"),
+                        (linear_value_heads, "Gated DeltaNet value heads")):
         if count is not None and count % layout.tp:
             raise LayoutError(f"the model's {count} {what} do not split over {TP_FLAG} {layout.tp}.", (TP_FLAG,),
                               f"pass a {TP_FLAG} that divides {count}.")

@@ -21,6 +21,11 @@ the streamed optimizer state gives bit-identical losses and weights to resident 
 rollout SAVE_AFTER and resumed on the same layout trains the rest bit for bit; the weights gathered for the
 handoff (export_weights: TP gather part by part) are the HF tensors, within bf16 tolerance of TP=1's, the same on
 every rank; every replicated tensor (norms, routers, indexers) is bit-identical on the ranks of a TP group.
+
+Runs are compared bit for bit across processes, so each rank runs torch's deterministic algorithms
+(``--deterministic-mode``, which fixes cuBLAS's workspace too): without them GLM-5's fp32 router weight grad
+differs from one process to the next at fp32 rounding (~1e-11 on the H200, while every other grad, the weights
+and the optimizer state before the step are equal), which the resume comparison would blame on the checkpoint.
 """
 
 import dataclasses
@@ -78,7 +83,7 @@ def _config(root: str, layout: Layout, model: Optional[str], stream: bool):
 
     os.makedirs(root, exist_ok=True)
     argv = ["--hf-checkpoint", model] if model else ["--tiny-model"]
-    argv += ["--model-dtype", "bf16", "--micro-batch-size", "2", "--lr", "1e-3",
+    argv += ["--model-dtype", "bf16", "--micro-batch-size", "2", "--lr", "1e-3", "--deterministic-mode",
              "--offload-train-disk-dir", os.path.join(root, "disk")]
     if stream:
         argv += ["--stream-optimizer-state-to-disk", "--offload-train-target", "disk"]

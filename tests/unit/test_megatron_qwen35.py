@@ -162,6 +162,41 @@ def test_expert_parallel_ranks_hold_their_experts_and_gather_back():
     assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
 
 
+def test_tensor_parallel_ranks_hold_megatron_s_gated_deltanet_slices_and_gather_back():
+    """Rank r of TP 2 holds what megatron-core 0.19.2's GatedDeltaNet builds locally: in_proj rows
+    [q_r; k_r; v_r; z_r; beta_r; alpha_r] (its ``in_proj_split_sections``), conv1d channels [q_r; k_r; v_r], its
+    heads' dt_bias and A_log, out_proj's columns of its value heads; the output norm and the shared expert's gate
+    whole."""
+    from miles.backends.megatron_backend.tp_shards import tp_gather, tp_shard
+
+    config, hf = tiny()
+    arch = describe(config)
+    full = hf_to_megatron(hf, config)
+    shards = [tp_shard(full, tp_rank=r, tp=2, vocab_size=96, sections=arch.tp_row_sections) for r in range(2)]
+    attn, a = "model.layers.2.linear_attn.", "decoder.layers.2.self_attention."
+    kd, vd = 2 * 6, 4 * 10
+    q, k, v = torch.split(hf[attn + "in_proj_qkv.weight"], [kd, kd, vd])
+    cq, ck, cv = torch.split(hf[attn + "conv1d.weight"], [kd, kd, vd])
+    half = lambda t, r: torch.chunk(t, 2)[r]  # noqa: E731
+    for r, shard in enumerate(shards):
+        rows = [half(t, r) for t in (q, k, v, hf[attn + "in_proj_z.weight"], hf[attn + "in_proj_b.weight"],
+                                     hf[attn + "in_proj_a.weight"])]
+        assert torch.equal(shard[a + "in_proj.weight"], torch.cat(rows))
+        assert torch.equal(shard[a + "conv1d.weight"], torch.cat([half(cq, r), half(ck, r), half(cv, r)]))
+        for name in ("dt_bias", "A_log"):
+            assert torch.equal(shard[a + name], half(hf[attn + name], r))
+        assert torch.equal(shard[a + "out_proj.weight"], torch.chunk(hf[attn + "out_proj.weight"], 2, dim=1)[r])
+        assert torch.equal(shard[a + "out_norm.weight"], hf[attn + "norm.weight"])
+        assert torch.equal(shard["decoder.layers.2.mlp.shared_experts.gate_weight"],
+                           hf["model.layers.2.mlp.shared_expert_gate.weight"])
+    gathered = tp_gather(shards, tp_rank=1, vocab_size=96, sections=arch.tp_row_sections)
+    assert set(gathered) == set(full) and all(torch.equal(gathered[n], full[n]) for n in full)
+    back = megatron_to_hf(gathered, config, hf_moe_layout=hf_moe_layout(hf))
+    assert set(back) == set(hf) and all(torch.equal(back[n], hf[n]) for n in hf)
+    with pytest.raises(KeyError, match="row sections"):
+        tp_shard(full, tp_rank=0, tp=2, vocab_size=96)
+
+
 def test_fused_norms_are_refused_for_this_family():
     config, hf = tiny()
     with pytest.raises(ValueError, match="fused_norms=False"):

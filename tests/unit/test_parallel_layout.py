@@ -78,6 +78,10 @@ def test_stage_counts_that_leave_no_even_rest_are_refused(first, last, flag):
     (ParallelLayout(world=2, tp=2), {"num_attention_heads": 9}, TP_FLAG, "9 attention heads"),
     (ParallelLayout(world=4, tp=4), {"num_attention_heads": 8, "num_query_groups": 2}, TP_FLAG, "2 query groups"),
     (ParallelLayout(world=4, ep=4), {"num_experts": 6}, EP_FLAG, "6 experts"),
+    (ParallelLayout(world=4, tp=4), {"linear_key_heads": 2, "linear_value_heads": 8}, TP_FLAG,
+     "2 Gated DeltaNet key heads"),
+    (ParallelLayout(world=4, tp=4), {"linear_key_heads": 4, "linear_value_heads": 6}, TP_FLAG,
+     "6 Gated DeltaNet value heads"),
     (ParallelLayout(world=2, first_stage_layers=3), {}, FIRST_STAGE_FLAG, "needs pipeline parallelism"),
 ])
 def test_impossible_layouts_name_the_flag_and_the_value(layout, model, flag, words):

@@ -122,3 +122,16 @@ def test_glm5s_pipeline_stages_start_on_layers_that_compute_their_sparse_attenti
         check(argv, shared)
     assert "stage 1 starts at decoder layer 4" in str(e.value) and "--decoder-first-pipeline-num-layers" in e.value.fix
     check([*argv, "--decoder-first-pipeline-num-layers", "3"], shared)
+
+
+def test_qwen35s_gated_deltanet_heads_bound_tensor_parallelism():
+    from miles.sizing.presets import QWEN3_5_35B_A3B
+
+    odd = {**QWEN3_5_35B_A3B, "text_config": {**QWEN3_5_35B_A3B["text_config"], "num_key_value_heads": 8,
+                                               "linear_num_key_heads": 12}}
+    argv = lambda tp: ["--hf-checkpoint", "/m", "--dry-run", "--num-train-ranks", "8",  # noqa: E731
+                       "--tensor-model-parallel-size", str(tp), "--sequence-parallel", "--rollout-batch-size", "8"]
+    with pytest.raises(ArgumentError) as e:
+        check(argv(8), odd)
+    assert "12 Gated DeltaNet key heads" in str(e.value) and "--tensor-model-parallel-size" in e.value.fix
+    check(argv(4), odd)

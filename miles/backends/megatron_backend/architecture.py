@@ -75,6 +75,11 @@ class Architecture:
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
 
+    @property
+    def tp_row_sections(self) -> dict[str, tuple[int, ...]]:
+        """The row sections tensor parallelism cuts each (tp_shards.py): the Gated DeltaNet's; {} without."""
+        return self.linear_attention.tp_row_sections if self.linear_attention is not None else {}
+
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
 

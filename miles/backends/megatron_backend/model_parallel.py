@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from miles.parallel.layout import ParallelLayout, stage_layers
 
+from .architecture import Architecture
 from .parallel_export import PipelineShare, TensorParallelGather, iter_model_hf, iter_stage_hf
 from .tp_shards import padded_vocab_size, pp_stage, tp_shard
 from .vocab_parallel import vocab_parallel_logprobs
@@ -126,11 +127,11 @@ class ModelParallelRank:
     def stages(self, num_layers: int) -> tuple[range, ...]:
         return stage_layers(num_layers, self.layout)
 
-    def shard(self, full: dict[str, torch.Tensor], num_layers: int, tied: bool) -> dict[str, torch.Tensor]:
+    def shard(self, full: dict[str, torch.Tensor], arch: Architecture) -> dict[str, torch.Tensor]:
         """This rank's tensors of the full Megatron state (experts already this EP rank's)."""
-        staged = pp_stage(full, self.stages(num_layers), self.pp_rank, tied_embeddings=tied)
+        staged = pp_stage(full, self.stages(arch.num_layers), self.pp_rank, tied_embeddings=arch.tied_embeddings)
         return tp_shard(staged, tp_rank=self.tp_rank, tp=self.layout.tp, etp_rank=self.etp_rank, etp=self.layout.etp,
-                        vocab_size=self.vocab_size)
+                        vocab_size=self.vocab_size, sections=arch.tp_row_sections)
 
     def logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
         """Target log-probs from this rank's vocabulary slice ``logits [B, T, V_local]`` (fp32)."""

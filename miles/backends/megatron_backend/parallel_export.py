@@ -55,7 +55,7 @@ def _part_hf(local: dict[str, torch.Tensor], part, *, stage: int, stages: Sequen
     experts this rank's expert-parallel rank holds, before ``layer_experts`` gathers them over EP)."""
     arch = describe(hf_config)
     full = tp_gather(gather(_local_part(local, part, stages[stage])), tp_rank=tp_rank, etp=etp,
-                     vocab_size=arch.vocab_size)
+                     vocab_size=arch.vocab_size, sections=arch.tp_row_sections)
     if layer_experts is not None and isinstance(part, int) and arch.is_moe_layer(part):
         prefix = f"decoder.layers.{part}.mlp.experts.local_experts."
         experts = {k: v for k, v in full.items() if k.startswith(prefix)}

@@ -172,7 +172,7 @@ class MegatronTrainer(TrainBackend):
                                ep_size=self.ep_size)
         if self.parallel.sharded:
             arch = describe(self.hf_config)
-            mcore = self.parallel.shard(mcore, arch.num_layers, arch.tied_embeddings)
+            mcore = self.parallel.shard(mcore, arch)
         return mcore
 
     def _hf_state(self) -> dict[str, torch.Tensor]:

@@ -45,6 +45,13 @@ class GatedDeltaNetLayout:
         this order."""
         return 2 * self.key_dim + self.value_dim, self.value_dim, self.num_value_heads, self.num_value_heads
 
+    @property
+    def tp_row_sections(self) -> dict[str, tuple[int, ...]]:
+        """The row sections of Megatron's ``in_proj`` (q, k, v, z, beta, alpha) and ``conv1d`` (q, k, v), each cut
+        over tensor parallelism (tp_shards.py)."""
+        k, v, heads = self.key_dim, self.value_dim, self.num_value_heads
+        return {"in_proj": (k, k, v, v, heads, heads), "conv1d": (k, k, v)}
+
 
 def text_config(hf_config: Any) -> Any:
     """The language model's config: a multimodal ``qwen3_5_moe`` config's ``text_config``, else the config."""

@@ -11,7 +11,10 @@ and the shared expert), with:
   kernels fla's, or megatron-core's torch ones where fla's backward is wrong (:func:`gated_delta_rule_kwargs`);
 - :class:`ZeroCenteredRMSNorm` for the layer, q/k and final norms and :class:`GatedDeltaNetOutputNorm` for
   the Gated DeltaNet's output norm: the arithmetic (and the dtype of each step) of transformers'
-  ``Qwen3_5MoeRMSNorm`` and ``Qwen3_5MoeRMSNormGated``, which megatron-core's norms do not reproduce.
+  ``Qwen3_5MoeRMSNorm`` and ``Qwen3_5MoeRMSNormGated``, which megatron-core's norms do not reproduce. Their
+  weights are marked ``sequence_parallel`` as the config says: under tensor parallelism (which megatron runs MoE
+  layers with only under sequence parallelism) a layer norm sees this rank's slice of the sequence and the
+  output norm this rank's heads, so megatron's ``finalize_model_grads`` sums their grads over TP.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (_rms_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
@@ -83,6 +87,7 @@ class GatedDeltaNetOutputNorm(torch.nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * _rms_normalized(x, self.eps).to(x.dtype)
