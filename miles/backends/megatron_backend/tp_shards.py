@@ -1,7 +1,8 @@
 """Megatron state dicts cut into tensor- and pipeline-parallel shards, and gathered back (pure, CPU-testable).
 
-    shard = tp_shard(full_mcore_state, tp_rank=1, tp=2, etp_rank=0, etp=1, vocab_size=arch.vocab_size)
-    full = tp_gather([shard_0, shard_1], tp_rank=0, etp=1, vocab_size=arch.vocab_size)  # == the full state
+    cut = dict(vocab_size=arch.vocab_size, sections=arch.tp_row_sections)
+    shard = tp_shard(full_mcore_state, tp_rank=1, tp=2, etp_rank=0, etp=1, **cut)
+    full = tp_gather([shard_0, shard_1], tp_rank=0, etp=1, **cut)  # == the full state
     stage = pp_stage(full_mcore_state, stage_layers(arch.num_layers, layout), stage=2, tied_embeddings=False)
     full = pp_unstage([stage_0, ..., stage_3], stages, tied_embeddings=False)
 
