@@ -36,7 +36,7 @@ embedding, the last the final norm and the output layer. With tied embeddings an
 from __future__ import annotations
 
 import re
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -84,7 +84,8 @@ def _is_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-def _section_rows(name: str, kind: str, full_rows: int, sections: Mapping[str, Sequence[int]]) -> list[int]:
+def _section_rows(name: str, kind: str, full_rows: int,
+                  sections: Optional[Mapping[str, Sequence[int]]]) -> list[int]:
     """The full tensor's row sections that are cut each (``swiglu``: gate and up; ``sections``: the model's);
     [] for the other kinds."""
     if kind not in ("swiglu", "sections"):
@@ -92,7 +93,7 @@ def _section_rows(name: str, kind: str, full_rows: int, sections: Mapping[str, S
     if kind == "swiglu":
         return [full_rows // 2] * 2
     key = _SECTIONS.search(name).group(1)
-    if key not in sections:
+    if key not in (sections or {}):
         raise KeyError(f"{name}: its row sections ({key!r}) were not given: pass the model's (Architecture."
                        "tp_row_sections)")
     rows = [int(r) for r in sections[key]]
@@ -149,7 +150,7 @@ def _check_divides(name: str, tensor: torch.Tensor, kind: str, size: int, rows: 
 
 
 def tp_shard(state: dict[str, torch.Tensor], *, tp_rank: int, tp: int, etp_rank: int = 0, etp: int = 1,
-             vocab_size: int, sections: Mapping[str, Sequence[int]] = {}) -> dict[str, torch.Tensor]:
+             vocab_size: int, sections: Optional[Mapping[str, Sequence[int]]] = None) -> dict[str, torch.Tensor]:
     """The tensors tensor-parallel rank ``tp_rank`` (and expert-tensor-parallel rank ``etp_rank``) holds.
     ``sections``: the full row counts of the sectioned tensors (``{"in_proj": [...], "conv1d": [...]}`` of a Gated
     DeltaNet; ``Architecture.tp_row_sections``)."""
@@ -166,7 +167,7 @@ def tp_shard(state: dict[str, torch.Tensor], *, tp_rank: int, tp: int, etp_rank:
 
 
 def tp_gather(shards: Sequence[dict[str, torch.Tensor]], *, tp_rank: int, etp: int = 1, vocab_size: int,
-              sections: Mapping[str, Sequence[int]] = {}) -> dict[str, torch.Tensor]:
+              sections: Optional[Mapping[str, Sequence[int]]] = None) -> dict[str, torch.Tensor]:
     """Inverse of :func:`tp_shard`, as TP rank ``tp_rank`` of the group sees it: ``shards[r]`` is TP rank r's
     state. The dense tensors join over every rank; a routed expert's over ``tp_rank``'s expert-tensor-parallel
     group only, the ``etp`` ranks ``(tp_rank // etp) * etp ..`` (ranks number ETP fastest, then EP, and ETP
