@@ -12,7 +12,9 @@ Layout of ``--save`` (and what ``--load`` reads)::
 
 A checkpoint becomes visible only when every rank wrote its part and the driver wrote ``meta.json``
 and then replaced the ``latest`` marker (write + rename): a crash mid-save leaves the previous
-checkpoint as the latest. ``--load`` accepts the save root (uses the marker) or one checkpoint folder.
+checkpoint as the latest. ``--load`` accepts the save root (uses the marker, which must name a checkpoint folder
+of this spelling directly inside it: :func:`resolve`) or one checkpoint folder; what it resumes is read and
+checked before Ray starts (:func:`checked_resume_target`).
 
 Saving a rollout that already has a complete checkpoint (a run resumed from an older checkpoint with
 the same ``--save``) never removes it before its replacement is complete: ``prepare`` renames it to
@@ -49,8 +51,9 @@ import re
 import shutil
 import socket
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from miles.untrusted_json import UntrustedJSONError, parse_bounded, read_regular_file
 from miles_plugins.optimizers.streaming.io.ownership import (
     CREATED_FILE,
     IDENTITY_TAG,
@@ -63,6 +66,9 @@ from miles_plugins.optimizers.streaming.io.ownership import (
     read_record,
 )
 
+if TYPE_CHECKING:
+    from miles.config.run_config import RunConfig
+
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_rollout.txt"
@@ -71,6 +77,7 @@ MODEL_DIR = "model"
 OPTIMIZER_DIR = "optimizer"
 STREAMED_DIR = "nvme_opt_state"  # owned by the store: store.save_to(base) writes <base>/nvme_opt_state/...
 FORMAT_VERSION = 1
+LAYOUT_META = "parallel_layout"  # meta.json's record of the parallel layout (write_meta's extra)
 
 
 class CheckpointError(RuntimeError):
@@ -130,12 +137,32 @@ def _set_aside(save_dir: str, base: str) -> None:
         _atomic_write(os.path.join(save_dir, LATEST_FILE), os.path.basename(aside) + "\n")
 
 
+MARKER_MAX_BYTES = 4096  # the latest marker holds one checkpoint's name
+
+
 def _latest_name(save_dir: str) -> Optional[str]:
+    """The name ``save_dir``'s latest marker holds, None when it has none (read as untrusted input)."""
+    marker = os.path.join(save_dir, LATEST_FILE)
+    raw = _read_untrusted(marker, MARKER_MAX_BYTES)
+    if raw is None:
+        return None
     try:
-        with open(os.path.join(save_dir, LATEST_FILE)) as f:
-            return f.read(4096).strip()
+        return raw.decode().strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{marker} is not text, so not the marker this code writes: move it away, or "
+                              "resume from one checkpoint folder (--load <folder>/rollout_NNNNNN)") from None
+
+
+def _read_untrusted(path: str, limit: int) -> Optional[bytes]:
+    """A small file of a checkpoint folder (which may come from anywhere), None when it does not exist: a FIFO,
+    device or directory is refused before a byte is read, a file over ``limit`` bytes before it is read."""
+    try:
+        return read_regular_file(path, limit)
     except FileNotFoundError:
         return None
+    except (OSError, UntrustedJSONError) as e:
+        raise CheckpointError(f"{path}: {e.strerror if isinstance(e, OSError) else e}; a checkpoint holds regular "
+                              "files this code wrote: move it away, or resume from another checkpoint") from None
 
 
 def _tidy_set_aside(save_dir: str, replaced: Optional[str] = None, finished: bool = False) -> None:
@@ -334,66 +361,189 @@ def _remove_unfinished(save_dir: str, removable: Callable[[OwnerRecord], bool]) 
 
 
 def resolve(load_dir: str) -> Optional[str]:
-    """The checkpoint folder that ``--load load_dir`` means, or None when there is none yet."""
+    """The checkpoint folder that ``--load load_dir`` means, or None when there is none yet: ``load_dir`` itself
+    when it holds meta.json, else the folder its latest marker names. The marker is untrusted: it must name, in
+    the form this code writes (:func:`checkpoint_name`, or a copy ``prepare`` set aside), a real folder (not a
+    symbolic link) directly inside ``load_dir``; anything else is a CheckpointError."""
     if not os.path.isdir(load_dir):
         return None
-    if os.path.exists(os.path.join(load_dir, META_FILE)):
+    if os.path.lexists(os.path.join(load_dir, META_FILE)):
         return load_dir
-    marker = os.path.join(load_dir, LATEST_FILE)
-    if not os.path.exists(marker):
+    name = _latest_name(load_dir)
+    if name is None:
         return None
-    with open(marker) as f:
-        name = f.read(4096).strip()
+    marker = os.path.join(load_dir, LATEST_FILE)
+    if not (_CHECKPOINT.fullmatch(name) or _SET_ASIDE.fullmatch(name)):
+        raise CheckpointError(f"{marker} names {name[:100]!r}, not a checkpoint folder of the form this code writes "
+                              f"(rollout_NNNNNN, directly inside {load_dir}): the file was edited or is not ours. "
+                              f"Pass --load one checkpoint folder (e.g. {checkpoint_path(load_dir, 2)}), or write "
+                              "its name into the marker")
     base = os.path.join(load_dir, name)
-    if not os.path.exists(os.path.join(base, META_FILE)):
-        # a crash between setting the checkpoint aside and pointing the marker at it (prepare)
-        aside = [os.path.join(load_dir, n) for n in sorted(os.listdir(load_dir))
-                 if (m := _SET_ASIDE.match(n)) and m.group(1) == name and os.path.exists(
-                     os.path.join(load_dir, n, META_FILE))]
-        if not aside:
-            raise CheckpointError(f"{marker} names {name!r}, but {base} has no {META_FILE}")
-        logger.warning("%s names %s, whose save was interrupted: loading %s, set aside for it", marker, name,
-                       aside[-1])
-        return aside[-1]
-    return base
+    if _is_real_folder(base) and os.path.lexists(os.path.join(base, META_FILE)):
+        return base
+    if os.path.islink(base):
+        raise CheckpointError(f"{marker} names {base}, a symbolic link (to {os.readlink(base)!r}), which a load never "
+                              "follows: pass --load the checkpoint folder itself")
+    # a crash between setting the checkpoint aside and pointing the marker at it (prepare)
+    aside = [os.path.join(load_dir, n) for n in sorted(os.listdir(load_dir))
+             if (m := _SET_ASIDE.fullmatch(n)) and m.group(1) == name and _is_real_folder(os.path.join(load_dir, n))
+             and os.path.lexists(os.path.join(load_dir, n, META_FILE))]
+    if not aside:
+        raise CheckpointError(f"{marker} names {name!r}, but {base} is no complete checkpoint (no folder with a "
+                              f"{META_FILE}): pass --load one complete checkpoint folder of {load_dir}")
+    logger.warning("%s names %s, whose save was interrupted: loading %s, set aside for it", marker, name, aside[-1])
+    return aside[-1]
+
+
+def _is_real_folder(path: str) -> bool:
+    return os.path.isdir(path) and not os.path.islink(path)
 
 
 META_MAX_BYTES = 16 << 20  # a meta.json holds flags, the data position and run ids: kilobytes
+META_MAX_DEPTH = 8  # write_meta nests 2 levels (data_state, parallel_layout)
+META_MAX_VALUES = 1 << 16  # a run id per run that led to the checkpoint, and a few dozen fields
 
 
 def read_meta(base: str) -> dict[str, Any]:
-    """``base``'s meta.json, read as untrusted input: bounded in size, a JSON object, or CheckpointError."""
+    """``base``'s meta.json, read as untrusted input: a regular file, bounded in size, a JSON object whose every
+    field write_meta writes has its type and range (:func:`_meta_problem`), or CheckpointError."""
     path = os.path.join(base, META_FILE)
-    with open(path, "rb") as f:
-        raw = f.read(META_MAX_BYTES + 1)
-    problem = f"is over {META_MAX_BYTES:,} bytes" if len(raw) > META_MAX_BYTES else None
-    if problem is None:
-        try:
-            meta = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            problem = f"is not valid JSON ({e})"
-        else:
-            if isinstance(meta, dict):
-                return meta
-            problem = f"holds a JSON {type(meta).__name__}, not an object"
-    raise CheckpointError(f"{path} {problem}: it is not a checkpoint this code wrote. Resume from another "
-                          "checkpoint, or start fresh without --load")
+    raw = _read_untrusted(path, META_MAX_BYTES)
+    if raw is None:
+        raise CheckpointError(f"{base} has no {META_FILE}: it is no complete checkpoint. Resume from another "
+                              "checkpoint, or start fresh without --load")
+    try:
+        meta = parse_bounded(raw, META_MAX_DEPTH, META_MAX_VALUES)
+    except UntrustedJSONError as e:
+        problem = f"is not valid JSON of a checkpoint ({e})"
+    else:
+        problem = (_meta_problem(meta) if isinstance(meta, dict)
+                   else f"holds a JSON {type(meta).__name__}, not an object")
+        if problem is None:
+            return meta
+    raise CheckpointError(f"{path} {problem}: it is not a checkpoint this code wrote, or was edited. Resume from "
+                          "another checkpoint, or start fresh without --load")
+
+
+def _is_count(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+# meta.json's fields as write_meta writes them: name -> (whether it holds, what it must be). Only
+# next_rollout_id is required: checkpoints of earlier builds lack the others.
+_META_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "format": (lambda v: v == FORMAT_VERSION and _is_count(v, 0), f"{FORMAT_VERSION}, the format this code reads"),
+    "next_rollout_id": (lambda v: _is_count(v, 0), "a whole number >= 0"),
+    "data_state": (lambda v: isinstance(v, dict), "an object"),
+    "world_size": (lambda v: _is_count(v, 1), "a whole number >= 1"),
+    "runs": (lambda v: isinstance(v, list) and all(isinstance(r, str) for r in v), "a list of run ids (strings)"),
+    "time": (lambda v: isinstance(v, str), "a string"),
+    "streamed_optimizer_state": (lambda v: isinstance(v, bool), "true or false"),
+    LAYOUT_META: (lambda v: isinstance(v, dict), "an object"),
+}
+_DATA_STATE_COUNTS = ("consumed_prompts", "num_prompts")  # _DataCursor.state(): whole numbers >= 0
+# layout_meta's sizes, each a whole number >= 1; an even pipeline split records no stage's layer count (null)
+_STAGE_LAYERS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+_LAYOUT_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                 "expert_tensor_parallel_size", "world_size", *_STAGE_LAYERS)
+
+
+def _meta_problem(meta: dict[str, Any]) -> Optional[str]:
+    """What is wrong with the first field of ``meta`` that is not as write_meta writes it (None: nothing)."""
+    if "next_rollout_id" not in meta:
+        return "has no next_rollout_id (the rollout to resume at)"
+    for name, (holds, must_be) in _META_FIELDS.items():
+        if name in meta and not holds(meta[name]):
+            return _field_problem(name, meta[name], must_be)
+    data_state, layout = meta.get("data_state", {}), meta.get(LAYOUT_META, {})
+    for name in _DATA_STATE_COUNTS:
+        if name in data_state and not _is_count(data_state[name], 0):
+            return _field_problem(f"data_state.{name}", data_state[name], "a whole number >= 0")
+    for name in _LAYOUT_SIZES:
+        nullable = name in _STAGE_LAYERS
+        if name in layout and not (_is_count(layout[name], 1) or (nullable and layout[name] is None)):
+            return _field_problem(f"{LAYOUT_META}.{name}", layout[name],
+                                  "a whole number >= 1" + (", or null" if nullable else ""))
+    return None
+
+
+def _field_problem(name: str, value: Any, must_be: str) -> str:
+    shown = repr(value)
+    return f"has {name} {shown if len(shown) <= 80 else shown[:80] + '...'}, which must be {must_be}"
 
 
 def resume_target(load: Optional[str], load_optim: bool, layout) -> Optional[tuple[str, dict[str, Any]]]:
-    """What ``--load load`` resumes: the checkpoint folder and its meta.json, or None (no --load, or nothing
-    saved there yet). With ``load_optim``, the optimizer state's layout is checked against ``layout`` here,
-    before anything starts (:func:`check_resume_layout`)."""
+    """What ``--load load`` resumes: the checkpoint folder and its meta.json (checked: :func:`read_meta`), or
+    None (no --load, or no checkpoint there). With ``load_optim``, the optimizer state's layout is checked
+    against ``layout`` here, before anything starts (:func:`check_resume_layout`)."""
     if not load:
         return None
     base = resolve(load)
     if base is None:
-        logger.warning("--load %s: no checkpoint there yet, starting fresh", load)
         return None
     meta = read_meta(base)
     if load_optim:  # before any rank loads: the state's TP/PP shards fit one layout only
         check_resume_layout(base, meta, layout)
     return base, meta
+
+
+def checked_resume_target(config: "RunConfig") -> Optional[tuple[str, dict[str, Any]]]:
+    """What the run's ``--load`` resumes (:func:`resume_target`), read before Ray and the actors start (miles.train,
+    ``miles train --dry-run``) and refused there when the run could not resume it: a folder that holds files but
+    no checkpoint (unless it is the run's --save folder too, where nothing saved yet means a fresh start, as in
+    Megatron), a checkpoint at or past --num-rollout (nothing left to run), or optimizer state saved in the other
+    streaming mode. A fresh start with --load is logged in one line."""
+    ckpt = config.checkpoint
+    target = resume_target(ckpt.load, ckpt.loads_optimizer_state, config.parallel_layout)
+    if target is None:
+        if ckpt.load:
+            why = _why_nothing_to_resume(ckpt.load, ckpt.save)  # or a CheckpointError: not a fresh start
+            logger.warning("--load %s: %s; this run starts fresh at rollout 0", ckpt.load, why)
+        return None
+    base, meta = target
+    if not ckpt.finetune and meta["next_rollout_id"] >= config.rollout.num_rollout:
+        done = meta["next_rollout_id"]
+        raise CheckpointError(f"{base} resumes at rollout {done} and --num-rollout is {config.rollout.num_rollout}: "
+                              f"its run already did every rollout, so nothing is left to run. Raise --num-rollout "
+                              f"above {done} to train on (or pass --finetune to restart the count at 0)")
+    if ckpt.loads_optimizer_state:
+        check_streaming_mode(base, meta, config.optimizer.stream_optimizer_state_to_disk)
+    return target
+
+
+def _why_nothing_to_resume(load: str, save: Optional[str]) -> str:
+    """Why ``--load load``, where :func:`resolve` found no checkpoint, starts fresh: it is ``save``'s folder too, or
+    holds nothing but what unfinished saves left. A CheckpointError when it should not: a folder of other files
+    (a mistyped --load would cost a run), or of complete checkpoints that no marker names."""
+    if save and os.path.realpath(save) == os.path.realpath(load):
+        return "no checkpoint saved there yet (it is also --save, where this run saves its checkpoints)"
+    if not os.path.lexists(load):
+        return "no such folder, so no checkpoint to resume"
+    try:
+        others = sorted(name for name in os.listdir(load) if not _made_by_a_save(load, name))
+    except OSError as e:
+        raise CheckpointError(f"{load}: cannot list the folder ({e.strerror}): pass --load a folder this run may "
+                              "read") from None
+    if others:
+        shown = [name if name.isprintable() else ascii(name) for name in others]
+        raise CheckpointError(f"{load} holds no checkpoint (no {LATEST_FILE}, no {META_FILE}) but other files: "
+                              f"{listing(shown)}. Pass --load the folder --save wrote (or one checkpoint folder in it, "
+                              "e.g. <save>/rollout_000010), or drop --load to start fresh")
+    unpublished = [name for name in _checkpoint_folders(load) if os.path.lexists(os.path.join(load, name, META_FILE))]
+    if unpublished:
+        raise CheckpointError(f"{load} has no {LATEST_FILE}, but complete checkpoints that a save did not get "
+                              f"to publish: {listing(unpublished)}. Pass --load {os.path.join(load, unpublished[-1])} "
+                              "to resume the newest, or drop --load to start fresh")
+    return f"no checkpoint saved there yet (no {LATEST_FILE})"
+
+
+def _made_by_a_save(directory: str, name: str) -> bool:
+    """``name`` in ``directory`` is what a save of this code leaves before its first checkpoint is published: an
+    unfinished checkpoint folder, a copy set aside, or the marker's temporary file."""
+    if name.startswith(f"{LATEST_FILE}.tmp"):
+        return True
+    return bool(_CHECKPOINT.fullmatch(name) or _SET_ASIDE.fullmatch(name)) and _is_real_folder(
+        os.path.join(directory, name))
 
 
 def _atomic_write(path: str, text: str) -> None:
@@ -559,17 +709,10 @@ def load_train_state(base: str, *, model, optimizer, store, rank: int, world_siz
         optimizer.reload_model_params()  # masters <- the loaded weights (through the store when bound)
     info: dict[str, Any] = {"rank": rank, "model_tensors": n, "optimizer": "skipped"}
     if load_optimizer:
-        saved_streamed = _saved_streamed(base, meta)
-        if saved_streamed is None:
+        if check_streaming_mode(base, meta, store is not None) is None:
             logger.warning("rank %d: %s holds no optimizer state (it was saved without any): fresh optimizer state",
                            rank, base)
             info["optimizer"] = "absent: fresh optimizer state"
-        elif saved_streamed != (store is not None):
-            raise CheckpointError(
-                f"{base} holds optimizer state {_STREAMING_MODES[saved_streamed]} and this run keeps it "
-                f"{_STREAMING_MODES[not saved_streamed]}: resuming across a change of streaming mode would restart "
-                "Adam from zero. Resume in the mode of the save, or pass --no-load-optim to resume the weights "
-                "alone with fresh optimizer state")
         elif store is not None:  # the store reshards its own state when the data-parallel size changed
             from miles_plugins.optimizers.nvme_stream import CheckpointError as StoreCheckpointError
 
@@ -599,6 +742,22 @@ def load_train_state(base: str, *, model, optimizer, store, rank: int, world_siz
 
 _STREAMING_MODES = {True: "streamed to disk (--stream-optimizer-state-to-disk)",
                     False: "in memory (without --stream-optimizer-state-to-disk)"}
+_TO_STREAMING_MODE = {True: "add --stream-optimizer-state-to-disk --offload-train-target=disk",
+                      False: "drop --stream-optimizer-state-to-disk"}
+
+
+def check_streaming_mode(base: str, meta: dict[str, Any], streamed: bool) -> Optional[bool]:
+    """Refuse to resume the optimizer state of ``base`` into a run that keeps it in the other mode (``streamed``:
+    this run streams it to disk), naming the flag: it would restart Adam from zero. Returns how the checkpoint
+    saved its state (:func:`_saved_streamed`; None: it holds none)."""
+    saved = _saved_streamed(base, meta)
+    if saved is not None and saved != streamed:
+        raise CheckpointError(
+            f"{base} holds optimizer state {_STREAMING_MODES[saved]} and this run keeps it "
+            f"{_STREAMING_MODES[streamed]}: resuming across a change of streaming mode would restart Adam from zero. "
+            f"To resume it, {_TO_STREAMING_MODE[saved]}; or pass --no-load-optim to resume the weights alone with "
+            "fresh optimizer state")
+    return saved
 
 
 def _saved_streamed(base: str, meta: dict[str, Any]) -> Optional[bool]:
@@ -614,7 +773,6 @@ def _saved_streamed(base: str, meta: dict[str, Any]) -> Optional[bool]:
 
 
 # ---- the parallel layout a checkpoint's optimizer state was cut for ----------------------------------------
-LAYOUT_META = "parallel_layout"  # meta.json's record of the layout (write_meta's extra)
 # The sizes that cut the optimizer state into differently shaped shards (data parallelism does not: the store
 # reshards over it), by Megatron flag; a checkpoint without the record was saved at TP = PP = 1, even stages.
 _SHARD_SHAPING = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,

@@ -20,23 +20,9 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-__all__ = ["DefaultsHelpFormatter", "Subcommand", "SUBCOMMANDS", "available_subcommands", "main", "train_main"]
+from miles.arg_parser import SuggestingParser
 
-
-class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Help that states each flag's default once, for the subcommands that build their own parsers.
-
-    ``(default: X)`` is appended unless the help already says what the default is (it mentions
-    "default"), and never for a default that means "not given" (None, an empty list) or a switch that
-    is off: "(default: None)" after a help that explains the unset case would contradict it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:  # argparse's extension point for this
-        text = action.help or ""
-        default = action.default
-        unset = default is None or default is argparse.SUPPRESS or isinstance(default, bool) or default == []
-        if not text or not action.option_strings or unset or "default" in text.lower():
-            return text
-        return text + " (default: %(default)s)"
+__all__ = ["Subcommand", "SUBCOMMANDS", "available_subcommands", "main", "train_main"]
 
 
 @dataclass(frozen=True)
@@ -73,7 +59,7 @@ def _resolve(handler: str) -> Callable[[list[str]], Optional[int]]:
 
 
 def _top_parser(subs: Sequence[Subcommand]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="miles",
         description="miles: RL training whose optimizer state can stream through node-local disk.",
     )
@@ -102,15 +88,24 @@ def train_main(argv: Sequence[str]) -> int:
 
         print(layout_summary(config, Environment()))
         try:
-            target = checkpoint.resume_target(config.checkpoint.load, config.checkpoint.loads_optimizer_state,
-                                              config.parallel_layout)
+            target = checkpoint.checked_resume_target(config)
         except checkpoint.CheckpointError as e:
             print(f"miles train --dry-run: --load: {e}", file=sys.stderr)
             return 1
         if target is not None:
             print(f"--load: resumes {target[0]} at rollout {target[1].get('next_rollout_id')}")
-        print("miles train --dry-run: the flags, the parallel layout, placement, disk, memory and the checkpoint to "
-              "resume check out on this machine; stopping before Ray and the actors start")
+        if config.rollout.load_debug_rollout_data is not None:  # the rollouts the run would replay, as it reads them
+            from miles.models import load_tokenizer, prepare_policy
+            from miles.train import RunError, checked_replay
+
+            try:
+                checked_replay(config, prepare_policy(config), load_tokenizer(config), target)
+            except RunError as e:
+                print(f"miles train --dry-run: {e}", file=sys.stderr)
+                return 1
+            print("--load-debug-rollout-data: the recorded rollouts check out against the flags and the model")
+        print("miles train --dry-run: the flags, the parallel layout, placement, disk, memory, the checkpoint to "
+              "resume and the rollouts to replay check out on this machine; stopping before Ray and the actors start")
         return 0
     try:
         train_mod = importlib.import_module("miles.train")

@@ -1,14 +1,14 @@
 """Logging, configured in one place: the CLI, the train driver and every Ray actor call
 :func:`configure_logging`, so all processes print the same format with the same timestamps. The driver
-also sets :data:`DRIVER_ENV` before Ray starts and draws its progress bar with :func:`progress_bar`."""
+also sets :data:`DRIVER_ENV` before Ray starts; what a run shows while it waits (its progress bar) is
+:mod:`miles.progress`."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
-from contextlib import contextmanager
-from typing import Iterable, Iterator, MutableMapping, Optional, TextIO
+from typing import MutableMapping
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
@@ -67,30 +67,3 @@ def set_driver_env(environ: MutableMapping[str, str] = os.environ) -> None:
     """Apply :data:`DRIVER_ENV` where the user has not chosen otherwise (call before ``ray.init``)."""
     for key, value in DRIVER_ENV.items():
         environ.setdefault(key, value)
-
-
-@contextmanager
-def progress_bar(iterable: Iterable, total: int, initial: int, stream: Optional[TextIO] = None) -> Iterator:
-    """A rollout progress bar on a terminal, with every other line (logs, and the actor lines Ray prints
-    through ``sys.stdout``/``sys.stderr``) written above it; no bar otherwise, so a log file holds only
-    whole lines (the loop logs one line per rollout either way)."""
-    from tqdm import tqdm
-
-    stream = stream or sys.stderr
-    if not stream.isatty():
-        with tqdm(iterable, disable=True) as bar:
-            yield bar
-        return
-    from tqdm.contrib import DummyTqdmFile
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    saved = sys.stdout, sys.stderr
-    # logging first: it recognises handlers by the real sys.stderr, which the swap below hides
-    with logging_redirect_tqdm():
-        sys.stdout, sys.stderr = DummyTqdmFile(saved[0]), DummyTqdmFile(saved[1])
-        try:
-            with tqdm(iterable, total=total, initial=initial, desc="rollouts", unit="rollout", file=stream,
-                      dynamic_ncols=True) as bar:
-                yield bar
-        finally:
-            sys.stdout, sys.stderr = saved

@@ -84,7 +84,7 @@ def _supersede_in_file(path: str, runs: Sequence[str], rollout_id: int) -> None:
     line on what was kept and removed. No file yet: nothing to do."""
     if not os.path.isfile(path):
         return
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         lines = f.readlines()
     if not lines:
         return
@@ -93,12 +93,13 @@ def _supersede_in_file(path: str, runs: Sequence[str], rollout_id: int) -> None:
     if kept and not kept[-1].endswith("\n"):
         kept[-1] += "\n"
     if len(kept) < len(lines) or kept[-1] != lines[-1]:
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
+        target = os.path.realpath(path)  # a symbolic link the user made stays one: the file it names is replaced
+        tmp = f"{target}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(kept)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     superseded = len(lines) - len(kept)
     if superseded:
         logger.info("metrics: appending to %s; kept %d earlier line(s), replaced %d record(s) of rollouts >= %d "
@@ -307,6 +308,8 @@ def log_summary(config: RunConfig, state: RunState) -> None:
     if recs:
         lines.append("  reward: first %.3f, last %.3f; mean step %.2f s" % (
             recs[0]["reward_mean"], recs[-1]["reward_mean"], mean_of(r["step_seconds"] for r in recs)))
+        skipped = sum(1 for r in recs if r.get("step_skipped"))
+        lines.append(f"  optimizer steps: {len(recs) - skipped} applied, {skipped} skipped")
         if "stream_read_gb" in recs[-1]:
             lines.append("  streamed optimizer state: %.3f GB read, %.3f GB written in total, last step %.2f GB/s" % (
                 sum(r["stream_read_gb"] for r in recs), sum(r["stream_written_gb"] for r in recs),

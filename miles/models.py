@@ -12,6 +12,7 @@ Public API::
     build_tiny_tokenizer() -> PreTrainedTokenizerFast           # char-level, built offline
     build_tiny_model(tokenizer, seed=0, dtype=torch.float32) -> LlamaForCausalLM
     write_random_model(folder, preset, seed=0)    # random-init HF folder of a real architecture (RANDOM_MODEL_PRESETS)
+    check_hf_config(config) / check_tokenizer_files(...) / check_weights(...)   # a folder's files, for validation
 
 Which model (``config.model_source``, resolved by ``validate_args``):
 
@@ -42,8 +43,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:  # annotations only, from the leaf that defines it: miles.config's validation imports this module
     from miles.config.run_config import RunConfig
-from miles.sizing.bounds import HIDDEN, LAYERS, WIDTH, Bound, shown
-from miles.sizing.presets import GLM5_2B_RANDOM, LLAMA_9B_RANDOM, QWEN3_5_MOE_1B_RANDOM
+from miles.sizing.bounds import EXPERTS, HIDDEN, LAYERS, WIDTH, Bound, shown
+from miles.sizing.presets import RANDOM_MODEL_PRESETS, TINY_MODEL_CONFIG  # the one list of model presets
 
 logger = logging.getLogger(__name__)
 
@@ -67,22 +68,15 @@ __all__ = [
     "ModelFolderError",
     "check_hf_config",
     "check_tokenizer_files",
+    "check_tokenizer_json",
     "TOKENIZER_FILES",
+    "check_weights",
+    "config_vocab_size",
+    "weight_files",
+    "safetensors_header",
 ]
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
-
-# Small enough to train in seconds on one CPU core, big enough to learn a format.
-TINY_MODEL_CONFIG = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
 
 _TINY_SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 # Prompts are rendered as "<content>\nA:" so the answer follows directly.
@@ -240,6 +234,16 @@ _FAMILIES_WITH_INTERMEDIATE_SIZE = frozenset((
     "gemma3_text", "phi3", "olmo", "olmo2", "granite", "granitemoe", "starcoder2", "deepseek_v2", "deepseek_v3",
     "glm4", "glm4_moe", "smollm3"))
 _OPTIONAL_SIZE_KEYS = ("num_key_value_heads", "head_dim")  # checked where given
+# Families with Gated DeltaNet layers (transformers defaults their head counts and sizes when missing, and
+# fails on a value-head count that is not a multiple of the key-head count).
+_FAMILIES_WITH_LINEAR_ATTENTION = frozenset(("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
+                                             "qwen3_5_moe_text"))
+_LINEAR_ATTENTION_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                          "linear_value_head_dim")
+_LAYER_TYPES = ("linear_attention", "full_attention")
+# A MoE config's routed experts (each family's spelling) and how many of them each token is routed to.
+_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+_TOP_K_KEY = "num_experts_per_tok"
 
 
 _SIZE_BOUNDS = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS}  # every other size: WIDTH
@@ -249,8 +253,10 @@ def check_hf_config(config: Any) -> None:
     """A ``config.json``'s contents, before transformers sees them: a JSON object with a ``model_type``, the
     sizes of :data:`_SIZE_KEYS` (and ``intermediate_size`` for the families that have one) as integers in
     :mod:`miles.sizing.bounds`' ranges, ``num_key_value_heads`` and ``head_dim`` in range where given, and
-    ``num_attention_heads`` dividing ``hidden_size`` unless ``head_dim`` is given. A multimodal config's sizes
-    are those of its ``text_config``. :class:`ModelFolderError` for the first problem."""
+    ``num_attention_heads`` dividing ``hidden_size`` unless ``head_dim`` is given; a MoE config's
+    ``num_experts_per_tok`` from 1 to its expert count; a Gated DeltaNet family's linear-attention heads (value
+    heads a multiple of key heads) and ``layer_types``. A multimodal config's sizes are those of its
+    ``text_config``. :class:`ModelFolderError` for the first problem."""
     if not isinstance(config, dict):
         raise ModelFolderError(f"is a JSON {type(config).__name__}, not an object",
                                "pass a folder whose config.json is the model's transformers config (a JSON object)")
@@ -279,6 +285,53 @@ def check_hf_config(config: Any) -> None:
     if kv_heads is not None and heads % kv_heads:
         raise ModelFolderError(f"num_key_value_heads = {kv_heads} does not divide num_attention_heads = {heads}",
                                "fix num_key_value_heads (a divisor of num_attention_heads)")
+    _check_experts(sizes)
+    if _FAMILIES_WITH_LINEAR_ATTENTION.intersection((model_type, str(sizes.get("model_type")))):
+        _check_linear_attention(sizes, model_type, values["num_hidden_layers"])
+
+
+def config_vocab_size(config: dict) -> int:
+    """The vocabulary size of a config.json that :func:`check_hf_config` passed (a multimodal config's is its
+    ``text_config``'s)."""
+    sizes = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+    return sizes["vocab_size"]
+
+
+def _check_experts(sizes: dict) -> None:
+    """A MoE config routes each token to ``num_experts_per_tok`` of its experts, where it says how many (some
+    families spell it otherwise): 1 to the expert count."""
+    key = next((k for k in _EXPERT_KEYS if sizes.get(k) is not None), None)
+    if key is None or sizes.get(_TOP_K_KEY) is None:
+        return
+    experts = _checked_size(key, sizes[key], EXPERTS)
+    top_k = _checked_size(_TOP_K_KEY, sizes[_TOP_K_KEY], WIDTH)
+    if top_k > experts:
+        raise ModelFolderError(f"{_TOP_K_KEY} = {top_k} is more than the {experts} experts ({key}): each token is "
+                               f"routed to {_TOP_K_KEY} of them",
+                               f"set {_TOP_K_KEY} to at most {experts}, or fix {key}")
+
+
+def _check_linear_attention(sizes: dict, model_type: str, layers: int) -> None:
+    """The Gated DeltaNet layers' heads and sizes, and ``layer_types`` where given: one of linear_attention /
+    full_attention per layer."""
+    for key in _LINEAR_ATTENTION_KEYS:
+        if sizes.get(key) is None:
+            raise ModelFolderError(f"no {key} (model_type {model_type!r}): transformers would take its default "
+                                   "size", f"add {key} (the model's own value) to config.json")
+        _checked_size(key, sizes[key], WIDTH)
+    key_heads, value_heads = sizes["linear_num_key_heads"], sizes["linear_num_value_heads"]
+    if value_heads % key_heads:
+        raise ModelFolderError(f"linear_num_value_heads = {value_heads} is not a multiple of linear_num_key_heads = "
+                               f"{key_heads}: each key head serves a whole number of value heads",
+                               "fix linear_num_key_heads or linear_num_value_heads (the model's own values)")
+    types = sizes.get("layer_types")
+    if types is not None and not (isinstance(types, list) and len(types) == layers
+                                  and all(t in _LAYER_TYPES for t in types)):
+        raise ModelFolderError(f"layer_types = {shown(types)}: must list {layers} of {' / '.join(_LAYER_TYPES)} "
+                               f"(num_hidden_layers = {layers})", "fix layer_types, or drop it for "
+                               "full_attention_interval's pattern")
+    if sizes.get("full_attention_interval") is not None:
+        _checked_size("full_attention_interval", sizes["full_attention_interval"], LAYERS)
 
 
 def _checked_size(key: str, value: Any, bound: Bound) -> int:
@@ -295,9 +348,16 @@ TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("spiece.model",),
 _SENTENCEPIECE_FILES = frozenset({"tokenizer.model", "spiece.model", "sentencepiece.bpe.model"})
 
 
+# tokenizer.json of the largest vocabularies is tens of MiB
+MAX_TOKENIZER_JSON_BYTES = 256 << 20
+MAX_TOKENIZER_CONFIG_BYTES = 16 << 20  # tokenizer_config.json: a chat template and the special tokens
+
+
 def check_tokenizer_files(folder: str, is_file: Callable[[str], bool], has_module: Callable[[str], bool]) -> None:
-    """``folder`` holds one of :data:`TOKENIZER_FILES`, and sentencepiece is importable when the tokenizer is a
-    sentencepiece model only; :class:`ModelFolderError` otherwise. ``is_file`` and ``has_module``: the probes."""
+    """``folder`` holds one of :data:`TOKENIZER_FILES`, sentencepiece is importable when the tokenizer is a
+    sentencepiece model only, and ``tokenizer.json`` / ``tokenizer_config.json``, where present, are what
+    transformers loads (:func:`check_tokenizer_json`; read bounded, regular files only);
+    :class:`ModelFolderError` otherwise. ``is_file`` and ``has_module``: the probes."""
     present = [files for files in TOKENIZER_FILES if all(is_file(os.path.join(folder, f)) for f in files)]
     if not present:
         names = " or ".join(" + ".join(files) for files in TOKENIZER_FILES)
@@ -308,6 +368,187 @@ def check_tokenizer_files(folder: str, is_file: Callable[[str], bool], has_modul
         raise ModelFolderError(f"{folder}'s tokenizer is a sentencepiece model ({present[0][0]}, no tokenizer.json) "
                                "and sentencepiece is not installed",
                                "pip install sentencepiece, or save the fast tokenizer (tokenizer.json) into the folder")
+    if ("tokenizer.json",) in present:
+        check_tokenizer_json(os.path.join(folder, "tokenizer.json"))
+    config_path = os.path.join(folder, "tokenizer_config.json")
+    if is_file(config_path) and not isinstance(_read_tokenizer_file(config_path, MAX_TOKENIZER_CONFIG_BYTES)[1], dict):
+        raise ModelFolderError(f"{config_path} is not a JSON object", _TOKENIZER_FIX)
+
+
+_TOKENIZER_FIX = ("save the model's tokenizer into the folder again (tokenizer.save_pretrained(folder)), or pass the "
+                  "folder of a complete HuggingFace model")
+
+
+def _read_tokenizer_file(path: str, max_bytes: int) -> tuple[bytes, Any]:
+    """The file's bytes and its JSON document, read bounded (:mod:`miles.untrusted_json`)."""
+    from miles.untrusted_json import UntrustedJSONError, parse_bounded, read_regular_file
+
+    try:
+        data = read_regular_file(path, max_bytes)
+        return data, parse_bounded(data)
+    except (OSError, UntrustedJSONError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ModelFolderError(f"{path} cannot be read as JSON: {_one_line(reason)}", _TOKENIZER_FIX) from None
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    """An untrusted message on one short line."""
+    return " ".join(text.split())[:limit]
+
+
+def check_tokenizer_json(path: str) -> None:
+    """A ``tokenizer.json`` transformers can load: a regular file of at most :data:`MAX_TOKENIZER_JSON_BYTES`
+    (read once, bounded), JSON nested within :mod:`miles.untrusted_json`'s bound, an object with the
+    ``added_tokens`` list transformers reads, and a tokenizer the ``tokenizers`` library builds from it.
+    :class:`ModelFolderError` naming the file and the first problem."""
+    from tokenizers import Tokenizer
+
+    data, document = _read_tokenizer_file(path, MAX_TOKENIZER_JSON_BYTES)
+    if not isinstance(document, dict) or not isinstance(document.get("added_tokens"), list):
+        what = "has no added_tokens list" if isinstance(document, dict) else f"is a JSON {type(document).__name__}"
+        raise ModelFolderError(f"{path} {what}: not a tokenizer transformers loads", _TOKENIZER_FIX)
+    try:
+        Tokenizer.from_str(data.decode("utf-8"))  # parse_bounded read it as UTF-8
+    except Exception as e:  # the tokenizers library raises a bare Exception naming the field
+        raise ModelFolderError(f"{path} is not a tokenizer the tokenizers library builds: {_one_line(str(e))}",
+                               _TOKENIZER_FIX) from None
+
+
+# Weight files as transformers looks for them: the one file, else the index naming the shards.
+SAFETENSORS_FILE, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+MAX_SAFETENSORS_HEADER_BYTES = 100_000_000  # the safetensors format's own bound on a header
+MAX_SAFETENSORS_INDEX_BYTES = 64 << 20  # a sharded model's index: one line per tensor
+# safetensors dtypes no optimizer step trains: integers and booleans (a parameter of one is cast to float on
+# load and trained from its integer values)
+_UNTRAINABLE_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32",
+                       "I32": "int32", "U64": "uint64", "I64": "int64"}
+_WEIGHTS_FIX = ("save the weights in a floating-point dtype (bf16, fp16 or fp32: model.to(torch.bfloat16)."
+                "save_pretrained(folder)); a quantized checkpoint cannot be trained")
+
+
+def weight_files(folder: str, is_file: Callable[[str], bool]) -> list[str]:
+    """The safetensors files transformers loads from ``folder``: ``model.safetensors``, else the shards its index
+    names (each a plain file name in the folder: an index is untrusted); [] when it has neither."""
+    if is_file(os.path.join(folder, SAFETENSORS_FILE)):
+        return [os.path.join(folder, SAFETENSORS_FILE)]
+    index = os.path.join(folder, SAFETENSORS_INDEX)
+    if not is_file(index):
+        return []
+    from miles.untrusted_json import UntrustedJSONError, parse_bounded, read_regular_file
+
+    try:
+        document = parse_bounded(read_regular_file(index, MAX_SAFETENSORS_INDEX_BYTES))
+    except (OSError, UntrustedJSONError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ModelFolderError(f"{index} cannot be read as JSON: {_one_line(reason)}", _WEIGHTS_FIX) from None
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ModelFolderError(f"{index} has no weight_map object", "pass a folder whose index maps each tensor "
+                               "to its .safetensors file (as save_pretrained writes it)")
+    files: list[str] = []
+    for name in weight_map.values():
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+            raise ModelFolderError(f"{index}: weight_map names {shown(name)}, not a file of the folder",
+                                   "pass a folder whose index names its own .safetensors files")
+        if name not in files:
+            files.append(name)
+    return [os.path.join(folder, name) for name in sorted(files)]
+
+
+def safetensors_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each tensor's dtype (``"BF16"``, ``"I64"``, ...) and shape in a safetensors file, from its header alone: the file
+    must be regular (opened non-blocking, judged on the descriptor), the header's length within the file and
+    :data:`MAX_SAFETENSORS_HEADER_BYTES`. :class:`ModelFolderError` naming the file otherwise."""
+    import stat
+
+    from miles.untrusted_json import UntrustedJSONError, parse_bounded
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ModelFolderError(f"{path} cannot be opened ({e.strerror})", _WEIGHTS_FIX) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ModelFolderError(f"{path} is not a regular file", "pass a folder whose weights are files")
+        length = int.from_bytes(os.pread(fd, 8, 0).ljust(8, b"\xff"), "little")
+        if length > min(MAX_SAFETENSORS_HEADER_BYTES, st.st_size - 8):
+            raise ModelFolderError(f"{path} is not a safetensors file (its header would be {length:,} bytes of "
+                                   f"{st.st_size:,})", _WEIGHTS_FIX)
+        header = bytearray()
+        while len(header) < length:
+            chunk = os.pread(fd, length - len(header), 8 + len(header))
+            if not chunk:
+                break
+            header += chunk
+    finally:
+        os.close(fd)
+    try:
+        tensors = parse_bounded(bytes(header), max_depth=4)
+    except UntrustedJSONError as e:
+        raise ModelFolderError(f"{path} is not a safetensors file (its header: {_one_line(str(e))})",
+                               _WEIGHTS_FIX) from None
+    entries = {name: info for name, info in (tensors.items() if isinstance(tensors, dict) else ())
+               if name != "__metadata__"}
+    if not isinstance(tensors, dict) or not all(
+            isinstance(info, dict) and isinstance(info.get("dtype"), str) and isinstance(info.get("shape"), list)
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in info["shape"])
+            for info in entries.values()):
+        raise ModelFolderError(f"{path} is not a safetensors file (its header names no dtype and shape for each "
+                               "tensor)", _WEIGHTS_FIX)
+    return {name: (info["dtype"], tuple(info["shape"])) for name, info in entries.items()}
+
+
+_VOCABULARY_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # one row per token id
+
+
+def check_weights(folder: str, is_file: Callable[[str], bool], vocab_size: int) -> None:
+    """What the weight files' headers say against the model: no parameter stored as an integer or boolean
+    tensor (transformers would cast it to the float dtype and train it from its integer values; integer
+    buffers such as position ids are allowed, told apart by the model built on the meta device, only when the
+    headers hold an integer tensor), and the embedding and output layer with one row per token of config.json's
+    ``vocab_size`` (transformers refuses the mismatch only in the actor). :class:`ModelFolderError` naming the
+    tensor, the value and the file."""
+    tensors = [(name, dtype, shape, path) for path in weight_files(folder, is_file)
+               for name, (dtype, shape) in safetensors_header(path).items()]
+    for name, _, shape, path in tensors:
+        if name.endswith(_VOCABULARY_TENSORS) and shape and shape[0] != vocab_size:
+            raise ModelFolderError(f"{path}: tensor {shown(name, 120)} has {shape[0]} rows and config.json's "
+                                   f"vocab_size is {vocab_size}: one row per token id",
+                                   "pass a folder whose config.json and weights belong together (save_pretrained "
+                                   "writes both)")
+    found = [(name, dtype, path) for name, dtype, _, path in tensors if dtype in _UNTRAINABLE_DTYPES]
+    if not found:
+        return
+    is_parameter = _parameters_of_the_model(folder)
+    for name, dtype, path in found:
+        if is_parameter(name):
+            raise ModelFolderError(f"{path}: tensor {shown(name, 120)} is {_UNTRAINABLE_DTYPES[dtype]} ({dtype}), "
+                                   "and a parameter must be floating point to be trained", _WEIGHTS_FIX)
+
+
+def _parameters_of_the_model(folder: str) -> Callable[[str], bool]:
+    """Whether a checkpoint tensor is one of the parameters of the model of ``folder``'s config, built on the
+    meta device (other tensors are buffers, such as position ids, or keys transformers drops on load). When
+    the model cannot be built, every tensor counts as a parameter."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # transformers' many errors of a config it cannot build: no tensor is known to be kept
+        logger.warning("cannot build %s's model on the meta device to tell its parameters from its buffers (%s: %s)",
+                       folder, type(e).__name__, _one_line(str(e)))
+        return lambda name: True
+    prefix = f"{model.base_model_prefix}."
+
+    def unprefixed(name: str) -> str:
+        return name[len(prefix):] if name.startswith(prefix) else name
+
+    parameters = {unprefixed(name) for name, _ in model.named_parameters()}
+    return lambda name: unprefixed(name) in parameters
 
 
 # ------------------------------------------------------------------------------------- tiny model
@@ -439,50 +680,6 @@ def load_policy(config: RunConfig, device: Any = "cpu", log: bool = True):
 
 
 # ------------------------------------------------------------------------------------- random models
-
-# Random-init models of real architectures, for smoke runs and benchmarks on machines without weights.
-RANDOM_MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    # Llama family, ~1.06B params (TinyLlama's shape with the char tokenizer's vocabulary).
-    "llama-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
-                     num_attention_heads=32, num_key_value_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    # Llama-3-8B's shape with 42 layers, 9.16B params (miles/sizing/presets.py: LLAMA_9B_RANDOM, which
-    # `miles plan --preset llama-9.2b-random` sizes; the vocabulary is the char tokenizer's).
-    "llama-9.2b": dict({k: v for k, v in LLAMA_9B_RANDOM.items() if k != "vocab_size"}, rms_norm_eps=1e-5),
-    # Qwen3-MoE layout, 8 experts (top-2), ~0.23B params.
-    "qwen3-moe-8e": dict(model_type="qwen3_moe", hidden_size=1024, intermediate_size=2048, moe_intermediate_size=1024,
-                         num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
-                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-                         mlp_only_layers=[], rms_norm_eps=1e-6, tie_word_embeddings=False),
-    # Qwen3.5-MoE layout (Gated DeltaNet + gated attention, routed + shared experts), 1.03B params
-    # (miles/sizing/presets.py: QWEN3_5_MOE_1B_RANDOM, `miles plan --preset qwen3.5-moe-1b-random`).
-    "qwen3.5-moe-1b": dict({k: v for k, v in QWEN3_5_MOE_1B_RANDOM.items() if k != "vocab_size"}, rms_norm_eps=1e-6),
-    # GLM-5's architecture (glm_moe_dsa) at 1.86B params (miles/sizing/presets.py: GLM5_2B_RANDOM, which
-    # `miles plan --preset glm5-2b-random` sizes).
-    "glm5-2b": dict({k: v for k, v in GLM5_2B_RANDOM.items() if k != "vocab_size"}, rms_norm_eps=1e-5),
-    # Tiny versions, for tests. glm5-tiny's indexer keeps 16 tokens (longer sequences attend sparsely) and
-    # its last layer reuses the previous layer's top-k (index_topk_freq 2, offset 2: indexer_types full,
-    # full, shared). 8 indexer heads: with 2, a quarter of the keys score exactly 0 after the relu, and the
-    # top-k's ties at its boundary are broken differently by a full forward and a cached decode step.
-    "glm5-tiny": dict(model_type="glm_moe_dsa", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                      num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
-                      q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                      index_n_heads=8, index_head_dim=16, index_topk=16, index_topk_freq=2, index_skip_topk_offset=2,
-                      n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.5,
-                      n_group=1, topk_group=1, norm_topk_prob=True, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "llama-tiny": dict(model_type="llama", **TINY_MODEL_CONFIG),
-    "qwen3-moe-tiny": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                           num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-                           mlp_only_layers=[], rms_norm_eps=1e-6, tie_word_embeddings=False),
-    # 2 Gated DeltaNet + 2 gated attention layers; head sizes of 32, the smallest the GPU kernels take comfortably.
-    "qwen3.5-moe-tiny": dict(model_type="qwen3_5_moe_text", hidden_size=128, num_hidden_layers=4,
-                             full_attention_interval=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
-                             linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
-                             moe_intermediate_size=64, shared_expert_intermediate_size=64, rms_norm_eps=1e-6,
-                             tie_word_embeddings=False),
-}
-
 
 def random_model_config(preset: str, vocab_size: int, **fields: Any):
     """The transformers config of the RANDOM_MODEL_PRESETS entry ``preset`` with ``vocab_size`` tokens;

@@ -150,9 +150,10 @@ def hold_root_and_run(config: RunConfig, body: RunBody) -> RunState:
     """Lock the run root, answer SIGTERM/SIGINT, and run ``body(config, stop, state)``; then remove what
     the run made under the root (its interrupted and unpublished saves too) and release the root.
 
-    Exits the process (``SystemExit``) in two cases, each with one line on stderr: the run root is held by
+    Exits the process (``SystemExit``) in three cases, each with one line on stderr: the run root is held by
     another run, its filesystem has no file locks, or its parent does not exist (exit code 2, nothing
-    started), or SIGTERM/SIGINT arrived (128 + the signal number, after teardown)."""
+    started); --save's marker names no checkpoint (exit code 2, after teardown); or SIGTERM/SIGINT arrived
+    (128 + the signal number, after teardown)."""
     try:
         root_lock = claim_run_root(config)
     except (DirectoryInUseError, LockUnsupportedError, FileNotFoundError) as e:
@@ -164,7 +165,11 @@ def hold_root_and_run(config: RunConfig, body: RunBody) -> RunState:
     stop.install()
     state = RunState(run_dir=config.paths.run_dir, metrics_file=config.logging.metrics_file)
     try:
-        checkpoint.remove_interrupted_saves(config.checkpoint.save)
+        try:
+            checkpoint.remove_interrupted_saves(config.checkpoint.save)
+        except checkpoint.CheckpointError as e:  # --save's marker names no checkpoint this code can follow
+            print(f"miles train: --save: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
         return body(config, stop, state)
     except RunInterrupted as e:
         signum = e.signum

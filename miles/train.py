@@ -13,8 +13,9 @@ Without ``--colocate`` the engine keeps its memory; without ``--offload-train`` 
 awake. The engines are driven only through the rollout-engine contract (:mod:`miles.rollout.contract`). ``--load`` resumes the model, the optimizer state (the streamed state through
 ``store.load_from``), the rollout id and the data position.
 
-Operator output goes through ``logging``: a progress bar over rollouts on a terminal (no bar in a log
-file: whole lines only; :func:`miles.logging_setup.progress_bar`), one line per rollout
+Operator output goes through ``logging``: on a terminal, a line for each long wait and a progress bar over the
+rollouts (no bar in a log file: whole lines, and a line every 30 s of a long wait; :mod:`miles.progress`), one
+line per rollout
 (reward, loss, step seconds, streamed GB and GB/s, sleep/wake seconds), metrics as JSONL
 (``--metrics-file``, default ``<run dir>/metrics.jsonl``, created when the first record is written) and TensorBoard scalars when TensorBoard is
 installed, and a summary at the end that says where the checkpoints are. A failing Ray actor stops
@@ -36,10 +37,11 @@ from typing import Any, Optional
 from miles import checkpoint
 from miles.config import RunConfig
 from miles.config.parallel_checks import EXPERIMENTAL_MODEL_PARALLEL_FLAG
-from miles.logging_setup import configure_logging, progress_bar, set_driver_env
+from miles.logging_setup import configure_logging, set_driver_env
 from miles.metrics import MetricsSink, format_rollout_line, log_summary, rollout_record
 from miles.parallel.layout import ParallelLayout, rank_slices
-from miles.rollout.recorded import RolloutDataError, read_rollout, write_rollout
+from miles.progress import progress_bar, waiting
+from miles.rollout.recorded import ReplayShape, RolloutDataError, write_rollout
 from miles.run_lifecycle import Actors, RunState, StopOnSignal, hold_root_and_run, tear_down
 from miles_plugins.optimizers.streaming.units import GB
 
@@ -53,7 +55,13 @@ class RunError(RuntimeError):
 
 class SkippedStepsError(RuntimeError):
     """--max-consecutive-skipped-steps rollouts in a row could not be trained on (non-finite grads, or
-    engine output that is not valid training input): the run stops instead of going on without learning."""
+    engine output that is not valid training input): the run stops instead of going on without learning.
+    Also a run whose every rollout skipped its step: it ends with this error, not as a run that trained."""
+
+
+class NonFiniteStepError(RuntimeError):
+    """An applied optimizer step left a non-finite weight: the run stops before the weights reach a
+    checkpoint or a rollout engine, and the last good checkpoint stays the latest."""
 
 
 # ---- small helpers ----------------------------------------------------------------------------------
@@ -92,22 +100,29 @@ def _shards(samples: list, advantages: list[float], layout: ParallelLayout) -> l
 
 
 def _init_ray(config: RunConfig) -> bool:
-    """Connect to the cluster at ``config.ray_address`` (``RAY_ADDRESS``) or start a local cluster (returns
-    True when this call started Ray)."""
+    """Join the cluster at ``config.ray_address`` (``RAY_ADDRESS``) or start a private one for this run, never
+    a cluster a ``ray start`` left on the machine (:mod:`miles.ray.cluster`); returns True when this call
+    started Ray. Raises :class:`RunError` (one line) when the cluster RAY_ADDRESS names does not answer."""
     import ray
+
+    from miles.ray.cluster import ClusterError, join, start_private
 
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     set_driver_env()
-    # Ray's own INFO lines ("Started a local Ray instance") carry a second timestamp format: warnings only
     address = config.ray_address
-    if address:
-        ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
-    else:  # a private single-node cluster for this run, bound to loopback
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
+    try:
+        if address:
+            with waiting(f"joining the Ray cluster at {address}"):
+                join(address)
+        else:  # bound to loopback
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            with waiting("starting a private Ray cluster"):
+                start_private()
+    except ClusterError as e:
+        raise RunError(f"run stopped: {e}") from None
     return True
 
 
@@ -128,6 +143,7 @@ def _run_holding_root(config: RunConfig, stop: StopOnSignal, state: RunState) ->
     from miles.models import load_tokenizer, prepare_policy
     from miles.ray.errors import ActorFailure
     from miles.ray.node_disk import NodeDiskError
+    from miles.ray.placement_group import PlacementError
 
     t_run = time.perf_counter()
     if config.training.experimental_model_parallel:
@@ -135,12 +151,13 @@ def _run_holding_root(config: RunConfig, stop: StopOnSignal, state: RunState) ->
                        "yet across GPUs; scripts/validate_parallel.sh compares it with TP = PP = 1 on this host",
                        config.parallel_layout.describe(), EXPERIMENTAL_MODEL_PARALLEL_FLAG)
     try:  # a checkpoint this run cannot resume is refused before Ray and the actors start
-        target = checkpoint.resume_target(config.checkpoint.load, config.checkpoint.loads_optimizer_state,
-                                          config.parallel_layout)
+        target = checkpoint.checked_resume_target(config)
     except checkpoint.CheckpointError as e:
         raise RunError(f"run stopped: {e}") from None
-    source = prepare_policy(config)  # one-time model conversion happens here, not in every actor
+    with waiting("preparing the policy model"):
+        source = prepare_policy(config)  # one-time model conversion happens here, not in every actor
     tokenizer = load_tokenizer(config)
+    replay = checked_replay(config, source, tokenizer, target)  # before Ray: a bad recording stops the run at once
     started_ray = _init_ray(config)
     stop.install()  # ray.init replaced the SIGTERM handler
     actors = Actors()
@@ -160,12 +177,13 @@ def _run_holding_root(config: RunConfig, stop: StopOnSignal, state: RunState) ->
         sink = MetricsSink(config.logging.metrics_file, config.logging.tensorboard_dir, config.run_id,
                            state.resumed_runs, start_rollout)
         state.tensorboard_dir = sink.tb_dir if sink.tb is not None else None
-        _Loop(config, cursor, tokenizer, actors.train_group, actors.rollout, weight_sync, sink, state).run(
+        _Loop(config, cursor, tokenizer, actors.train_group, actors.rollout, weight_sync, sink, state, replay).run(
             range(start_rollout, config.rollout.num_rollout))
     except ActorFailure as e:
         failure = e
         logger.error("%s failed on %s. The actor's traceback:\n%s", e.what, e.actor, e.remote_traceback)
-    except (NodeDiskError, SkippedStepsError, checkpoint.CheckpointError, RolloutDataError) as e:
+    except (NodeDiskError, PlacementError, SkippedStepsError, NonFiniteStepError, checkpoint.CheckpointError,
+            RolloutDataError) as e:
         failure = e
         logger.error("%s", e)
     except BaseException as e:
@@ -202,12 +220,14 @@ def _start_actors(config: RunConfig, actors: Actors, state: RunState, source) ->
     logger.info("starting %d train actor(s) and %d rollout engine(s) (each imports torch and builds the "
                 "model: this takes a while on a small machine)", len(actors.train_group.actors),
                 len(actors.rollout.engines))
-    if engines_load_first(config):
-        engine_infos = actors.rollout.init()
-        infos = actors.train_group.init()
-    else:
-        infos = actors.train_group.init()
-        engine_infos = actors.rollout.init()
+    with waiting(f"starting {len(actors.train_group.actors)} train actor(s) and {len(actors.rollout.engines)} rollout "
+                 "engine(s)"):
+        if engines_load_first(config):
+            engine_infos = actors.rollout.init()
+            infos = actors.train_group.init()
+        else:
+            infos = actors.train_group.init()
+            engine_infos = actors.rollout.init()
     state.train_ranks, state.rollout_engines = infos, engine_infos
     info0 = infos[0]
     logger.info("policy: %s | %.2fM params, %s on %s | %d train ranks (%s), %d rollout engine(s)%s",
@@ -222,11 +242,31 @@ def _start_actors(config: RunConfig, actors: Actors, state: RunState, source) ->
                     f", per-rank directories under {config.paths.trainer}" if config.uses_rank_dirs else "")
 
 
+def _first_rollout(config: RunConfig, target: Optional[tuple[str, dict[str, Any]]]) -> int:
+    """The rollout the run starts at: the checkpoint's next one when it resumes (``target``:
+    :func:`miles.checkpoint.resume_target`; not with --finetune), else 0."""
+    return int(target[1]["next_rollout_id"]) if target is not None and not config.checkpoint.finetune else 0
+
+
+def checked_replay(config: RunConfig, source, tokenizer,
+                    target: Optional[tuple[str, dict[str, Any]]]) -> Optional[ReplayShape]:
+    """With --load-debug-rollout-data: what the run assumes of the recorded rollouts (its flags, its model),
+    every rollout it will replay read and checked against it now, before Ray and the actors start."""
+    if config.rollout.load_debug_rollout_data is None:
+        return None
+    try:
+        replay = ReplayShape.of_policy(config, source, tokenizer)
+        replay.check(range(_first_rollout(config, target), config.rollout.num_rollout))
+    except RolloutDataError as e:
+        raise RunError(f"run stopped: {e}") from None
+    return replay
+
+
 def _resume(config: RunConfig, train_group, state: RunState,
             target: Optional[tuple[str, dict[str, Any]]]) -> tuple[int, "_DataCursor"]:
-    """With --load (``target``: :func:`miles.checkpoint.resume_target`, checked before anything started): the
-    checkpoint's model (and optimizer state) into every rank; the rollout to start at and the prompt stream's
-    position (both 0 on a fresh start or with --finetune)."""
+    """With --load (``target``: :func:`miles.checkpoint.checked_resume_target`, checked before anything
+    started): the checkpoint's model (and optimizer state) into every rank; the rollout to start at and the
+    prompt stream's position (both 0 on a fresh start or with --finetune)."""
     from miles.rl import make_prompt_source
 
     start_rollout, data_position = 0, 0
@@ -235,9 +275,10 @@ def _resume(config: RunConfig, train_group, state: RunState,
     if target is not None:
         base, meta = target
         load_optim = ckpt.loads_optimizer_state
-        loaded = train_group.load(base, load_optim)
+        with waiting(f"loading {base}"):
+            loaded = train_group.load(base, load_optim)
         if not ckpt.finetune:
-            start_rollout = int(meta["next_rollout_id"])
+            start_rollout = _first_rollout(config, target)
             data_position = int(meta.get("data_state", {}).get("consumed_prompts", 0))
             resumed_runs = checkpoint.runs_of(meta)
         logger.info("loaded %s: model%s; resuming at rollout %d, prompt %d", base,
@@ -254,8 +295,9 @@ class _Loop:
     and puts the trainer to sleep (the module docstring has the order), then writes its record."""
 
     def __init__(self, config: RunConfig, cursor, tokenizer, train_group, rollout, weight_sync, sink,
-                 state: RunState):
+                 state: RunState, replay: Optional[ReplayShape]):
         self.config, self.cursor, self.tokenizer = config, cursor, tokenizer
+        self.replay = replay  # --load-debug-rollout-data: the recorded rollouts, read in place of generating
         self.train_group, self.rollout, self.weight_sync = train_group, rollout, weight_sync
         self.sink, self.state = sink, state
         self.pending = None  # a checkpoint whose streamed optimizer state is still being copied
@@ -290,14 +332,51 @@ class _Loop:
         num_rollout = self.config.rollout.num_rollout
         with progress_bar(rollout_ids, total=num_rollout, initial=rollout_ids.start) as bar:
             for rollout_id in bar:
-                record = self.rollout_step(rollout_id)
+                with waiting(f"rollout {rollout_id + 1}/{num_rollout}"):
+                    record = self.rollout_step(rollout_id)
                 self.sink.write(record)
                 self.state.records.append(record)
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:+.3g}")
                 logger.info(format_rollout_line(record, num_rollout))
                 self.count_skipped_step(record)
+        self.publish_pending()
+        self.stop_if_nothing_trained()
+
+    def publish_pending(self) -> None:
         if self.pending is not None:
             _publish(self.config, self.train_group, self.pending, self.state)
+            self.pending = None
+
+    def stop_if_nothing_trained(self) -> None:
+        """A run whose every rollout skipped its optimizer step ends with an error, not as a run that trained."""
+        records = self.state.records
+        if not records or any(r["step_skipped"] is None for r in records):
+            return
+        last = records[-1]
+        raise SkippedStepsError(
+            f"none of this run's {len(records)} rollout(s) applied an optimizer step (the last, rollout "
+            f"{last['rollout_id']}: {last['step_skipped']}); the weights are the ones the run started from. Check the "
+            "rollout engine's log-probs and the rewards, or lower --lr")
+
+    def stop_if_weights_not_finite(self, rollout_id: int, ranks: list[dict[str, Any]]) -> None:
+        """Right after the train step, before any save or weight handoff: a step that left a non-finite weight
+        on any rank stops the run. The checkpoint still copying from before that step is published first, so
+        the latest checkpoint is the last good one."""
+        if all(r["weights_finite"] for r in ranks):
+            return
+        self.publish_pending()
+        lr = self.config.optimizer.lr
+        state, ckpt = self.state, self.config.checkpoint
+        if state.latest_checkpoint or state.loaded_checkpoint:
+            resume_dir = ckpt.save if state.latest_checkpoint else ckpt.load
+            good = (f"the latest checkpoint, {state.latest_checkpoint or state.loaded_checkpoint}, holds the weights "
+                    f"before it: resume with --load {resume_dir} and a lower --lr (now {lr:g})")
+        else:
+            good = f"no checkpoint holds earlier weights of this run: start again with a lower --lr (now {lr:g})"
+        raise NonFiniteStepError(
+            f"rollout {rollout_id}: the optimizer step left non-finite weights (NaN or inf; grad norm "
+            f"{ranks[0]['grad_norm']:g}); they were not saved or handed to the rollout engines. {good}, or check "
+            "the rewards and --clip-grad")
 
     def count_skipped_step(self, record: dict[str, Any]) -> None:
         """A skipped optimizer step is logged in full; --max-consecutive-skipped-steps of them in a row stop
@@ -326,9 +405,8 @@ class _Loop:
 
         r = self.config.rollout
         items = self.cursor.next_batch(r.rollout_batch_size)
-        if r.load_debug_rollout_data is not None:
-            samples = read_rollout(r.load_debug_rollout_data, rollout_id, r.rollout_batch_size,
-                                   r.n_samples_per_prompt)
+        if self.replay is not None:
+            samples = self.replay.read(rollout_id)
             rewards = [s.reward for s in samples]
         else:
             prompt_ids = encode_prompts(self.tokenizer, [it.prompt for it in items])
@@ -348,9 +426,7 @@ class _Loop:
         while the next rollout runs and published after its step; the run's last checkpoint (nothing to
         overlap with) is waited for at once."""
         config = self.config
-        if self.pending is not None:  # the previous checkpoint's streamed state copied during this step
-            _publish(config, self.train_group, self.pending, self.state)
-            self.pending = None
+        self.publish_pending()  # the previous checkpoint's streamed state copied during this step
         if not _should_save(config, completed):
             return None
         background = config.optimizer.stream_optimizer_state_to_disk and completed < config.rollout.num_rollout
@@ -389,6 +465,7 @@ class _Loop:
                 self.note_engine_release(self.rollout.release_memory([WEIGHTS]))
         with timed("train_seconds"):
             ranks = self.train_group.train(rollout_id, _shards(samples, advantages, self.config.parallel_layout))
+        self.stop_if_weights_not_finite(rollout_id, ranks)
         with timed("save_seconds"):
             saved = self.save_if_due(rollout_id + 1)
         with timed("engine_resume_seconds"):
@@ -408,7 +485,8 @@ class _Loop:
 
 def _save(config: RunConfig, train_group, completed: int, cursor: _DataCursor, wait: bool) -> dict[str, Any]:
     base = checkpoint.prepare(config.checkpoint.save, completed, config.run_id)
-    train_group.save(base, wait)
+    with waiting(f"saving {base}" if wait else f"starting the save of {base}"):
+        train_group.save(base, wait)
     return {"base": base, "completed": completed, "data_state": cursor.state()}
 
 
@@ -416,7 +494,8 @@ def _publish(config: RunConfig, train_group, pending: dict[str, Any], state: Run
              waited: bool = False) -> None:
     """Every rank's part is on disk: write the meta, then point ``latest`` at the checkpoint."""
     if not waited:
-        train_group.finish_save()
+        with waiting(f"finishing the save of {pending['base']}"):
+            train_group.finish_save()
     base = pending["base"]
     checkpoint.write_meta(base, next_rollout_id=pending["completed"], data_state=pending["data_state"],
                           world_size=train_group.world_size, runs=[*state.resumed_runs, config.run_id],

@@ -19,10 +19,10 @@
 # sglang server per node, `--tp-size $GPUS_PER_NODE` on that node's GPUs in order (its rank i on GPU i), and name
 # them in node order: SGLANG_URLS="http://node0:30000 http://node1:30000 ..." (docs/advanced/sglang.md): each
 # server's rank i then takes the weights from the train rank on its GPU.
-# EXPERIMENTAL: `miles train` accepts this layout under --dry-run and refuses the run itself (exit 2, naming the
-# flags) unless EXTRA_ARGS=--experimental-model-parallel: its TP/PP > 1 training is checked with its ranks sharing
-# one GPU (docs/dev/validation/parallel.md), not yet across GPUs. The megatron backend builds GLM-5's layers (MLA,
-# the sparse attention's indexer, MoE).
+# EXPERIMENTAL: `miles train` refuses this layout (exit 2, naming the flags) unless
+# EXTRA_ARGS=--experimental-model-parallel, and so does this script's check on every node, before Ray starts: its
+# TP/PP > 1 training is checked with its ranks sharing one GPU (docs/dev/validation/parallel.md), not yet across GPUs.
+# The megatron backend builds GLM-5's layers (MLA, the sparse attention's indexer, MoE).
 # Node-local disk per node with bf16 moments (the plan above): 0.78 TB streamed state + 0.19 TB trainer
 # offload, + 0.78 TB when checkpoints go to the same disk.
 set -euo pipefail
@@ -94,6 +94,9 @@ miles plan --preset glm5-744b --nodes "$NUM_NODES" --gpus-per-node "$GPUS_PER_NO
 if [[ "$NUM_NODES" -gt 1 ]]; then export RAY_ADDRESS="$HEAD_ADDR:$RAY_PORT"; fi
 miles train "${TRAIN_ARGS[@]}" --dry-run
 unset RAY_ADDRESS
+# Then what the run itself checks before it starts (a dry run leaves out what only a real start refuses), with
+# its flags and its RAY_ADDRESS, so no node starts Ray for a run the head would refuse.
+RAY_ADDRESS="$HEAD_ADDR:$RAY_PORT" python "$(dirname "${BASH_SOURCE[0]}")/check_start.py" "${TRAIN_ARGS[@]}"
 if [[ "$DRY_RUN" == 1 ]]; then exit 0; fi
 
 if [[ "$NODE_RANK" != 0 ]]; then

@@ -69,6 +69,9 @@ if [[ -n "$EXTRA_ARGS" ]]; then read -r -a extra <<< "$EXTRA_ARGS"; TRAIN_ARGS+=
 if [[ "$NUM_NODES" -gt 1 ]]; then export RAY_ADDRESS="$HEAD_ADDR:$RAY_PORT"; fi
 miles train "${TRAIN_ARGS[@]}" --dry-run
 unset RAY_ADDRESS
+# Then what the run itself checks before it starts (a dry run leaves out what only a real start refuses), with
+# its flags and its RAY_ADDRESS, so no node starts Ray for a run the head would refuse.
+RAY_ADDRESS="$HEAD_ADDR:$RAY_PORT" python "$(dirname "${BASH_SOURCE[0]}")/check_start.py" "${TRAIN_ARGS[@]}"
 if [[ "$DRY_RUN" == 1 ]]; then exit 0; fi
 
 if [[ "$NODE_RANK" != 0 ]]; then

@@ -45,3 +45,15 @@ def make_config(tmp_path):
         return validate_args(parse_args(argv), env)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def megatron_cpu() -> str:
+    """The folder of megatron-core 0.19.2 patched for CPU (tests/megatron_cpu), prepared once: put it first on a
+    child's sys.path or PYTHONPATH. A failed download fails the test (CI has PyPI), never skips it."""
+    from megatron_cpu import HarnessError, megatron_path
+
+    try:
+        return megatron_path()
+    except HarnessError as e:
+        pytest.fail(f"megatron-core for the CPU suite: {e}", pytrace=False)

@@ -59,6 +59,23 @@ from miles_plugins.optimizers.streaming.io.ownership import DirectoryLock, claim
 
 logger = logging.getLogger(__name__)
 
+_FINITE_CHECK_ELEMENTS = 1 << 27  # elements per isfinite call: its bool temporary stays at 128 MiB
+
+
+class NonFiniteWeightsError(RuntimeError):
+    """An applied optimizer step left a non-finite weight on some rank: what this rank holds must reach
+    neither a checkpoint nor a rollout engine (the run stops; the last good checkpoint stays the latest)."""
+
+
+def tensors_finite(tensors, device: torch.device) -> bool:
+    """Whether every element of ``tensors`` is finite, checked in slices (isfinite of a whole buffer is a
+    bool tensor of one byte per element: 9 GB at 9.2B params), with one device-to-host sync at the end."""
+    finite = torch.ones((), dtype=torch.bool, device=device)
+    for tensor in tensors:
+        for part in tensor.detach().reshape(-1).split(_FINITE_CHECK_ELEMENTS):
+            finite &= torch.isfinite(part).all()
+    return bool(finite)
+
 
 def resolve_backend(spec: str) -> type["TrainBackend"]:
     """The class named by a ``"module:Class"`` spec (a value of :data:`miles.config.backends.BACKENDS`),
@@ -169,6 +186,8 @@ class TrainBackend(abc.ABC):
         self.engine_needs = EngineNeeds()  # what the last sleep was told of the colocated engine
         self.engine_weights = None  # at wake: the engine's weights by reference (miles.weights.readback)
         self.init_info: dict[str, Any] = {}
+        # the rollout whose applied step left a non-finite weight (on any rank): nothing is saved or pushed after it
+        self.non_finite_weights_since: Optional[int] = None
         self.flops = None  # the policy's ModelFlops (miles.sizing.flops), None when its config cannot be counted
         self.peak_flops: Optional[float] = None  # the device's bf16 peak FLOP/s, None on CPU or unknown GPUs
         self.closed = False
@@ -254,7 +273,12 @@ class TrainBackend(abc.ABC):
         untouched bit for bit, when any rank's samples are not valid training input
         (:func:`~miles.rl.loss.training_input_problem`: nothing is computed) or when any rank's grads are
         not finite; ``metrics["step_skipped"]`` then says why (None when the step was applied).
+
+        After an applied step every rank checks its trained weights (one all-reduce: all ranks agree);
+        ``metrics["weights_finite"]`` is False when any rank holds a non-finite weight, and from then on this
+        trainer refuses to train, save or hand its weights over (:class:`NonFiniteWeightsError`).
         """
+        self.refuse_non_finite_weights("train on them")
         start = time.perf_counter()
         loss_args = loss_arguments(self.config)
         local_tokens = float(sum(len(s.response_ids) for s in samples))
@@ -297,8 +321,14 @@ class TrainBackend(abc.ABC):
         if cuda:  # the step's own device peak: weights, grads and what the optimizer (or store) holds
             torch.cuda.reset_peak_memory_stats(self.device)
         step_start = time.perf_counter()
+        weights_finite = True  # a skipped step leaves the weights as the last checked step left them
         if skipped is None:
             grad_norm = self.optimizer_step(rollout_id)
+            weights_finite = self.weights_finite_on_every_rank()
+            if not weights_finite:
+                self.non_finite_weights_since = rollout_id
+                logger.error("rank %d: rollout %d: the optimizer step left non-finite weights (grad norm %g); they "
+                             "will not be saved or handed to the rollout engines", self.rank, rollout_id, grad_norm)
         else:
             self.zero_grads()  # nothing of this step may reach the weights, the state, or the sleep's backup
             grad_norm = math.nan
@@ -315,6 +345,7 @@ class TrainBackend(abc.ABC):
             "train_rollout_logprob_abs_diff": absdiff / tokens,
             "grad_norm": grad_norm,
             "step_skipped": skipped,
+            "weights_finite": weights_finite,
             "samples": len(samples),
             "response_tokens": int(local_tokens),
             "micro_batches": len(micro_batches),
@@ -340,6 +371,18 @@ class TrainBackend(abc.ABC):
             # (llama-9.2b on one H200: 64 GB of them, and the engine's 18 GB did not fit).
             torch.cuda.empty_cache()
         return metrics
+
+    def weights_finite_on_every_rank(self) -> bool:
+        """Whether every rank's :meth:`trained_weights` are finite (each rank checks its own; one all-reduce)."""
+        return self.all_reduce([0.0 if tensors_finite(self.trained_weights(), self.device) else 1.0])[0] == 0.0
+
+    def refuse_non_finite_weights(self, action: str) -> None:
+        """Raise :class:`NonFiniteWeightsError` once a step has left non-finite weights (``action``: what the
+        caller was about to do with them)."""
+        if self.non_finite_weights_since is not None:
+            raise NonFiniteWeightsError(
+                f"rank {self.rank}: rollout {self.non_finite_weights_since}'s optimizer step left non-finite weights; "
+                f"refusing to {action}. Resume from the last good checkpoint with a lower --lr")
 
     def keeps_allocator_cache(self, engine_weights_resident: bool) -> bool:
         """Whether the engine's last measured needs fit beside the caching allocator's free blocks
@@ -396,6 +439,7 @@ class TrainBackend(abc.ABC):
         from miles.weights.push import push_weights
 
         mb = self.config.rollout.weight_sync_bucket_mb
+        self.refuse_non_finite_weights("hand them to the rollout engines")
         if peers is not None:
             peers = dataclasses.replace(peers, group=self.payload_groups[peers.ranks])
         with self.awake():
@@ -408,6 +452,7 @@ class TrainBackend(abc.ABC):
     def save(self, base: str, wait: bool = True) -> dict[str, Any]:
         """Write this rank's part of the checkpoint under ``base``; with ``wait=False`` the streamed
         optimizer state may still be copying until :meth:`finish_save`."""
+        self.refuse_non_finite_weights("save them")
         with self.awake():
             self.prepare_save()
             return checkpoint.save_train_state(base, model=self.checkpoint_model(),
@@ -572,6 +617,11 @@ class TrainBackend(abc.ABC):
     def local_grads_finite(self) -> bool:
         """Whether every grad this rank holds after :meth:`finish_backward` is finite (the template
         all-reduces the answer, so every rank skips a step that any rank's grads would poison)."""
+
+    @abc.abstractmethod
+    def trained_weights(self) -> list[torch.Tensor]:
+        """The weights an optimizer step writes on this rank, as the model holds them (what a checkpoint and
+        the rollout engines get): checked for non-finite values after every applied step."""
 
     @abc.abstractmethod
     def optimizer_step(self, rollout_id: int) -> float:

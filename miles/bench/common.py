@@ -16,13 +16,49 @@ import time
 
 import torch
 
-from miles.cli import DefaultsHelpFormatter
+from miles.arg_parser import DefaultsHelpFormatter, SuggestingParser
+from miles_plugins.optimizers.streaming.units import GB
 
 
 def parse_count(text: str) -> int:
     text = text.strip().upper().replace("_", "")
     scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}.get(text[-1:], 1)
     return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def count_text(count: int) -> str:
+    """A count as :func:`parse_count` reads it back, to 3 digits: ``1.5B``, ``450M``, ``12K``, ``7``, ``1e+15``."""
+    if count >= 10**12:
+        return f"{count:.3g}"
+    for suffix, scale in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if count >= scale:
+            return f"{count / scale:.3g}{suffix}"
+    return str(count)
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes a bench may still allocate on ``device``: the CUDA device's free memory; on cpu what this process
+    can still take of the host's (the store's own reading: MemAvailable, less under a cgroup limit). None
+    where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    from miles_plugins.optimizers.streaming.io.stager import available_host_memory
+
+    return available_host_memory()
+
+
+def refuse_count_beyond(flag: str, count: int, bytes_each: float, available: int | None, where: str,
+                        what: str) -> None:
+    """Refuse a count before anything is allocated or written (ArgumentError: one line, exit 2) when
+    ``count x bytes_each`` is more than the ``available`` bytes (None: unknown, not refused) of ``where``;
+    ``what`` says what the bytes are. The fix names the largest count that fits."""
+    from miles.config.errors import ArgumentError
+
+    needed = count * bytes_each
+    if available is not None and needed > available:
+        raise ArgumentError(f"{flag} {count_text(count)} needs about {needed / GB:,.1f} GB of {where} ({what}), but "
+                            f"this machine has {available / GB:,.1f} GB free there.", (flag,),
+                            f"give at most about {flag} {count_text(int(available // bytes_each))} here.")
 
 
 def number_arg(kind, what: str, low: float = 0.0, inclusive: bool = False, high: float | None = None):
@@ -186,8 +222,8 @@ def describe(module) -> str:
 
 def run_standalone(module, argv=None) -> int:
     """`python -m miles.bench.<name> ...`: the module's own flags, then its run."""
-    parser = argparse.ArgumentParser(prog=f"miles bench {module.NAME}", description=describe(module),
-                                     formatter_class=DefaultsHelpFormatter)
+    parser = SuggestingParser(prog=f"miles bench {module.NAME}", description=describe(module),
+                              formatter_class=DefaultsHelpFormatter)
     module.add_arguments(parser)
     return run_checked(parser.prog, module.run, parser.parse_args(sys.argv[1:] if argv is None else list(argv)))
 

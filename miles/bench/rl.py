@@ -47,7 +47,7 @@ from typing import Optional
 import torch
 
 from miles.config.errors import ArgumentError
-from miles.models import RANDOM_MODEL_PRESETS
+from miles.sizing.presets import PUBLISHED_PRESETS, RANDOM_MODEL_PRESETS, random_preset_arg
 
 from .common import Progress, dir_arg, median, number_arg, run_standalone
 
@@ -69,8 +69,10 @@ ARM_MARKER = ".miles-bench-rl-arm"  # in each arm folder the bench made: a later
 def add_arguments(p: argparse.ArgumentParser) -> None:
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--hf-checkpoint", metavar="DIR", help="a HuggingFace model folder")
-    model.add_argument("--preset", choices=sorted(RANDOM_MODEL_PRESETS),
-                       help="a random-init model of scripts/make_random_model.py, written once under --dir")
+    model.add_argument("--preset", type=random_preset_arg, metavar="NAME",
+                       help="a random-init model of scripts/make_random_model.py, written once under --dir: one of "
+                       f"{', '.join(sorted(RANDOM_MODEL_PRESETS))}. The names are `miles plan --preset`'s, which "
+                       f"also sizes {', '.join(PUBLISHED_PRESETS)}: published models' shapes, not written here")
     p.add_argument("--dir", type=dir_arg, required=True, help="scratch folder (made if missing): each arm runs in arm-<name>/ "
                                                 "there (its log and metrics stay; its disk folder is removed when "
                                                 "the arm ends; a later run replaces the folder)")

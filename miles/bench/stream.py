@@ -30,17 +30,20 @@ import argparse
 import contextlib
 import math
 import os
+import shutil
 import sys
 import time
 
 import torch
 
 from miles.sizing.model_params import STAND_IN_TENSORS, stand_in_numels
+from miles.sizing.store_plan import moment_bytes_per_param
 from miles_plugins.optimizers.streaming.config import DEFAULT_CHUNK_MB, DEFAULT_DEPTH, DEFAULT_IO_THREADS, MOMENT_DTYPES
 from miles_plugins.optimizers.streaming.units import GB, MiB
 
-from .common import (MAX_FWD_BWD_SECONDS, FwdBwd, Progress, device_arg, dir_arg, fractions_arg, log_store_lines,
-                     machine, median, number_arg, one_device, parse_count, run_standalone, sync_device, write_json)
+from .common import (MAX_FWD_BWD_SECONDS, FwdBwd, Progress, device_arg, dir_arg, fractions_arg, free_memory,
+                     log_store_lines, machine, median, number_arg, one_device, parse_count, refuse_count_beyond,
+                     run_standalone, sync_device, write_json)
 from .floor import raw_floor
 
 
@@ -126,6 +129,7 @@ def run(args) -> int:
     device = one_device(args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     total = args.params
     root = args.dir
+    check_size(args, total, device)
     os.makedirs(root, exist_ok=True)
     results: dict = {"args": vars(args) | {"func": None}, "params": total} | machine(device) | {"dir": root}
     say(f"{total / 1e9:.3f}B params on {device} ({results['device']}), moments {args.moment_dtype}, in {root}; "
@@ -154,7 +158,47 @@ def run(args) -> int:
     return 0
 
 
-# ---- setup: the resident step and the store -----------------------------------------------------------
+# ---- setup: the size check, the resident step and the store --------------------------------------------
+# what make_state and the resident step hold on the device at once: bf16 params, fp32 masters and grads (10 B),
+# and the resident AdamW's two fp32 moments (8 B, freed after the resident step)
+PARAMS_AND_GRADS_BYTES = 2 + 4 + 4
+RESIDENT_STEP_BYTES = PARAMS_AND_GRADS_BYTES + 2 * 4
+
+
+def check_size(args, total: int, device: torch.device) -> None:
+    """Refuse --params, before anything is allocated or written, when the bench does not fit this machine:
+    the device memory of the params, grads and the resident step, the host RAM of the exposed runs' cache
+    (beside the params and grads on cpu), and the disk of the bucket files plus the floor's scratch file of
+    as many bytes."""
+    streamed = 4 + moment_bytes_per_param(args.moment_dtype)  # per param in the files: master + both moments
+    fraction = 0.0 if args.skip_exposed else max(args.host_cache_fractions)
+    cache = fraction * streamed
+    cache_words = f"the exposed runs' host cache of --host-cache-fractions {fraction:g}: {cache:.3g} B/param"
+    resident = (RESIDENT_STEP_BYTES, f"{RESIDENT_STEP_BYTES} B/param: bf16 params, fp32 masters and grads, and the "
+                                     "resident step's Adam moments")
+    needs = []
+    if device.type == "cpu":
+        beside_cache = (PARAMS_AND_GRADS_BYTES + cache, f"{PARAMS_AND_GRADS_BYTES} B/param of params and grads, and "
+                                                        + cache_words)
+        # one memory for both peaks: the resident step's, and the exposed runs' with the cache (whichever is larger)
+        needs.append(("host memory", free_memory(device), *max(resident, beside_cache)))
+    else:
+        needs.append((f"memory on {device}", free_memory(device), *resident))
+        if cache:
+            needs.append(("host memory", free_memory(torch.device("cpu")), cache, cache_words))
+    needs.append((f"disk under {args.dir}", shutil.disk_usage(nearest_directory(args.dir)).free, 2 * streamed,
+                  f"the bucket files, {streamed:.3g} B/param, and the floor's scratch file of as many bytes"))
+    for where, available, bytes_each, what in needs:
+        refuse_count_beyond("--params", total, bytes_each, available, where, what)
+
+
+def nearest_directory(path: str) -> str:
+    """``path`` or the nearest of its parents that exists (the bench creates ``--dir`` when missing)."""
+    while not os.path.isdir(path):
+        path = os.path.dirname(path)
+    return path
+
+
 def resident_step(masters, device: torch.device) -> float:
     """Seconds of an in-memory AdamW step over the masters: the median of 3, after one that creates the moments."""
     opt = adamw(masters)

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
+from miles.arg_parser import SuggestingParser
 from miles.config.backends import BACKENDS
 from miles.parallel.layout import DEFAULT_EXPERT_TENSOR_PARALLEL_SIZE
 from miles_plugins.optimizers.streaming.config import (DEFAULT_BUCKET_NUMEL, DEFAULT_CHUNK_MB,
@@ -52,34 +52,43 @@ __all__ = [
 @dataclass(frozen=True)
 class Range:
     """A numeric field's allowed values, checked by validation's one loop over the fields
-    (:func:`range_problem`): ``>= at_least`` or ``> above``, and ``<= at_most`` or ``< below``; ``finite``
-    refuses inf and NaN. ``what`` names the kind of value in the message ("an int >= 1"), ``why`` says why
-    the bound is what it is, ``fix`` replaces the default "pass ..." advice."""
+    (:func:`range_problem`): ``>= at_least`` or ``> above``, and ``<= at_most`` or ``< below``. A float must
+    also be finite: inf and NaN are refused unless the field opts out with ``finite=False`` (only where
+    infinity means something, e.g. "no clipping"), so a new float field cannot forget it. ``what`` names the
+    kind of value in the message ("an int >= 1"), ``why`` says why the bound is what it is, ``fix`` replaces
+    the default "pass ..." advice."""
 
     at_least: Optional[float] = None
     above: Optional[float] = None
     at_most: Optional[float] = None
     below: Optional[float] = None
-    finite: bool = False
+    finite: bool = True
     what: str = ""
     why: str = ""
     fix: str = ""
 
+    def refuses_as_not_finite(self, value: Any) -> bool:
+        return self.finite and isinstance(value, float) and not math.isfinite(value)
+
     def holds(self, value: float) -> bool:
-        if self.finite and not math.isfinite(value):
+        if self.refuses_as_not_finite(value):
             return False
         return ((self.at_least is None or value >= self.at_least) and (self.above is None or value > self.above)
                 and (self.at_most is None or value <= self.at_most) and (self.below is None or value < self.below))
 
     def text(self) -> str:
-        """``>= 1``, ``> 0``, ``in (0, 1]``."""
-        closed_low = self.at_least is not None
+        """``>= 1``, ``> 0``, ``in (0, 1]``; ``a finite number`` when only finiteness is asked."""
+        closed_low, closed_high = self.at_least is not None, self.at_most is not None
         low = self.at_least if closed_low else self.above
-        if self.at_most is None and self.below is None:
-            return f"{self.what} {'>=' if closed_low else '>'} {low:g}".strip()
-        closed_high = self.at_most is not None
         high = self.at_most if closed_high else self.below
-        return f"in {'[' if closed_low else '('}{low:g}, {high:g}{']' if closed_high else ')'}"
+        if low is None and high is None:
+            return self.what or "a finite number"
+        if high is None:
+            return f"{self.what} {'>=' if closed_low else '>'} {_bound_text(low)}".strip()
+        if low is None:
+            return f"{self.what} {'<=' if closed_high else '<'} {_bound_text(high)}".strip()
+        return (f"in {'[' if closed_low else '('}{_bound_text(low)}, {_bound_text(high)}"
+                f"{']' if closed_high else ')'}")
 
     def advice(self, flag: str) -> str:
         if self.fix:
@@ -91,13 +100,25 @@ class Range:
         return f"pass {flag} {self.text()}"
 
 
+def _bound_text(bound: float) -> str:
+    """A bound as a user would write it: whole numbers in full (4294967295, not 4.29497e+09)."""
+    return str(int(bound)) if float(bound).is_integer() and abs(bound) < 1e16 else f"{bound:g}"
+
+
 def range_problem(field_name: str, value: Any, bounds: Range) -> Optional[tuple[str, str]]:
     """``(message, fix)`` when ``value`` (None: not given, nothing to check) is outside ``bounds``."""
     if value is None or bounds.holds(value):
         return None
     flag = flag_name(field_name)
     why = f": {bounds.why}" if bounds.why else ""
-    return f"{flag} must be {bounds.text()} (got {value}){why}.", f"{bounds.advice(flag)}."
+    expected = bounds.text()
+    if bounds.refuses_as_not_finite(value) and "finite" not in expected:  # inf > 0 holds: say what fails
+        expected = f"a finite number {expected}"
+    return f"{flag} must be {expected} (got {value}){why}.", f"{bounds.advice(flag)}."
+
+
+SEED_MAX = 2**32 - 1
+SEED_WHY = "numpy and the rollout engines' samplers take seeds of 32 bits"
 
 
 def knob(default: Any, help: str, *, choices: Sequence[Any] | None = None, metavar: str | None = None,
@@ -108,7 +129,8 @@ def knob(default: Any, help: str, *, choices: Sequence[Any] | None = None, metav
     the flag's value from its text, for a field whose type is not one callable, e.g. int or "auto").
     ``repeatable``: a tuple of strings, one per use of the flag (parsed as a list, None when never given;
     validation makes it a tuple). ``at_least`` / ``above`` / ``at_most`` / ``below`` (and :class:`Range`'s
-    ``finite``, ``what``, ``why``, ``fix``): the field's :class:`Range`, which validation checks."""
+    ``finite``, ``what``, ``why``, ``fix``): the field's :class:`Range`, which validation checks; a float
+    field needs one (a bound, or just ``finite``), tests/unit/test_arguments.py checks that every one has."""
     md: dict[str, Any] = {"help": help}
     if repeatable:
         md["repeatable"] = True
@@ -118,7 +140,7 @@ def knob(default: Any, help: str, *, choices: Sequence[Any] | None = None, metav
         md["metavar"] = metavar
     if parse is not None:
         md["parse"] = parse
-    if at_least is not None or above is not None:
+    if any(bound is not None for bound in (at_least, above, at_most, below)) or range_words:
         md["range"] = Range(at_least=at_least, above=above, at_most=at_most, below=below, **range_words)
     return field(default=default, metadata=md)
 
@@ -190,7 +212,7 @@ class RolloutConfig:
     sglang_request_timeout: float = knob(
         600.0, "With --sglang-url: seconds one request to the server may take in all (connecting, sending, and "
         "reading the whole answer), > 0; a server that answers slower fails the call with an error naming this "
-        "flag. The longest call is a generate of one rollout batch.", metavar="SECONDS", above=0, finite=True,
+        "flag. The longest call is a generate of one rollout batch.", metavar="SECONDS", above=0,
         what="a finite number of seconds", fix="pass e.g. --sglang-request-timeout 600, or drop the flag")
     sglang_tp_size: int = knob(
         1, "With --rollout-engine sglang: tensor-parallel size of each sglang engine (with --sglang-url, the "
@@ -219,7 +241,8 @@ class RolloutConfig:
     rollout_max_response_len: int = knob(16, "Maximum new tokens per response.", at_least=1)
     rollout_temperature: float = knob(1.0, "Sampling temperature (> 0).", above=0)
     rollout_top_p: float = knob(1.0, "Nucleus sampling threshold in (0, 1].", above=0, at_most=1)
-    rollout_seed: int = knob(42, "Seed of prompt order and sampling (rollout i samples with seed + i).")
+    rollout_seed: int = knob(42, "Seed of prompt order and sampling (rollout i samples with seed + i).", at_least=0,
+                             at_most=SEED_MAX, why=SEED_WHY)
     save_debug_rollout_data: Optional[str] = knob(
         None, "Record each rollout's samples and rewards to this path, a template with {rollout_id} (one JSON "
         "file per rollout, never over an existing file): a later run replays them with "
@@ -295,16 +318,19 @@ class TrainingConfig:
         3, "Stop the run when this many rollouts in a row skipped their optimizer step. A step is skipped, "
         "leaving weights and optimizer state untouched, when its grads are not finite or the rollout engine "
         "returned samples that cannot be trained on (a log-prob that is NaN, infinite or > 0, a token id "
-        "outside the vocabulary); the rollout line and metrics record say which.", metavar="N", at_least=1)
+        "outside the vocabulary); the rollout line and metrics record say which. A run none of whose rollouts applied "
+        "its step ends with an error as well, and a step that leaves a non-finite weight stops the run at once "
+        "(nothing of it is saved or handed to the rollout engines).", metavar="N", at_least=1)
     deterministic_mode: bool = knob(
         False, "Megatron's flag: the train ranks run torch's deterministic algorithms (and CUBLAS_WORKSPACE_CONFIG "
         ":4096:8 unless set), so a step does not depend on the order of atomic adds. Megatron's MoE layer then "
         "sums each token's expert outputs with index_add instead of scatter_add, whose order changes the last "
         "bits from run to run once a token has more than 2 experts. Slower in those ops; needed to compare runs "
         "bit for bit (streamed vs resident, a resume vs an uninterrupted run) on MoE models with top-k > 2.")
-    seed: int = knob(1234, "Seed of model initialization (tiny model) and training.")
-    eps_clip: float = knob(0.2, "PPO-style clip range of the importance ratio against the rollout log-probs.",
-                           at_least=0)
+    seed: int = knob(1234, "Seed of model initialization (tiny model) and training.", at_least=0, at_most=SEED_MAX,
+                     why=SEED_WHY)
+    eps_clip: float = knob(0.2, "PPO-style clip range of the importance ratio against the rollout log-probs "
+                           "(inf: the unclipped surrogate).", at_least=0, finite=False)
 
 
 @dataclass(frozen=True)
@@ -314,8 +340,9 @@ class OptimizerConfig:
     optimizer: str = knob("adam", "Optimizer (adam means AdamW with --weight-decay).", choices=("adam", "sgd"))
     lr: Optional[float] = knob(
         None, "Learning rate (default, tuned for a visible rise within a few rollouts: 5e-5 for a pretrained "
-        "model, 1e-2 for the tiny random model).", above=0
-    )
+        "model, 1e-2 for the tiny random model).", above=0, at_most=1,
+        why="a step moves each weight by about lr (Adam): above 1 one step ruins any model",
+        fix="pass a learning rate in (0, 1] (RL fine-tuning uses 1e-7 to 1e-4)")
     weight_decay: float = knob(0.0, "Decoupled weight decay.", at_least=0)
     adam_beta1: float = knob(0.9, "Adam beta1.", at_least=0, below=1)
     adam_beta2: float = knob(0.999, "Adam beta2.", at_least=0, below=1)
@@ -433,7 +460,10 @@ class CheckpointConfig:
     """Saving and loading."""
 
     save: Optional[str] = knob(None, "Checkpoint directory to save to.", metavar="DIR")
-    load: Optional[str] = knob(None, "Checkpoint directory to resume from (must exist).", metavar="DIR")
+    load: Optional[str] = knob(
+        None, "Checkpoint to resume from: a --save folder (its latest checkpoint) or one checkpoint folder in it. It "
+        "must exist, unless it is also --save: then a run with nothing saved there yet starts fresh, and the same "
+        "command resumes it.", metavar="DIR")
     save_interval: Optional[int] = knob(None, "Save every N rollouts (and at the end); needs --save.", metavar="N",
                                          at_least=1)
     save_keep_latest: Optional[int] = knob(
@@ -523,51 +553,6 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hints: dict
     if f.default is not None and tp is not bool and not md.get("repeatable"):
         kwargs["help"] += " (default: %(default)s)"
     group.add_argument(flag_name(f.name), **kwargs)
-
-
-class SuggestingParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose unknown-flag error suggests the closest known flag."""
-
-    def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse's contract
-        ns, unknown = self.parse_known_args(args, namespace)
-        if unknown:
-            self.error(unknown_arguments_message(unknown, self.option_strings()))
-        return ns
-
-    def option_strings(self) -> list[str]:
-        return [s for action in self._actions for s in action.option_strings]
-
-
-_LISTED_COMPLETIONS = 8
-
-
-def _flag_hint(name: str, known: Sequence[str]) -> Optional[str]:
-    """What ``name`` was probably meant as. A truncated flag (the start of known flags) names the main one of
-    them and lists them all; the main one is the flag the others extend (``--sav`` -> ``--save``, not
-    ``--save-interval``), else the first declared, which leads its group (``--stream-optimizer-state`` ->
-    ``--stream-optimizer-state-to-disk``). Otherwise the closest spelling."""
-    completions = [flag for flag in known if flag.startswith(name)] if len(name) > 2 else []
-    if len(completions) > 1:
-        extended_by = {flag: sum(other.startswith(flag + "-") for other in completions) for flag in completions}
-        main = max(completions, key=lambda flag: extended_by[flag])  # the first declared among equals
-        completions = [main] + [flag for flag in completions if flag != main]
-    if len(completions) == 1:
-        return f"{name}: did you mean {completions[0]}?"
-    if completions:
-        listed = ", ".join(completions[:_LISTED_COMPLETIONS])
-        more = f", ... ({len(completions)} in all)" if len(completions) > _LISTED_COMPLETIONS else ""
-        return f"{name}: did you mean {completions[0]}? {name} starts several flags: {listed}{more}"
-    close = difflib.get_close_matches(name, known, n=1)
-    return f"{name}: did you mean {close[0]}?" if close else None
-
-
-def unknown_arguments_message(unknown: Sequence[str], known: Sequence[str]) -> str:
-    """``unrecognized arguments: --eps-clp 0 (--eps-clp: did you mean --eps-clip?)`` (flags only; ``--x=v``
-    is matched by its name)."""
-    hints = [hint for token in unknown if token.startswith("-")
-             for hint in [_flag_hint(token.split("=", 1)[0], known)] if hint]
-    message = "unrecognized arguments: " + " ".join(unknown)
-    return message + (" (" + "; ".join(hints) + ")" if hints else "")
 
 
 def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:

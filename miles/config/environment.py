@@ -26,6 +26,16 @@ def _has_module(name: str) -> bool:
         return False
 
 
+def _package_version(distribution: str) -> Optional[str]:
+    """The installed version of ``distribution`` (as pip names it), None when it is not installed."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _cuda_available() -> bool:
     try:
         import torch
@@ -110,6 +120,7 @@ class Environment:
     python_version: tuple[int, int] = field(default_factory=lambda: tuple(sys.version_info[:2]))
     cuda_available: Callable[[], bool] = _cuda_available
     has_module: Callable[[str], bool] = _has_module
+    package_version: Callable[[str], Optional[str]] = _package_version  # None: not installed
     path_exists: Callable[[str], bool] = os.path.exists
     is_dir: Callable[[str], bool] = os.path.isdir
     is_file: Callable[[str], bool] = os.path.isfile

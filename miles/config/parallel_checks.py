@@ -13,8 +13,8 @@ from typing import Any, Optional
 from miles.config.environment import Environment
 from miles.config.errors import ArgumentError
 from miles.config.run_config import RunConfig
-from miles.parallel.layout import (DEFAULT_EXPERT_TENSOR_PARALLEL_SIZE, FIRST_STAGE_FLAG, LAST_STAGE_FLAG, PP_FLAG,
-                                   SP_FLAG, TP_FLAG, ETP_FLAG, LayoutError, check_layout)
+from miles.parallel.layout import (DEFAULT_EXPERT_TENSOR_PARALLEL_SIZE, EP_FLAG, FIRST_STAGE_FLAG, LAST_STAGE_FLAG,
+                                   PP_FLAG, SP_FLAG, TP_FLAG, ETP_FLAG, LayoutError, check_layout)
 
 __all__ = ["check_parallel", "model_parallel_sizes", "EXPERIMENTAL_MODEL_PARALLEL_FLAG"]
 
@@ -51,27 +51,36 @@ def model_parallel_sizes(d: RunConfig, env: Environment) -> dict[str, Any]:
                 linear_value_heads=config.get("linear_num_value_heads"))
 
 
-def _given_model_parallel_flags(d: RunConfig) -> list[str]:
+def _given_model_parallel_flags(d: RunConfig) -> list[tuple[str, str]]:
+    """(the flag as given, why the torch backend cannot do it) for each model-parallel flag set."""
     t = d.training
-    given = [(t.tensor_model_parallel_size > 1, f"{TP_FLAG} {t.tensor_model_parallel_size}"),
-             (t.pipeline_model_parallel_size > 1, f"{PP_FLAG} {t.pipeline_model_parallel_size}"),
-             (t.sequence_parallel, SP_FLAG),
+    data_parallel_only = "is data parallel only"
+    given = [(t.tensor_model_parallel_size > 1, f"{TP_FLAG} {t.tensor_model_parallel_size}", data_parallel_only),
+             (t.pipeline_model_parallel_size > 1, f"{PP_FLAG} {t.pipeline_model_parallel_size}", data_parallel_only),
+             (t.expert_model_parallel_size > 1, f"{EP_FLAG} {t.expert_model_parallel_size}",
+              "replicates every expert on every rank"),
+             (t.sequence_parallel, SP_FLAG, data_parallel_only),
              (t.expert_tensor_parallel_size != DEFAULT_EXPERT_TENSOR_PARALLEL_SIZE,
-              f"{ETP_FLAG} {t.expert_tensor_parallel_size}"),
-             (t.decoder_first_pipeline_num_layers is not None, FIRST_STAGE_FLAG),
-             (t.decoder_last_pipeline_num_layers is not None, LAST_STAGE_FLAG)]
-    return [flag for on, flag in given if on]
+              f"{ETP_FLAG} {t.expert_tensor_parallel_size}", data_parallel_only),
+             (t.decoder_first_pipeline_num_layers is not None,
+              f"{FIRST_STAGE_FLAG} {t.decoder_first_pipeline_num_layers}", data_parallel_only),
+             (t.decoder_last_pipeline_num_layers is not None,
+              f"{LAST_STAGE_FLAG} {t.decoder_last_pipeline_num_layers}", data_parallel_only)]
+    return [(flag, why) for on, flag, why in given if on]
 
 
-def _check_backend_builds(d: RunConfig) -> None:
+def _check_backend_has_model_parallelism(d: RunConfig) -> None:
+    """Model-parallel flags on the torch backend: the first fault, since no layout of them can train there."""
     given = _given_model_parallel_flags(d)
-    if not given:
-        return
-    if d.training.train_backend != "megatron":
-        flag = given[0].split()[0]
-        raise ArgumentError(f"{given[0]} needs --train-backend megatron: the {d.training.train_backend} backend "
-                            "is data parallel only.", (flag, "--train-backend"),
-                            f"add --train-backend megatron, or drop {flag}.")
+    backend = d.training.train_backend
+    if given and backend != "megatron":
+        shown, why = given[0]
+        flag = shown.split()[0]
+        raise ArgumentError(f"{shown} needs --train-backend megatron: the {backend} backend {why}.",
+                            (flag, "--train-backend"), f"add --train-backend megatron, or drop {flag}.")
+
+
+def _check_megatron_builds(d: RunConfig) -> None:
     layout = d.parallel_layout
     if layout.tp % layout.etp:
         raise ArgumentError(
@@ -100,13 +109,16 @@ def _check_batch_split(d: RunConfig) -> None:
 
 
 def check_parallel(d: RunConfig, env: Environment) -> None:
-    """The layout on the run's world (and the policy's sizes where known), the backend, the batch split."""
+    """The backend (first: it decides whether the other rules apply), the layout on the run's world (and the
+    policy's sizes where known), what the megatron backend builds, the batch split."""
+    _check_backend_has_model_parallelism(d)
     sizes = model_parallel_sizes(d, env) if d.training.train_backend == "megatron" else {}
     try:
         check_layout(d.parallel_layout, sequence_parallel=d.training.sequence_parallel, **sizes)
     except LayoutError as e:
         raise ArgumentError(e.problem, e.flags, e.fix) from None
-    _check_backend_builds(d)
+    if d.training.train_backend == "megatron":
+        _check_megatron_builds(d)
     _check_batch_split(d)
 
 

@@ -13,9 +13,11 @@ starts nothing and creates nothing (writability is probed with an anonymous temp
 Besides flag combinations (the rules here) it rejects, before any actor starts (the disk and machine
 checks live in :mod:`miles.config.resource_checks`, the probes in :mod:`miles.config.environment`):
 
-- a ``--hf-checkpoint`` folder whose config.json (read bounded) is not a JSON object with a ``model_type`` and
-  the model's sizes as integers in range, or that has no tokenizer files (:func:`miles.models.check_hf_config`,
-  :func:`miles.models.check_tokenizer_files`): transformers would otherwise allocate its default sizes;
+- a ``--hf-checkpoint`` folder whose config.json (read bounded) is not a JSON object with a ``model_type`` the
+  backend builds and the model's sizes as integers in range (each family's rules: a MoE's top-k, a Gated
+  DeltaNet's heads), whose tokenizer files are missing or not loadable, or whose weights hold an integer
+  parameter (:mod:`miles.config.model_checks`): transformers would otherwise allocate its default sizes, fail
+  in an actor, or train integers cast to floats;
 - a flag that would change nothing in the chosen configuration, naming what would make it count
   (:mod:`miles.config.effective_flags`; "given" means "differs from the parser default");
 - a directory the run writes (``--offload-train-disk-dir`` when something writes there, ``--save``,
@@ -64,6 +66,7 @@ from miles.config.arguments import CONFIG_GROUPS, STREAM_FLAG, ModelConfig, flag
 from miles.config.effective_flags import first_ineffective_flag, is_given
 from miles.config.environment import Environment
 from miles.config.errors import ArgumentError
+from miles.config.model_checks import check_model_folder
 from miles.config.parallel_checks import check_parallel
 from miles.config.paths import ROLLOUT_ID_PLACEHOLDER, RunPaths, default_root, new_run_id, rollout_data_path
 from miles.config.resource_checks import (check_disk, check_fits_this_machine, check_outputs_outside_scratch,
@@ -185,29 +188,7 @@ def _check_model(d: RunConfig, env: Environment) -> None:
                 f"--hf-checkpoint {model.hf_checkpoint} is not a HuggingFace model folder (no config.json).",
                 ("--hf-checkpoint",),
                 "pass the folder that holds config.json and the weights.")
-        _check_model_folder(model.hf_checkpoint, env)
-
-
-def _check_model_folder(folder: str, env: Environment) -> None:
-    """config.json and the tokenizer files, before anything allocates the model (miles.models' checks)."""
-    from miles.models import ModelFolderError, check_hf_config, check_tokenizer_files
-
-    config_path = os.path.join(folder, "config.json")
-    try:
-        config = env.read_json(config_path)
-    except (OSError, ValueError) as e:
-        reason = " ".join(str(e).split())[:200]  # one line, short: the file is untrusted
-        raise ArgumentError(f"--hf-checkpoint {config_path} cannot be read as JSON: {reason}.",
-                            ("--hf-checkpoint",), "pass a folder whose config.json is the model's transformers "
-                            "config (a JSON object).") from None
-    try:
-        check_hf_config(config)
-    except ModelFolderError as e:
-        raise ArgumentError(f"--hf-checkpoint {config_path}: {e.problem}.", ("--hf-checkpoint",), f"{e.fix}.") from None
-    try:
-        check_tokenizer_files(folder, env.is_file, env.has_module)
-    except ModelFolderError as e:
-        raise ArgumentError(f"--hf-checkpoint {e.problem}.", ("--hf-checkpoint",), f"{e.fix}.") from None
+        check_model_folder(d, env)
 
 
 def _check_backend(d: RunConfig, env: Environment) -> None:
@@ -226,18 +207,11 @@ def _check_backend(d: RunConfig, env: Environment) -> None:
             "publishes its fp32 mains into bf16/fp16/fp32 params).",
             ("--fp8-param",),
             "drop --fp8-param.")
-    check_parallel(d, env)  # Megatron's layout rules, what each backend builds, the batch over data parallelism
-    ep = d.training.expert_model_parallel_size
+    check_parallel(d, env)  # the backend's model parallelism, Megatron's layout rules, the batch over data parallelism
     backend = d.training.train_backend
     if backend == "megatron":
         _check_megatron(d, env)
         return
-    if ep > 1:
-        raise ArgumentError(
-            f"--expert-model-parallel-size {ep} needs --train-backend megatron: the torch backend "
-            "replicates every expert on every rank.",
-            ("--expert-model-parallel-size", "--train-backend"),
-            "add --train-backend megatron or drop --expert-model-parallel-size.")
     for name in ("use_precision_aware_optimizer", "optimizer_cpu_offload"):
         if field_value(d, name):
             flag = flag_name(name)
@@ -248,16 +222,31 @@ def _check_backend(d: RunConfig, env: Environment) -> None:
 
 
 def _check_megatron(d: RunConfig, env: Environment) -> None:
-    """What the megatron backend needs from the machine, and its own flags judged on their merits."""
-    if tuple(env.python_version) < (3, 12):
+    """The megatron backend's own flags judged on their merits, then, for a real start only, what it needs from
+    the machine: a dry run (validation, layout, plan) needs neither megatron-core nor CUDA."""
+    if d.model.model_dtype == "fp32" and d.optimizer.stream_optimizer_state_to_disk:
+        raise ArgumentError(f"{STREAM_FLAG} with --train-backend megatron needs bf16 params: the store streams the "
+                            "fp32 masters of low-precision params, and fp32 params have none.",
+                            (STREAM_FLAG, "--model-dtype"), "pass --model-dtype bf16 (the default on CUDA).")
+    if not d.cluster.dry_run:
+        _check_megatron_machine(d, env)
+
+
+def _check_megatron_machine(d: RunConfig, env: Environment) -> None:
+    from miles.backends.megatron_backend.machine import DISTRIBUTION, needs_cuda_message, runs_without_cuda
+
+    installed = env.has_module("megatron.core")
+    if not installed and tuple(env.python_version) < (3, 12):
         v = ".".join(map(str, env.python_version))
         raise ArgumentError(f"--train-backend megatron needs Python >= 3.12 (megatron-core does not install on "
                             f"Python {v}).", ("--train-backend",), "use --train-backend torch, or Python >= 3.12 "
                             "with the megatron extra on a CUDA machine.")
     if not env.cuda_available():
-        raise ArgumentError("--train-backend megatron needs CUDA (megatron-core hard-codes CUDA) and none is "
-                            "available.", ("--train-backend",), "use --train-backend torch on this machine.")
-    if not env.has_module("megatron.core"):
+        version = env.package_version(DISTRIBUTION) if installed else None
+        if not runs_without_cuda(version):
+            raise ArgumentError(f"{needs_cuda_message(version)}.", ("--train-backend",),
+                                "use --train-backend torch on this machine, or run on a CUDA machine.")
+    if not installed:
         raise ArgumentError("--train-backend megatron: megatron-core is not installed.", ("--train-backend",),
                             "pip install the megatron extra (pip install 'miles[megatron]').")
     if d.optimizer.use_precision_aware_optimizer and not env.has_module("transformer_engine"):
@@ -266,10 +255,6 @@ def _check_megatron(d: RunConfig, env: Environment) -> None:
             "is not importable.",
             ("--use-precision-aware-optimizer",),
             "install Transformer Engine or drop --use-precision-aware-optimizer.")
-    if d.model.model_dtype == "fp32" and d.optimizer.stream_optimizer_state_to_disk:
-        raise ArgumentError(f"{STREAM_FLAG} with --train-backend megatron needs bf16 params: the store streams the "
-                            "fp32 masters of low-precision params, and fp32 params have none.",
-                            (STREAM_FLAG, "--model-dtype"), "pass --model-dtype bf16 (the default on CUDA).")
 
 
 _SGLANG_FIELDS = ("sglang_url", "sglang_tp_size", "sglang_request_timeout", "sglang_mem_fraction_static",
@@ -279,7 +264,7 @@ _SGLANG_FIELDS = ("sglang_url", "sglang_tp_size", "sglang_request_timeout", "sgl
 def _check_sglang(d: RunConfig, env: Environment) -> None:
     """The --sglang-* flags on their own (their ranges are on the fields), then what the engine needs (sglang
     importable, a model folder, the weights by reference)."""
-    from miles.rollout.sglang import INSTALL_HINT, check_url, parse_server_args
+    from miles.rollout.sglang import INSTALL_HINT, parse_server_args, server_address
 
     r = d.rollout
     given = [flag_name(name) for name in _SGLANG_FIELDS if is_given(d, name)]
@@ -293,11 +278,12 @@ def _check_sglang(d: RunConfig, env: Environment) -> None:
                             f"{INSTALL_HINT}; or use --rollout-engine embedded.")
     try:
         parse_server_args(r.sglang_server_arg)
-        for url in r.sglang_url:
-            check_url(url)
     except ValueError as e:
-        flag = "--sglang-url" if str(e).startswith("--sglang-url") else "--sglang-server-arg"
-        raise ArgumentError(f"{e}.", (flag,), f"fix {flag} as the message says.") from None
+        raise ArgumentError(f"{e}.", ("--sglang-server-arg",), "fix --sglang-server-arg as the message says.") from None
+    try:
+        servers = [server_address(url) for url in r.sglang_url]
+    except ValueError as e:
+        raise ArgumentError(f"{e}.", ("--sglang-url",), "fix --sglang-url as the message says.") from None
     if r.sglang_url:
         urls = " ".join(r.sglang_url)
         for flag in ("--sglang-mem-fraction-static", "--sglang-server-arg"):
@@ -311,10 +297,10 @@ def _check_sglang(d: RunConfig, env: Environment) -> None:
                 f"{d.cluster.num_rollout_engines}: each rollout engine drives one server.",
                 ("--sglang-url", "--num-rollout-engines"),
                 f"pass --num-rollout-engines {len(r.sglang_url)}, or one --sglang-url per rollout engine.")
-        same = sorted({u for u in r.sglang_url if [v.rstrip("/") for v in r.sglang_url].count(u.rstrip("/")) > 1})
+        same = [url for url, server in zip(r.sglang_url, servers) if servers.count(server) > 1]
         if same:
-            raise ArgumentError(f"--sglang-url names the server {same[0]} more than once: two rollout engines would "
-                                "drive one server.", ("--sglang-url",), "name each server once.")
+            raise ArgumentError(f"--sglang-url names the server {same[0]} more than once ({', '.join(same)}): two "
+                                "rollout engines would drive one server.", ("--sglang-url",), "name each server once.")
     else:
         if "--sglang-request-timeout" in given:
             raise ArgumentError("--sglang-request-timeout has no effect without --sglang-url: an in-process sglang "
@@ -404,9 +390,26 @@ def _check_checkpoint(d: RunConfig, env: Environment) -> None:
     if c.no_load_optim and not c.load:
         raise ArgumentError("--no-load-optim needs --load.", ("--no-load-optim", "--load"),
                             "add --load DIR or drop --no-load-optim.")
-    if c.load and not env.is_dir(c.load):
+    # --load naming --save's folder resumes whatever that folder holds and starts fresh while it holds nothing
+    # (Megatron's convention: one command starts the run and resumes it): miles.checkpoint.checked_resume_target
+    own_folder = bool(c.save) and env.real_path(c.load or "") == env.real_path(c.save)
+    if c.load and not env.is_dir(c.load) and not own_folder:
         raise ArgumentError(f"--load {c.load}: no such directory.", ("--load",),
                             "pass an existing checkpoint directory, or drop --load to start fresh.")
+
+
+def _check_metrics_file(cfg: RunConfig, metrics_is_default: bool) -> None:
+    """The metrics file, when it exists, is a regular text file the run can append its records to (a symbolic
+    link is written through): :func:`miles.untrusted_json.text_file_problem`."""
+    from miles.untrusted_json import text_file_problem
+
+    path = cfg.logging.metrics_file
+    problem = text_file_problem(path)
+    if problem:
+        where = f"the metrics file {path} (the default of --metrics-file)" if metrics_is_default else \
+            f"--metrics-file {path}"
+        raise ArgumentError(f"{where} {problem}: the run appends one JSON line per rollout to it.", ("--metrics-file",),
+                            "pass --metrics-file with a new file, or the metrics file of an earlier run.")
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -475,6 +478,7 @@ def validate_args(args: argparse.Namespace, env: Environment | None = None) -> R
     metrics_is_default = draft.logging.metrics_file is None
     check_outputs_outside_scratch(cfg, env, metrics_is_default)  # before the parent rule: the graver fault
     creates = check_disk(cfg, env, metrics_is_default)
+    _check_metrics_file(cfg, metrics_is_default)
     check_root_is_the_runs_own(cfg, env)
     check_fits_this_machine(cfg, env)
     return dataclasses.replace(cfg, creates=creates)

@@ -56,7 +56,7 @@ def wait_all(refs: Sequence[Any], what: str, labels: Optional[Sequence[str]] = N
     try:
         while pending:
             _waiting_for = (what, [label_of[r] for r in pending])
-            ready, pending = _wait(pending, 1, deadline)
+            ready, pending = wait_until(pending, 1, deadline)
             if not ready:
                 raise TimeoutError(f"{what}: no answer from {[label_of[r] for r in pending]} within {timeout} s")
             for ref in ready:
@@ -70,7 +70,7 @@ def wait_all(refs: Sequence[Any], what: str, labels: Optional[Sequence[str]] = N
     return unwrap_replies([results[r] for r in refs])
 
 
-def _wait(refs: list, num_returns: int, deadline: Optional[float]) -> tuple[list, list]:
+def wait_until(refs: list, num_returns: int, deadline: Optional[float]) -> tuple[list, list]:
     """``ray.wait`` until ``num_returns`` of ``refs`` are ready or ``time.monotonic()`` passes ``deadline``
     (None: no limit), back in Python every :data:`WAKE_S` so that a signal handler runs in time."""
     while True:
@@ -101,7 +101,7 @@ def close_then_kill(actors: Sequence[Any], method: str, timeout_s: float) -> Non
         except Exception:
             pass
     if refs:
-        ready, _ = _wait(refs, len(refs), time.monotonic() + timeout_s)
+        ready, _ = wait_until(refs, len(refs), time.monotonic() + timeout_s)
         replies = []
         for ref in ready:
             try:

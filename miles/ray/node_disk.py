@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -108,6 +109,9 @@ def free_bytes_on_node(path: str) -> tuple[str, int, str, Optional[int]]:
     return ray.util.get_node_ip_address(), shutil.disk_usage(existing).free, existing, available_host_memory()
 
 
+PROBE_TIMEOUT_S = 120.0  # a node's probe task: a worker to start there, then one disk_usage
+
+
 def pinned_task(fn, node: str):
     """``fn`` as a Ray task that runs on ``node`` and nowhere else, reserving no CPU (the placement group
     may hold all of them), never retried."""
@@ -118,11 +122,26 @@ def pinned_task(fn, node: str):
                                   scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False))
 
 
-def probe_nodes(node_ids: Sequence[str], path: str) -> dict[str, tuple[str, int, str, Optional[int]]]:
-    """``{node: (address, free bytes, checked path, available memory)}`` from one task pinned to each node."""
+def probe_nodes(node_ids: Sequence[str], path: str,
+                timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, tuple[str, int, str, Optional[int]]]:
+    """``{node: (address, free bytes, checked path, available memory)}`` from one task pinned to each node.
+    Raises :class:`NodeDiskError` naming the nodes that did not answer within ``timeout_s``."""
     import ray
 
+    from miles.progress import waiting
+
+    from .errors import wait_until
+
     refs = {node: pinned_task(free_bytes_on_node, node).remote(path) for node in node_ids}
+    with waiting(f"checking the disk under {path} on {len(refs)} node(s)"):
+        _, pending = wait_until(list(refs.values()), len(refs), time.monotonic() + timeout_s)
+    if pending:
+        silent = [node[:12] for node, ref in refs.items() if ref in pending]
+        for ref in pending:
+            ray.cancel(ref)
+        raise NodeDiskError(f"the disk check under --offload-train-disk-dir got no answer within {timeout_s:.0f} s "
+                            f"from node(s) {', '.join(silent)}: check that Ray runs there (`ray status` on the head "
+                            "node) and that the node can start a worker")
     return {node: ray.get(ref) for node, ref in refs.items()}
 
 

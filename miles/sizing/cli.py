@@ -18,17 +18,19 @@ import stat
 import sys
 from typing import Callable, Optional
 
-from miles.cli import DefaultsHelpFormatter
+from miles.arg_parser import DefaultsHelpFormatter, SuggestingParser
 from miles.parallel.layout import EP_FLAG, ETP_FLAG, FIRST_STAGE_FLAG, LAST_STAGE_FLAG, PP_FLAG, TP_FLAG
 from miles_plugins.optimizers.streaming.config import DEFAULT_BUCKET_NUMEL, MOMENT_DTYPES
 
 from .bounds import (BUCKET_NUMEL, CHECKPOINT_COPIES, HARDWARE, MAX_JSON_BYTES, PARALLEL_SIZE, PARAMS, PIPELINE_SIZE,
                      STAGE_LAYERS, TIMING, Bound, PlanInputError, check_bound, shown, shown_path)
-from .estimate import GB, GRAD_BYTES, Hardware, SizingError, Training, estimate, short_decimal
+from .inputs import GB, GRAD_BYTES, Hardware, SizingError, Training, short_decimal
 from .model_params import ModelTensors, flat_model, model_tensors
-from .presets import PRESETS, preset_config
-from .report import to_json, to_text
+from .presets import PRESET_NAMES, preset_arg, preset_config
 from .sharding import DEFAULT_ETP, Parallelism
+
+# The estimate and the report are imported once the arguments parsed: the store's codecs they plan with need
+# torch (seconds to import), and a bad argument is refused before that.
 
 COUNT_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 
@@ -71,11 +73,12 @@ def _hw_help(text: str, field: str) -> str:
     return text if default is None else f"{text} (default: {short_decimal(default)})"
 
 
-class PlanArgumentParser(argparse.ArgumentParser):
-    """Refuses a bad command line in one line (what was wrong, with which value), exit code 2."""
+class PlanArgumentParser(SuggestingParser):
+    """Refuses a bad command line in one line (what was wrong, with which value), exit code 2, in the words of
+    the planner's other refusals ("miles plan: ...")."""
 
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+    def one_line_error(self, message: str) -> str:
+        return f"{self.prog}: {message} (see {self.prog} --help)"
 
 
 def _add_layout_flags(p: argparse.ArgumentParser) -> None:
@@ -97,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = PlanArgumentParser(prog="miles plan", description=__doc__.split("\n\n")[0],
                            formatter_class=DefaultsHelpFormatter)
     m = p.add_argument_group("model (one of)").add_mutually_exclusive_group(required=True)
-    m.add_argument("--preset", choices=sorted(PRESETS), help="a named model (miles/sizing/presets.py says its source)")
+    m.add_argument("--preset", type=preset_arg, metavar="NAME",
+                   help=f"a named model, one of {', '.join(PRESET_NAMES)} (miles/sizing/presets.py says each one's "
+                   "source; `miles bench rl --preset` takes the same names)")
     m.add_argument("--config", metavar="CONFIG_JSON", help="a transformers config.json")
     m.add_argument("--params", type=count_flag(PARAMS), help="just a parameter count (e.g. 1.5B): a dense stand-in")
     p.add_argument("--no-mtp", action="store_true", help="leave out multi-token-prediction layers (not trained)")
@@ -266,10 +271,15 @@ def plan_from_args(argv: list[str]):
     training = Training(moment_dtype=args.moment_dtype, bucket_numel=args.bucket_numel, grad_dtype=args.grad_dtype,
                         offload_train_to_disk=not args.no_offload_train_to_disk,
                         checkpoint_copies=args.checkpoint_copies)
-    return args, estimate(_model(args), par, hw, training)
+    model = _model(args)
+    from .estimate import estimate
+
+    return args, estimate(model, par, hw, training)
 
 
 def _write_json(path: str, est) -> None:
+    from .report import to_json
+
     try:
         with open(path, "w") as f:
             json.dump(to_json(est), f, indent=1)
@@ -280,6 +290,8 @@ def _write_json(path: str, est) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     try:
         args, est = plan_from_args(list(sys.argv[1:] if argv is None else argv))
+        from .report import to_json, to_text
+
         if args.json == "-":
             print(json.dumps(to_json(est), indent=1))
             return 0

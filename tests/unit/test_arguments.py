@@ -19,6 +19,9 @@ from miles.config import (
 )
 from miles_plugins.optimizers.streaming.config import DEFAULT_BUCKET_NUMEL, DEFAULT_CHUNK_MB, MOMENT_DTYPES
 
+LR_WHY = (": a step moves each weight by about lr (Adam): above 1 one step ruins any model. Fix: pass a learning "
+          "rate in (0, 1] (RL fine-tuning uses 1e-7 to 1e-4).")
+
 
 @pytest.fixture()
 def paths(tmp_path):
@@ -32,7 +35,7 @@ def paths(tmp_path):
     (model / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
                                                    "num_attention_heads": 4, "vocab_size": 100,
                                                    "intermediate_size": 128}))
-    (model / "tokenizer.json").write_text("{}")
+    (model / "vocab.txt").write_text("[UNK]\n")  # a tokenizer file (validation reads tokenizer.json's contents)
     (tmp_path / "notamodel").mkdir()
     return {"ckpt": str(ckpt), "prompts": str(prompts), "model": str(model), "tmp": str(tmp_path)}
 
@@ -182,18 +185,20 @@ CASES = [
      "backend here implements it. Fix: drop --reset-optimizer-states."),
     (["--expert-model-parallel-size", "2", "--num-train-ranks", "2"],
      "--expert-model-parallel-size 2 needs --train-backend megatron: the torch backend replicates every "
-     "expert on every rank. Fix: add --train-backend megatron or drop --expert-model-parallel-size."),
-    (["--expert-model-parallel-size", "2", "--num-train-ranks", "3", "--rollout-batch-size", "3"],
+     "expert on every rank. Fix: add --train-backend megatron, or drop --expert-model-parallel-size."),
+    # the layout's rules under the megatron backend (the torch backend refuses the flags first)
+    (["--train-backend", "megatron", "--expert-model-parallel-size", "2", "--num-train-ranks", "3",
+      "--rollout-batch-size", "3"],
      "--expert-model-parallel-size 2 x --expert-tensor-parallel-size 1 = 2 does not divide the 3 ranks of one "
      "pipeline stage (TP 1 x DP 3): Megatron cuts each stage's ranks into ETP x EP x expert-DP. Fix: pick "
      "--expert-model-parallel-size and --expert-tensor-parallel-size whose product divides 3."),
     (["--tensor-model-parallel-size", "2", "--num-train-ranks", "2"],
      "--tensor-model-parallel-size 2 needs --train-backend megatron: the torch backend is data parallel only. "
      "Fix: add --train-backend megatron, or drop --tensor-model-parallel-size."),
-    (["--sequence-parallel"],
+    (["--train-backend", "megatron", "--sequence-parallel"],
      "--sequence-parallel splits activations over tensor parallelism, and --tensor-model-parallel-size is 1. "
      "Fix: drop --sequence-parallel, or pass --tensor-model-parallel-size 2 or more."),
-    (["--tensor-model-parallel-size", "2", "--num-train-ranks", "3"],
+    (["--train-backend", "megatron", "--tensor-model-parallel-size", "2", "--num-train-ranks", "3"],
      "--num-train-ranks 3 is not a multiple of --tensor-model-parallel-size 2 x --pipeline-model-parallel-size 1 "
      "= 2: Megatron's world is TP x PP x DP. Fix: pass --num-train-ranks as a multiple of 2 (TP x PP x DP), or "
      "change --tensor-model-parallel-size/--pipeline-model-parallel-size."),
@@ -235,7 +240,12 @@ CASES = [
     (["--rollout-temperature", "0"], "--rollout-temperature must be > 0 (got 0.0). Fix: pass a positive "
      "--rollout-temperature."),
     (["--rollout-top-p", "1.5"], "--rollout-top-p must be in (0, 1] (got 1.5). Fix: pass a value in (0, 1]."),
-    (["--lr", "-1"], "--lr must be > 0 (got -1.0). Fix: pass a positive --lr."),
+    (["--lr", "-1"], "--lr must be in (0, 1] (got -1.0)" + LR_WHY),
+    (["--lr", "2"], "--lr must be in (0, 1] (got 2.0)" + LR_WHY),
+    (["--seed", "99999999999999999999999"], "--seed must be in [0, 4294967295] (got 99999999999999999999999): numpy "
+     "and the rollout engines' samplers take seeds of 32 bits. Fix: pass a value in [0, 4294967295]."),
+    (["--rollout-seed", "-1"], "--rollout-seed must be in [0, 4294967295] (got -1): numpy and the rollout engines' "
+     "samplers take seeds of 32 bits. Fix: pass a value in [0, 4294967295]."),
     (["--adam-beta2", "1"], "--adam-beta2 must be in [0, 1) (got 1.0). Fix: pass a value in [0, 1)."),
     (["--weight-decay", "-0.1"], "--weight-decay must be >= 0 (got -0.1). Fix: pass --weight-decay >= 0."),
     (["--offload-train-disk-chunk-mb", "0"],
@@ -490,3 +500,77 @@ def test_unknown_flag_suggests_the_closest(capsys):
     with pytest.raises(SystemExit):
         cli.main(["trian"])
     assert "did you mean train?" in capsys.readouterr().err
+
+
+# ---- finite floats --------------------------------------------------------------------------------------
+
+
+def _float_fields():
+    """Every float field of every group (Optional[float] included), with its declared metadata."""
+    import dataclasses
+    import typing
+
+    from miles.config.arguments import _unwrap_optional
+
+    return [f for _, cls in CONFIG_GROUPS for f in dataclasses.fields(cls)
+            if _unwrap_optional(typing.get_type_hints(cls)[f.name])[0] is float]
+
+
+FLOAT_FIELDS = _float_fields()
+# the float flags where infinity means something: inf is a value, NaN still is not
+INFINITY_MEANS_SOMETHING = {"eps_clip"}
+
+
+@pytest.mark.parametrize("field", FLOAT_FIELDS, ids=[f.name for f in FLOAT_FIELDS])
+def test_every_float_flag_refuses_inf_and_nan_unless_it_opts_out(field, tmp_path):
+    from miles.config.arguments import GROUP_OF, flag_name
+
+    assert "range" in field.metadata, f"{field.name}: a float knob needs a Range (a bound, or finite=True)"
+    flag = flag_name(field.name)
+    opted_out = not field.metadata["range"].finite
+    assert opted_out == (field.name in INFINITY_MEANS_SOMETHING), field.name
+    for value in (float("inf"), float("-inf"), float("nan")):
+        args = parse_args(["--metrics-file", str(tmp_path / "m.jsonl")])
+        setattr(args, field.name, value)
+        if opted_out and value == float("inf"):
+            config = validate_args(args, env())
+            assert getattr(getattr(config, GROUP_OF[field.name]), field.name) == value
+            continue
+        with pytest.raises(ArgumentError) as ei:
+            validate_args(args, env())
+        assert ei.value.flags == (flag,), (field.name, value, str(ei.value))
+        assert str(ei.value).startswith(f"{flag} must be ") and f"(got {value})" in str(ei.value)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--lr", "inf"], "--lr must be a finite number in (0, 1] (got inf)" + LR_WHY),
+    (["--lr", "nan"], "--lr must be a finite number in (0, 1] (got nan)" + LR_WHY),
+    (["--adam-eps", "inf"], "--adam-eps must be a finite number > 0 (got inf). Fix: pass a positive --adam-eps."),
+    (["--weight-decay", "inf"],
+     "--weight-decay must be a finite number >= 0 (got inf). Fix: pass --weight-decay >= 0."),
+    (["--sglang-request-timeout", "inf"],
+     "--sglang-request-timeout must be a finite number of seconds > 0 (got inf). Fix: pass e.g. "
+     "--sglang-request-timeout 600, or drop the flag."),
+])
+def test_a_non_finite_float_flag_is_one_line_naming_it(argv, expected):
+    with pytest.raises(ArgumentError) as ei:
+        validate_args(parse_args(argv), env())
+    assert str(ei.value) == expected
+
+
+def test_a_float_knob_is_finite_by_default_and_a_bound_alone_makes_its_range():
+    from miles.config.arguments import Range, knob, range_problem
+
+    assert {"lr", "adam_eps", "clip_grad", "rollout_temperature", "eps_clip"} <= {f.name for f in FLOAT_FIELDS}
+    finite_only = knob(1.0, "Any finite number.", finite=True).metadata["range"]
+    assert finite_only.text() == "a finite number"
+    assert range_problem("scale", float("inf"), finite_only) == (
+        "--scale must be a finite number (got inf).", "pass --scale a finite number.")
+    assert range_problem("scale", -3.5, finite_only) is None
+    capped = knob(1.0, "At most 2.", at_most=2).metadata["range"]  # an upper bound alone is kept
+    assert capped.finite and capped.text() == "<= 2"
+    assert range_problem("scale", 3.0, capped)[0] == "--scale must be <= 2 (got 3.0)."
+    assert range_problem("scale", float("-inf"), capped)[0] == "--scale must be a finite number <= 2 (got -inf)."
+    assert Range(above=0, finite=False).holds(float("inf"))
+    assert not Range(above=0, finite=False).holds(float("nan"))
+    assert Range(at_least=1).holds(10**400), "ints are finite whatever their size"

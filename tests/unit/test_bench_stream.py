@@ -82,3 +82,58 @@ def test_bad_arguments_say_which_value_and_what_to_give(argv, message, capsys):
         main(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _allocation_fails(*args, **kwargs):
+    raise AssertionError("the bench allocated its state before checking that it fits")
+
+
+def test_params_beyond_this_machine_are_refused_before_anything_is_allocated(tmp_path, capsys, monkeypatch):
+    from miles.bench import stream
+
+    monkeypatch.setattr(stream, "make_state", _allocation_fails)
+    bench_dir = tmp_path / "d"
+    rc = main(["--params", "1e15", "--device", "cpu", "--dir", str(bench_dir), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith("miles bench stream: error: --params 1e+15 needs about 18,000,000.0 GB of host memory (18 "
+                          "B/param: bf16 params, fp32 masters and grads, and the resident step's Adam moments), but "
+                          "this machine has "), err
+    assert " GB free there. Fix: give at most about --params " in err
+    assert not bench_dir.exists(), "nothing was created"
+
+
+@pytest.mark.parametrize("argv, free, disk, message", [
+    (["--params", "100M"], 10**9, 10**12,
+     "--params 100M needs about 1.8 GB of host memory (18 B/param: bf16 params, fp32 masters and grads, and the "
+     "resident step's Adam moments), but this machine has 1.0 GB free there. Fix: give at most about --params 55.6M "
+     "here."),
+    (["--params", "100M", "--host-cache-fractions", "0.5,1"], 2 * 10**9, 10**12,
+     "--params 100M needs about 2.2 GB of host memory (10 B/param of params and grads, and the exposed runs' host "
+     "cache of --host-cache-fractions 1: 12 B/param), but this machine has 2.0 GB free there. Fix: give at most "
+     "about --params 90.9M here."),
+    (["--params", "100M", "--skip-exposed"], 10**12, 2 * 10**9,
+     "--params 100M needs about 2.4 GB of disk under {dir} (the bucket files, 12 B/param, and the floor's scratch "
+     "file of as many bytes), but this machine has 2.0 GB free there. Fix: give at most about --params 83.3M here."),
+])
+def test_the_refusal_names_the_value_the_memory_it_needs_and_what_the_machine_has(argv, free, disk, message,
+                                                                                   tmp_path, capsys, monkeypatch):
+    import collections
+
+    from miles.bench import stream
+
+    monkeypatch.setattr(stream, "make_state", _allocation_fails)
+    monkeypatch.setattr(stream, "free_memory", lambda device: free)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(stream.shutil, "disk_usage", lambda path: usage(disk, 0, disk))
+    bench_dir = tmp_path / "d"
+    assert main([*argv, "--device", "cpu", "--dir", str(bench_dir), "--quiet"]) == 2
+    assert capsys.readouterr().err == f"miles bench stream: error: {message.format(dir=bench_dir)}\n"
+
+
+def test_a_count_prints_as_the_bench_reads_it_back():
+    from miles.bench.common import count_text, parse_count
+
+    for count in (7, 12_000, 450_000_000, 1_500_000_000, 10**15):
+        assert parse_count(count_text(count)) == count, count_text(count)
+    assert count_text(55_555_555) == "55.6M"

@@ -99,7 +99,7 @@ def test_a_meta_file_over_the_bound_is_refused_without_reading_it_all(tmp_path, 
 
     monkeypatch.setattr(checkpoint, "META_MAX_BYTES", 1 << 10)
     base = _checkpoint(tmp_path, '{"pad": "' + "x" * 4096 + '"}')
-    with pytest.raises(CheckpointError, match="meta.json is over 1,024 bytes"):
+    with pytest.raises(CheckpointError, match="meta.json: 4,107 bytes, more than the 1,024"):
         checkpoint.read_meta(base)
 
 

@@ -9,8 +9,6 @@ where every path exists and is writable; a command that needs megatron or a GPU 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 import re
 import shlex
 from pathlib import Path
@@ -18,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from miles.config import Environment, build_parser, validate_args
+from pretend_machine import pretend_file
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
@@ -85,9 +84,11 @@ INVOCATIONS = _all_invocations()
 
 LLAMA_TINY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
               "vocab_size": 128, "intermediate_size": 128}  # any --hf-checkpoint's config.json
+
+
 PRETEND_MACHINE = dict(
     cuda_available=lambda: False, has_module=lambda m: True, path_exists=lambda p: True, is_dir=lambda p: True,
-    is_file=lambda p: True, check_prompt_data=lambda p: None, dir_writable=lambda p: True,
+    is_file=pretend_file, check_prompt_data=lambda p: None, dir_writable=lambda p: True,
     disk_free_bytes=lambda p: 1 << 60, filesystem_id=lambda p: 0, read_json=lambda p: LLAMA_TINY, run_id="docs",
     cpu_count=lambda: 1024, host_memory_available=lambda: 1 << 50,  # any machine's size
 )

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from miles.config import parse_args
-from miles.config.arguments import build_parser, unknown_arguments_message
+from miles.arg_parser import unknown_arguments_message
+from miles.config.arguments import build_parser
 
 KNOWN = build_parser().option_strings()
 

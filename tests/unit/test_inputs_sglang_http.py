@@ -1,7 +1,8 @@
 """The HTTP client of a running sglang server (--sglang-url) against misbehaving servers on 127.0.0.1: each call
 ends by --sglang-request-timeout whatever the server sends (a trickle of bytes resets every per-read timeout),
-a redirect is refused naming where it points and never followed, and the flag is validated and reaches the
-client. Also the message of an output without a meta_info dict."""
+a redirect is refused naming where it points and never followed, an answer larger than the call may take or
+nested too deeply is refused in one line naming the server, and the flags are validated (one server spelled two
+ways is one server) and reach the client. Also the message of an output without a meta_info dict."""
 
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ class _Server:
                     handle(self)
                 except OSError:  # the client cut the connection
                     pass
+
+            do_POST = do_GET
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -216,3 +219,120 @@ def test_each_rollout_engine_drives_its_own_server(tmp_path, monkeypatch):
     for engine_id in (1, 0):
         engine_module.SglangRolloutEngine.from_config(config, engine_id)
     assert built == [urls[1], urls[0]]
+
+
+# ---- untrusted answers: their size and their nesting ------------------------------------------------------
+
+
+def _answer(body: bytes, declared=None, on_generate: bytes = None):
+    """A server answering ``server_info`` with SERVER_INFO, and every other call (or every call, without
+    ``on_generate``) with ``body``; ``declared``: the Content-Length it states (None: none, ended by close)."""
+    def handle(handler):
+        data = on_generate if on_generate is not None and handler.path == "/generate" else body
+        if on_generate is not None and handler.path == "/server_info":
+            data = SERVER_INFO
+        handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
+        handler.send_response(200)
+        if declared is not None:
+            handler.send_header("Content-Length", str(declared))
+        handler.end_headers()
+        handler.wfile.write(data)
+        handler.close_connection = True
+    return handle
+
+
+def test_an_answer_that_declares_more_than_the_call_may_take_is_refused_unread(serve):
+    server = serve(_answer(b"{}", declared=300 << 20))
+    start = time.monotonic()
+    with pytest.raises(SglangCallError) as ei:
+        HttpSglang(server.url, timeout_s=30)
+    assert time.monotonic() - start < 5
+    assert str(ei.value) == (f"sglang server {server.url}: server_info failed: the answer is 314,572,800 bytes (its "
+                             "Content-Length), more than the 16,777,216 this call may take: refused (is --sglang-url "
+                             "an sglang server?)")
+
+
+def test_an_answer_without_a_length_is_cut_at_the_limit(serve):
+    server = serve(_answer(b" " * (17 << 20)))
+    with pytest.raises(SglangCallError) as ei:
+        HttpSglang(server.url, timeout_s=30)
+    assert str(ei.value).startswith(f"sglang server {server.url}: server_info failed: the answer is more than "
+                                    "16,777,216 bytes, more than the 16,777,216 this call may take: refused")
+
+
+def test_a_generate_answer_is_bounded_by_what_the_call_asked_for(serve):
+    from miles.rollout.sglang.transport import answer_limit
+
+    one = {"text": "a", "output_ids": [5], "meta_info": {"finish_reason": {"type": "stop"}}}
+    small = {"input_ids": [[1, 2]], "sampling_params": [{"max_new_tokens": 8}]}
+    limit = answer_limit("generate", small)
+    assert limit == 64 * 1024 + 10 * 512 and answer_limit("server_info", None) == 16 << 20
+    huge = {"input_ids": [[1]] * 10**6, "sampling_params": [{"max_new_tokens": 10**5}] * 10**6}
+    assert answer_limit("generate", huge) == 512 << 20  # the cap whatever the batch
+    padded = json.dumps([one]).encode() + b" " * limit
+    client = HttpSglang(serve(_answer(b"", on_generate=padded, declared=None)).url, timeout_s=30)
+    with pytest.raises(SglangCallError, match=f"generate failed: the answer is more than {limit:,} bytes"):
+        client.request("generate", small)
+    fits = HttpSglang(serve(_answer(b"", on_generate=json.dumps([one]).encode())).url, timeout_s=30)
+    assert fits.request("generate", small) == [one]
+
+
+@pytest.mark.parametrize("body", [b"[" * 100_000 + b"]" * 100_000,
+                                  b'{"version": "0.5.17", "tp_size": 1, "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"])
+def test_a_deeply_nested_answer_is_refused_in_one_line(serve, body):
+    server = serve(_answer(body, declared=len(body)))
+    with pytest.raises(SglangCallError) as ei:
+        HttpSglang(server.url, timeout_s=30)
+    message = str(ei.value)
+    assert message.startswith(f"sglang server {server.url}: server_info failed: the answer is not JSON miles reads: "
+                              "nested ") and "levels deep, more than the 16 it may have" in message, message
+
+
+def test_a_deeply_nested_error_body_is_shown_as_text(serve):
+    nested = b"[" * 3000 + b"]" * 3000
+
+    def error(handler):
+        handler.send_response(500)
+        handler.send_header("Content-Length", str(len(nested)))
+        handler.end_headers()
+        handler.wfile.write(nested)
+
+    with pytest.raises(SglangCallError, match=r"server_info failed: HTTP 500: \[\[\["):
+        HttpSglang(serve(error).url, timeout_s=30)
+
+
+# ---- --sglang-url: one server, however spelled; a port in 1-65535; the flag named ------------------------------
+
+
+@pytest.mark.parametrize("urls", [
+    ("http://localhost:30000", "http://127.0.0.1:30000"),
+    ("http://127.0.0.1:30000", "http://[::1]:30000"),
+    ("HTTP://node0:30000", "http://node0:30000"),
+    ("http://NODE0:30000", "http://node0:30000/"),
+    ("http://node0:030000", "http://node0:30000"),
+    ("http://node0", "http://node0:80"),
+])
+def test_one_server_spelled_two_ways_is_named_once(tmp_path, urls):
+    def argv(*pair):
+        return _args(tmp_path, "--sglang-url", pair[0], "--sglang-url", pair[1], "--num-rollout-engines", "2",
+                     "--num-train-ranks", "2")
+
+    with pytest.raises(ArgumentError) as ei:
+        validate_args(parse_args(argv(*urls)), _env(tmp_path))
+    assert str(ei.value).startswith(f"--sglang-url names the server {urls[0]} more than once ({urls[0]}, {urls[1]}): "
+                                    "two rollout engines would drive one server. Fix: name each server once.")
+    other_port = urls[1].rstrip("/").rsplit(":", 1)[0] + ":30001"  # two servers on one host are two
+    assert validate_args(parse_args(argv(urls[0], other_port)), _env(tmp_path)).rollout.sglang_url == (urls[0],
+                                                                                                      other_port)
+
+
+@pytest.mark.parametrize("url, problem", [
+    ("http://h:0", "its port is not a number in 1-65535"),
+    ("http://[::1:30000", "it does not parse as a URL (Invalid IPv6 URL)"),
+])
+def test_a_url_that_names_no_server_is_refused_naming_the_url_flag(tmp_path, url, problem):
+    with pytest.raises(ArgumentError) as ei:
+        validate_args(parse_args(_args(tmp_path, "--sglang-url", url)), _env(tmp_path))
+    assert str(ei.value) == (f"--sglang-url {url!r}: {problem}; pass e.g. http://127.0.0.1:30000. Fix: fix "
+                             "--sglang-url as the message says.")
+    assert ei.value.flags == ("--sglang-url",)

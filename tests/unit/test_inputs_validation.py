@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 
 import pytest
 
@@ -15,6 +16,8 @@ from miles.config import ArgumentError, Environment, parse_args, validate_args
 
 LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 100, "intermediate_size": 128}
+LINEAR_ATTENTION = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                    "linear_value_head_dim": 16}
 
 
 def env(tmp_path, **kw) -> Environment:
@@ -37,13 +40,18 @@ def error(tmp_path, *argv, **env_kw) -> str:
     return message
 
 
+# The smallest tokenizer.json transformers loads: a word-level vocabulary of one token, and its added tokens.
+TOKENIZER_JSON = json.dumps({"added_tokens": [], "model": {"type": "WordLevel", "vocab": {"<unk>": 0},
+                                                           "unk_token": "<unk>"}})
+
+
 def model_folder(tmp_path, config, tokenizer_files=("tokenizer.json",)) -> str:
     folder = tmp_path / "model"
     folder.mkdir(exist_ok=True)
     text = config if isinstance(config, str) else json.dumps(config)
     (folder / "config.json").write_text(text)
     for name in tokenizer_files:
-        (folder / name).write_text("{}")
+        (folder / name).write_text(TOKENIZER_JSON if name == "tokenizer.json" else "{}")
     return str(folder)
 
 
@@ -115,7 +123,8 @@ def test_a_config_json_is_read_bounded(tmp_path, monkeypatch):
 def test_other_spellings_and_nested_text_configs_are_understood(tmp_path):
     gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 100}
     validate(tmp_path, "--hf-checkpoint", model_folder(tmp_path, gpt2))
-    multimodal = {"model_type": "qwen3_5", "text_config": {k: v for k, v in LLAMA.items() if k != "model_type"}}
+    multimodal = {"model_type": "qwen3_5", "text_config": {**{k: v for k, v in LLAMA.items() if k != "model_type"},
+                                                           **LINEAR_ATTENTION}}
     validate(tmp_path, "--hf-checkpoint", model_folder(tmp_path, multimodal))
     validate(tmp_path, "--hf-checkpoint", model_folder(tmp_path, {**LLAMA, "hidden_size": 66, "head_dim": 16}))
 
@@ -137,6 +146,249 @@ def test_a_sentencepiece_only_tokenizer_needs_sentencepiece(tmp_path):
         f"--hf-checkpoint {folder}'s tokenizer is a sentencepiece model (tokenizer.model, no tokenizer.json) and "
         "sentencepiece is not installed. Fix: pip install sentencepiece")
     validate(tmp_path, "--hf-checkpoint", folder, has_module=lambda m: m == "sentencepiece")
+
+
+# ---- each family's rules, the model type the backend builds -------------------------------------------------
+
+QWEN3_MOE = {**LLAMA, "model_type": "qwen3_moe", "moe_intermediate_size": 32, "num_experts": 8,
+             "num_experts_per_tok": 2}
+QWEN3_5_MOE = {**{k: v for k, v in QWEN3_MOE.items() if k != "intermediate_size"}, **LINEAR_ATTENTION,
+               "model_type": "qwen3_5_moe_text", "layer_types": ["linear_attention", "full_attention"]}
+
+
+@pytest.mark.parametrize("config, problem, fix", [
+    ({**QWEN3_MOE, "num_experts_per_tok": 9}, "num_experts_per_tok = 9 is more than the 8 experts (num_experts): each "
+     "token is routed to num_experts_per_tok of them.",
+     "Fix: set num_experts_per_tok to at most 8, or fix num_experts."),
+    ({**{k: v for k, v in QWEN3_MOE.items() if k != "num_experts"}, "model_type": "mixtral", "num_local_experts": 4,
+      "num_experts_per_tok": 5}, "num_experts_per_tok = 5 is more than the 4 experts (num_local_experts)", "Fix: "),
+    ({**{k: v for k, v in QWEN3_MOE.items() if k != "num_experts"}, "model_type": "glm_moe_dsa",
+      "n_routed_experts": 2, "num_experts_per_tok": 3}, "num_experts_per_tok = 3 is more than the 2 experts "
+     "(n_routed_experts)", "Fix: "),
+    ({**QWEN3_MOE, "num_experts_per_tok": 0}, "num_experts_per_tok = 0: must be an integer from 1 to", "Fix: "),
+    ({**QWEN3_5_MOE, "num_experts_per_tok": 16}, "num_experts_per_tok = 16 is more than the 8 experts", "Fix: "),
+    ({**QWEN3_5_MOE, "num_experts": 0}, "num_experts_per_tok = 2 is more than the 0 experts (num_experts)", "Fix: "),
+    ({**QWEN3_5_MOE, "linear_num_value_heads": 3}, "linear_num_value_heads = 3 is not a multiple of "
+     "linear_num_key_heads = 2: each key head serves a whole number of value heads.",
+     "Fix: fix linear_num_key_heads or linear_num_value_heads"),
+    ({"model_type": "qwen3_5_moe", "text_config": {**QWEN3_5_MOE, "linear_num_key_heads": 3}},
+     "linear_num_value_heads = 4 is not a multiple of linear_num_key_heads = 3", "Fix: "),
+    ({k: v for k, v in QWEN3_5_MOE.items() if k != "linear_num_key_heads"}, "no linear_num_key_heads (model_type "
+     "'qwen3_5_moe_text'): transformers would take its default size.", "Fix: add linear_num_key_heads"),
+    ({**QWEN3_5_MOE, "linear_value_head_dim": 0}, "linear_value_head_dim = 0: must be an integer from 1", "Fix: "),
+    ({**QWEN3_5_MOE, "layer_types": ["linear_attention"]}, "layer_types = ['linear_attention']: must list 2 of "
+     "linear_attention / full_attention (num_hidden_layers = 2).", "Fix: fix layer_types"),
+    ({**QWEN3_5_MOE, "layer_types": ["linear_attention", "sliding_attention"]}, "layer_types = ", "Fix: "),
+])
+def test_a_family_config_that_cannot_build_its_model_is_refused_in_one_line(tmp_path, config, problem, fix):
+    folder = model_folder(tmp_path, config)
+    message = error(tmp_path, "--hf-checkpoint", folder)
+    assert message.startswith(f"--hf-checkpoint {folder}/config.json: {problem}"), message
+    assert fix in message
+
+
+def test_top_k_may_reach_the_expert_count_and_not_pass_it(tmp_path):
+    for config in (QWEN3_MOE, QWEN3_5_MOE, {"model_type": "qwen3_5_moe", "text_config": QWEN3_5_MOE},
+                   {**QWEN3_MOE, "num_experts_per_tok": 8}):
+        validate(tmp_path, "--hf-checkpoint", model_folder(tmp_path, config))
+    folder = model_folder(tmp_path, {"model_type": "qwen3_5_moe", "text_config": {**QWEN3_5_MOE,
+                                                                                   "num_experts_per_tok": 9}})
+    assert "num_experts_per_tok = 9 is more than the 8 experts (num_experts)" in error(tmp_path, "--hf-checkpoint",
+                                                                                        folder)
+
+
+def test_a_model_type_transformers_does_not_build_is_refused_naming_it(tmp_path):
+    import transformers
+
+    folder = model_folder(tmp_path, {**LLAMA, "model_type": "lama"})
+    message = error(tmp_path, "--hf-checkpoint", folder)
+    assert message.startswith(f"--hf-checkpoint {folder}/config.json: model_type 'lama' is not a causal LM "
+                              f"transformers {transformers.__version__} builds (it builds "), message
+    assert "model types, among them llama" in message and "Fix: pass the folder of a model transformers supports" \
+        in message
+    folder = model_folder(tmp_path, {**LLAMA, "model_type": "t5"})  # transformers knows it, not as a causal LM
+    assert "model_type 't5' is not a causal LM" in error(tmp_path, "--hf-checkpoint", folder)
+
+
+def test_the_megatron_backend_names_the_model_types_it_builds(tmp_path):
+    from miles.backends.megatron_backend.architecture import SUPPORTED_MODEL_TYPES
+
+    folder = model_folder(tmp_path, {**LLAMA, "model_type": "gemma"})
+    message = error(tmp_path, "--hf-checkpoint", folder, "--train-backend", "megatron")
+    assert message.startswith(f"--hf-checkpoint {folder}/config.json: model_type 'gemma' is not built by "
+                              f"--train-backend megatron, which builds {', '.join(SUPPORTED_MODEL_TYPES)}. Fix: pass "
+                              "a model of those families, or use --train-backend torch"), message
+    validate(tmp_path, "--hf-checkpoint", folder)  # the torch backend trains it
+
+
+def test_qwen3_5_moe_on_gpus_says_how_to_install_its_kernels(tmp_path, caplog):
+    folder = model_folder(tmp_path, QWEN3_5_MOE)
+    cuda = dict(cuda_available=lambda: True, gpu_count=lambda: 8)
+    message = error(tmp_path, "--hf-checkpoint", folder, "--train-backend", "megatron", **cuda)
+    assert message == ("--hf-checkpoint is a qwen3_5_moe_text model, whose Gated DeltaNet layers megatron-core builds "
+                       "with flash-linear-attention's kernels, and the fla module is not installed. Fix: pip install "
+                       "flash-linear-attention==0.6.0 fla-core==0.6.0 (the extra: pip install 'miles[fla]').")
+    with caplog.at_level(logging.WARNING, logger="miles.config.model_checks"):
+        validate(tmp_path, "--hf-checkpoint", folder, **cuda)
+    warned = [r.getMessage() for r in caplog.records if "flash-linear-attention" in r.getMessage()]
+    assert warned == ["--hf-checkpoint is a qwen3_5_moe_text model and flash-linear-attention (module fla) is not "
+                      "installed: transformers runs its Gated DeltaNet layers as a slow torch loop on the GPU; pip "
+                      "install flash-linear-attention==0.6.0 fla-core==0.6.0 (the extra: pip install 'miles[fla]')"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="miles.config.model_checks"):  # a dry run starts no backend
+        validate(tmp_path, "--hf-checkpoint", folder, "--train-backend", "megatron", "--dry-run", **cuda)
+    assert [r.getMessage() for r in caplog.records] == [
+        "--hf-checkpoint is a qwen3_5_moe_text model and flash-linear-attention (module fla) is not installed: "
+        "--train-backend megatron cannot build its Gated DeltaNet layers; pip install flash-linear-attention==0.6.0 "
+        "fla-core==0.6.0 (the extra: pip install 'miles[fla]')"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="miles.config.model_checks"):
+        validate(tmp_path, "--hf-checkpoint", folder, has_module=lambda m: m == "fla", **cuda)
+        validate(tmp_path, "--hf-checkpoint", folder)  # no CUDA: nothing to say
+    assert not caplog.records
+
+
+def test_the_fla_extra_installs_the_kernels():
+    import tomllib
+    from pathlib import Path
+
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert extras["fla"] == ["flash-linear-attention==0.6.0", "fla-core==0.6.0"]
+
+
+# ---- the tokenizer files ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, problem", [
+    ('{"version": "1.0", "model": {"type": "BPE"', "cannot be read as JSON: not JSON (Expecting ',' delimiter"),
+    ("[" * 5000 + "]" * 5000, "cannot be read as JSON: nested 5000 levels deep, more than the 64 it may have."),
+    ("{}", "has no added_tokens list: not a tokenizer transformers loads."),
+    ("[1]", "is a JSON list: not a tokenizer transformers loads."),
+    ('{"added_tokens": [], "model": {"type": "WordLevel"}}', "is not a tokenizer the tokenizers library builds: "),
+    ('{"added_tokens": [{"id": 1}], "model": {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}}',
+     "is not a tokenizer the tokenizers library builds: missing field `content`"),
+])
+def test_a_tokenizer_json_transformers_cannot_load_is_refused_in_one_line(tmp_path, text, problem):
+    folder = model_folder(tmp_path, LLAMA)
+    (tmp_path / "model" / "tokenizer.json").write_text(text)
+    message = error(tmp_path, "--hf-checkpoint", folder)
+    assert message.startswith(f"--hf-checkpoint {folder}/tokenizer.json {problem}"), message
+    assert message.endswith("Fix: save the model's tokenizer into the folder again "
+                            "(tokenizer.save_pretrained(folder)), or pass the folder of a complete HuggingFace model.")
+
+
+def test_a_tokenizer_config_that_is_not_an_object_is_refused(tmp_path):
+    folder = model_folder(tmp_path, LLAMA, tokenizer_files=("tokenizer.json", "tokenizer_config.json"))
+    validate(tmp_path, "--hf-checkpoint", folder)
+    (tmp_path / "model" / "tokenizer_config.json").write_text("[")
+    assert error(tmp_path, "--hf-checkpoint", folder).startswith(
+        f"--hf-checkpoint {folder}/tokenizer_config.json cannot be read as JSON: not JSON (Expecting value")
+
+
+def test_a_tokenizer_json_is_read_bounded_from_a_regular_file(tmp_path, monkeypatch):
+    from miles import models
+
+    monkeypatch.setattr(models, "MAX_TOKENIZER_JSON_BYTES", 1 << 20)
+    folder = model_folder(tmp_path, LLAMA)
+    large = b" " * (2 << 20) + TOKENIZER_JSON.encode()  # JSON, but more than the bound
+    (tmp_path / "model" / "tokenizer.json").write_bytes(large)
+    assert error(tmp_path, "--hf-checkpoint", folder).startswith(
+        f"--hf-checkpoint {folder}/tokenizer.json cannot be read as JSON: {len(large):,} bytes, more than the "
+        "1,048,576 it may have.")
+    fifo = str(tmp_path / "fifo.json")
+    os.mkfifo(fifo)
+    with pytest.raises(models.ModelFolderError, match="fifo.json cannot be read as JSON: a FIFO, not a regular file"):
+        models.check_tokenizer_json(fifo)
+
+
+# ---- the weights' dtypes ----------------------------------------------------------------------------------
+
+
+def _weights(folder, tensors, name="model.safetensors", vocab_rows=None):
+    """Tensors of 2 x 2, but the embedding and output layer: a row per token of the folder's config.json
+    (or ``vocab_rows``)."""
+    import torch
+    from safetensors.torch import save_file
+
+    if vocab_rows is None:
+        with open(os.path.join(folder, "config.json")) as f:
+            vocab_rows = json.load(f)["vocab_size"]
+    shape = lambda k: (vocab_rows, 2) if k.endswith(("embed_tokens.weight", "lm_head.weight")) else (2, 2)  # noqa: E731
+    save_file({k: torch.zeros(shape(k), dtype=dtype) for k, dtype in tensors.items()}, os.path.join(folder, name))
+
+
+LLAMA_WEIGHTS = {"model.embed_tokens.weight": "float32", "model.layers.0.mlp.down_proj.weight": "bfloat16"}
+
+
+def _dtypes(names):
+    import torch
+
+    return {k: getattr(torch, v) for k, v in names.items()}
+
+
+@pytest.mark.parametrize("dtype, shown", [("int64", "int64 (I64)"), ("int32", "int32 (I32)"), ("uint8", "uint8 (U8)"),
+                                          ("bool", "bool (BOOL)")])
+def test_an_integer_parameter_is_refused_naming_the_tensor_its_dtype_and_file(tmp_path, dtype, shown):
+    folder = model_folder(tmp_path, LLAMA)
+    _weights(folder, _dtypes({**LLAMA_WEIGHTS, "model.layers.0.mlp.down_proj.weight": dtype}))
+    assert error(tmp_path, "--hf-checkpoint", folder) == (
+        f"--hf-checkpoint {folder}/model.safetensors: tensor 'model.layers.0.mlp.down_proj.weight' is {shown}, and a "
+        "parameter must be floating point to be trained. Fix: save the weights in a floating-point dtype (bf16, fp16 "
+        "or fp32: model.to(torch.bfloat16).save_pretrained(folder)); a quantized checkpoint cannot be trained.")
+
+
+def test_sharded_weights_are_checked_through_their_index(tmp_path):
+    folder = model_folder(tmp_path, LLAMA)
+    _weights(folder, _dtypes({"model.embed_tokens.weight": "float32"}), "model-00001-of-00002.safetensors")
+    _weights(folder, _dtypes({"lm_head.weight": "int64"}), "model-00002-of-00002.safetensors")
+    index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                            "lm_head.weight": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model" / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert error(tmp_path, "--hf-checkpoint", folder).startswith(
+        f"--hf-checkpoint {folder}/model-00002-of-00002.safetensors: tensor 'lm_head.weight' is int64 (I64)")
+    index["weight_map"]["lm_head.weight"] = "../elsewhere.safetensors"
+    (tmp_path / "model" / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert error(tmp_path, "--hf-checkpoint", folder).startswith(
+        f"--hf-checkpoint {folder}/model.safetensors.index.json: weight_map names '../elsewhere.safetensors', not a "
+        "file of the folder.")
+
+
+def test_integer_buffers_and_keys_transformers_drops_are_accepted(tmp_path):
+    bert = {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "vocab_size": 50, "intermediate_size": 64, "is_decoder": True}
+    folder = model_folder(tmp_path, bert)
+    _weights(folder, _dtypes({"bert.embeddings.word_embeddings.weight": "float32",
+                              "bert.embeddings.position_ids": "int64"}))  # a buffer, saved by older versions
+    validate(tmp_path, "--hf-checkpoint", folder)
+    neox = {"model_type": "gpt_neox", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "vocab_size": 50, "intermediate_size": 64}
+    folder = model_folder(tmp_path, neox)
+    _weights(folder, _dtypes({"gpt_neox.embed_in.weight": "float32",
+                              "gpt_neox.layers.0.attention.bias": "bool"}))  # dropped on load (Pythia's masks)
+    validate(tmp_path, "--hf-checkpoint", folder)
+    _weights(folder, _dtypes({"gpt_neox.embed_in.weight": "int64"}))
+    assert "tensor 'gpt_neox.embed_in.weight' is int64 (I64)" in error(tmp_path, "--hf-checkpoint", folder)
+
+
+def test_an_embedding_of_another_vocabulary_than_config_json_is_refused(tmp_path):
+    """transformers refuses the mismatch only in the actor, after Ray started (a traceback there)."""
+    folder = model_folder(tmp_path, LLAMA)
+    vocab = LLAMA["vocab_size"]
+    _weights(folder, _dtypes(LLAMA_WEIGHTS), vocab_rows=vocab // 2)
+    assert error(tmp_path, "--hf-checkpoint", folder).startswith(
+        f"--hf-checkpoint {folder}/model.safetensors: tensor 'model.embed_tokens.weight' has {vocab // 2} rows and "
+        f"config.json's vocab_size is {vocab}: one row per token id. Fix: pass a folder whose config.json and weights")
+    _weights(folder, _dtypes(LLAMA_WEIGHTS))
+    validate(tmp_path, "--hf-checkpoint", folder)
+
+
+def test_a_weight_file_that_is_not_safetensors_is_refused(tmp_path):
+    folder = model_folder(tmp_path, LLAMA)
+    (tmp_path / "model" / "model.safetensors").write_bytes((10**12).to_bytes(8, "little") + b"{}")
+    assert error(tmp_path, "--hf-checkpoint", folder).startswith(
+        f"--hf-checkpoint {folder}/model.safetensors is not a safetensors file (its header would be 1,000,000,000,000 "
+        "bytes of 10)")
 
 
 # ---- 11. one rule for the directories the run writes -------------------------------------------------------

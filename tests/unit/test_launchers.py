@@ -9,6 +9,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from miles.sizing.cli import build_parser as plan_parser
 from miles.sizing.cli import main as plan_main
 from miles.sizing.presets import GLM5_744B, QWEN3_30B_A3B
 from miles.sizing.sharding import Parallelism
+from pretend_machine import pretend_file
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 LAUNCHERS = sorted(SCRIPTS.glob("launch_*.sh"))
@@ -95,7 +97,7 @@ def gpu_machine(hf_config: dict) -> Environment:
     """Validation as on a GPU node with everything installed and the launcher's paths present."""
     return dataclasses.replace(Environment(), python_version=(3, 12), cuda_available=lambda: True,
                                has_module=lambda name: True, path_exists=lambda p: True, is_dir=lambda p: True,
-                               is_file=lambda p: True, check_prompt_data=lambda p: None,
+                               is_file=pretend_file, check_prompt_data=lambda p: None,
                                dir_writable=lambda p: True, disk_free_bytes=lambda p: 1 << 60,
                                read_json=lambda p: hf_config, filesystem_id=lambda p: 0,
                                cpu_count=lambda: 256, host_memory_available=lambda: 1 << 41)
@@ -205,3 +207,88 @@ def test_the_glm5_launcher_rolls_out_on_one_sglang_server_per_node_and_takes_ext
     without = [a for a in run if a != "--experimental-model-parallel"]
     with pytest.raises(ArgumentError, match="--experimental-model-parallel"):
         validate_args(build_parser().parse_args(without), gpu_machine(GLM5_744B))
+
+
+def faithful_tools(tmp_path, launcher: str) -> dict:
+    """`miles` and `python` that judge what they are given as the real ones would on a GPU node of the launcher's
+    model (:func:`gpu_machine`): `miles train` validates its argv (a dry run as leniently as the real one) and
+    exits 2 on what it refuses; `python scripts/check_start.py` (the launcher's check) validates its argv as a real start
+    does; `python
+    -c` (the head's wait for the Ray nodes) answers NUM_NODES. `ray` records its calls."""
+    scalars, _ = shell_variables(logical_lines((SCRIPTS / launcher).read_text()))
+    env = {**fake_tools(tmp_path), "NUM_NODES": scalars["NUM_NODES"]}  # the layout is planned on the launcher's own
+    judge = tmp_path / "bin" / "judge.py"
+    judge.write_text(f"""import os, sys
+sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]
+from test_launchers import MODEL_CONFIGS, gpu_machine
+from miles.config import ArgumentError, build_parser, validate_args
+
+def judge(argv):
+    parser = build_parser(prog="miles train")
+    try:
+        validate_args(parser.parse_args(argv), gpu_machine(MODEL_CONFIGS[{launcher!r}]))
+    except ArgumentError as e:
+        parser.exit(2, f"miles train: error: {{e}}\\n")
+""")
+    (tmp_path / "bin" / "miles").write_text(f"""#!{sys.executable}
+import sys
+sys.path.insert(0, {str(judge.parent)!r})
+with open({str(tmp_path / "calls")!r}, "a") as log:
+    log.write("miles " + " ".join(sys.argv[1:]) + "\\n")
+if sys.argv[1] == "train":
+    from judge import judge
+    judge(sys.argv[2:])
+""")
+    (tmp_path / "bin" / "python").write_text(f"""#!{sys.executable}
+import os, sys
+if sys.argv[1] == "-c":
+    print(os.environ["NUM_NODES"])
+    sys.exit(0)
+with open({str(tmp_path / "calls")!r}, "a") as log:
+    log.write("python " + " ".join(sys.argv[1:]) + "\\n")
+sys.path.insert(0, {str(judge.parent)!r})
+from judge import judge
+judge(sys.argv[2:])
+""")
+    return env
+
+
+GATE_CASES = {"glm5-tp8pp4-head": ("launch_glm5_744b.sh", "0", {}, "--experimental-model-parallel"),
+              "glm5-tp8pp4-worker": ("launch_glm5_744b.sh", "1", {}, "--experimental-model-parallel"),
+              "glm5-tp8pp4-opted-in": ("launch_glm5_744b.sh", "0", {"EXTRA_ARGS": "--experimental-model-parallel"}, None),
+              "qwen3-tp2-head": ("launch_qwen3_30b_a3b.sh", "0", {"TP": "2"}, "--experimental-model-parallel"),
+              "qwen3-tp2-worker": ("launch_qwen3_30b_a3b.sh", "1", {"TP": "2"}, "--experimental-model-parallel"),
+              "qwen3": ("launch_qwen3_30b_a3b.sh", "0", {}, None)}
+
+
+@pytest.mark.parametrize("launcher,node_rank,extra_env,refusal", GATE_CASES.values(), ids=GATE_CASES.keys())
+def test_the_check_before_ray_refuses_what_the_start_refuses_on_every_node(tmp_path, launcher, node_rank, extra_env,
+                                                                           refusal):
+    """The issue's case: the GLM-5.2 launcher's check passed TP8 x PP4 without --experimental-model-parallel, every
+    node started Ray, then the head's `miles train` exited 2 and the workers blocked. Now no node starts Ray for a
+    run its start would refuse, and each says why; a run the start accepts goes ahead."""
+    env = {**faithful_tools(tmp_path, launcher), "NODE_RANK": node_rank, **extra_env}
+    proc = subprocess.run(["bash", str(SCRIPTS / launcher)], capture_output=True, text=True, env=env, timeout=120)
+    started_ray = [c for c in calls(tmp_path) if c.startswith("ray")]
+    if refusal is None:
+        assert proc.returncode == 0, proc.stderr
+        assert started_ray
+        return
+    assert proc.returncode == 2, proc.stderr
+    assert not started_ray, calls(tmp_path)
+    assert refusal in proc.stderr and "--tensor-model-parallel-size" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_the_launchers_check_refuses_in_one_line_what_a_start_here_refuses(tmp_path):
+    """scripts/check_start.py itself, on this machine: exit 2 and one line for flags a real start refuses, 0 for
+    flags it takes."""
+    script = str(SCRIPTS / "check_start.py")
+    common = ["--tiny-model", "--metrics-file", str(tmp_path / "m.jsonl")]
+    refused = subprocess.run([sys.executable, script, *common, "--tensor-model-parallel-size", "2"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stderr
+    assert "--tensor-model-parallel-size" in refused.stderr and "Traceback" not in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    taken = subprocess.run([sys.executable, script, *common], capture_output=True, text=True, timeout=120)
+    assert taken.returncode == 0, taken.stderr

@@ -6,7 +6,8 @@ from __future__ import annotations
 import io
 import sys
 
-from miles.logging_setup import DRIVER_ENV, progress_bar, set_driver_env
+from miles.logging_setup import DRIVER_ENV, set_driver_env
+from miles.progress import progress_bar
 
 
 class _Terminal(io.StringIO):

@@ -154,3 +154,127 @@ def test_the_rollout_line_says_the_step_was_skipped():
     line = format_rollout_line(rec, 10)
     assert "STEP SKIPPED: rank 3: sample 17: rollout log-prob" in line and "streamed" not in line
     assert line.endswith("| saved") and len(line) <= ROLLOUT_LINE_WIDTH, line
+
+
+# ---- a step that leaves non-finite weights ------------------------------------------------------------
+
+
+def _infinite_lr(trainer):
+    """What --lr inf did before validation refused it: the next applied step turns every weight into NaN."""
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = float("inf")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["resident", "streamed"])
+def test_a_step_that_leaves_non_finite_weights_reaches_no_checkpoint_or_engine(tmp_path, trainers, stream):
+    from miles.backends.base import NonFiniteWeightsError
+
+    t = _trainer(trainers, tmp_path, stream)
+    samples, adv = _samples()
+    assert t.train(0, samples, adv)["weights_finite"] is True
+    _infinite_lr(t)
+    m = t.train(1, samples, adv)
+    assert m["step_skipped"] is None and m["weights_finite"] is False
+    assert not all(torch.isfinite(p).all() for p in t.model.parameters()), "the injected step did poison"
+    with pytest.raises(NonFiniteWeightsError, match=r"rank 0: rollout 1's optimizer step left non-finite weights; "
+                                                    r"refusing to save them"):
+        t.save(str(tmp_path / "ckpt" / "iter_2"))
+    assert not os.path.exists(tmp_path / "ckpt"), "nothing of the checkpoint was written"
+    with pytest.raises(NonFiniteWeightsError, match="refusing to hand them to the rollout engines"):
+        t.push_weights([], [], payload="hf", tp_size=1)
+    with pytest.raises(NonFiniteWeightsError, match="refusing to train on them"):
+        t.train(2, samples, adv)
+
+
+def test_the_weight_check_covers_every_trained_weight_in_slices(monkeypatch):
+    from miles.backends import base
+
+    monkeypatch.setattr(base, "_FINITE_CHECK_ELEMENTS", 3)  # slices of 3: the bad element sits in a later one
+    weights = [torch.zeros(2, 4), torch.zeros(7)]
+    assert base.tensors_finite(weights, torch.device("cpu"))
+    for value in (float("nan"), float("inf"), float("-inf")):
+        weights[1][5] = value
+        assert not base.tensors_finite(weights, torch.device("cpu")), value
+        weights[1][5] = 0.0
+    assert base.tensors_finite([], torch.device("cpu"))
+
+
+def _loop_after(records, latest=None, loaded=None, save=None, load=None, lr=1e-2):
+    """A _Loop whose run recorded ``records`` (its state as the driver keeps it), without Ray."""
+    from miles.run_lifecycle import RunState
+
+    loop = _Loop.__new__(_Loop)
+    loop.config = SimpleNamespace(optimizer=SimpleNamespace(lr=lr),
+                                  checkpoint=SimpleNamespace(save=save, load=load),
+                                  training=SimpleNamespace(max_consecutive_skipped_steps=10))
+    loop.state = RunState(run_dir="/run", metrics_file="/run/m.jsonl", records=list(records),
+                          latest_checkpoint=latest, loaded_checkpoint=loaded)
+    loop.pending = None
+    loop.skipped_in_a_row = 0
+    return loop
+
+
+def _rank(finite, grad_norm=0.5):
+    return {"weights_finite": finite, "grad_norm": grad_norm, "step_skipped": None}
+
+
+def test_non_finite_weights_stop_the_run_naming_the_rollout_and_the_good_checkpoint():
+    from miles.train import NonFiniteStepError
+
+    loop = _loop_after([], latest="/ckpt/iter_2", save="/ckpt", lr=3.0)
+    loop.stop_if_weights_not_finite(2, [_rank(True), _rank(True)])  # a good step goes on
+    with pytest.raises(NonFiniteStepError) as e:
+        loop.stop_if_weights_not_finite(2, [_rank(False, float("inf")), _rank(False, float("inf"))])
+    assert str(e.value) == (
+        "rollout 2: the optimizer step left non-finite weights (NaN or inf; grad norm inf); they were not saved or "
+        "handed to the rollout engines. the latest checkpoint, /ckpt/iter_2, holds the weights before it: resume "
+        "with --load /ckpt and a lower --lr (now 3), or check the rewards and --clip-grad")
+    fresh = _loop_after([], lr=3.0)
+    with pytest.raises(NonFiniteStepError, match="no checkpoint holds earlier weights of this run: start again with "
+                                                 r"a lower --lr \(now 3\)"):
+        fresh.stop_if_weights_not_finite(0, [_rank(False)])
+    resumed = _loop_after([], loaded="/old/iter_4", load="/old")
+    with pytest.raises(NonFiniteStepError, match="the latest checkpoint, /old/iter_4, .* --load /old "):
+        resumed.stop_if_weights_not_finite(5, [_rank(False)])
+
+
+def test_the_checkpoint_copying_from_before_a_non_finite_step_is_published_first(monkeypatch):
+    from miles import train
+    from miles.train import NonFiniteStepError
+
+    published = []
+    monkeypatch.setattr(train, "_publish", lambda config, group, pending, state: (
+        published.append(pending["base"]), setattr(state, "latest_checkpoint", pending["base"])))
+    loop = _loop_after([], latest="/ckpt/iter_1", save="/ckpt")
+    loop.train_group = None
+    loop.pending = {"base": "/ckpt/iter_2", "completed": 2}
+    with pytest.raises(NonFiniteStepError, match="the latest checkpoint, /ckpt/iter_2, holds the weights before it"):
+        loop.stop_if_weights_not_finite(2, [_rank(False)])
+    assert published == ["/ckpt/iter_2"] and loop.pending is None
+
+
+def test_a_run_whose_every_step_was_skipped_does_not_end_as_if_it_trained():
+    all_skipped = [_record(0, "non-finite gradients"), _record(1, "rank 0: sample 3: advantage is nan")]
+    with pytest.raises(SkippedStepsError) as e:
+        _loop_after(all_skipped).stop_if_nothing_trained()
+    assert str(e.value) == (
+        "none of this run's 2 rollout(s) applied an optimizer step (the last, rollout 1: rank 0: sample 3: advantage "
+        "is nan); the weights are the ones the run started from. Check the rollout engine's log-probs and the "
+        "rewards, or lower --lr")
+    _loop_after([_record(0, "non-finite gradients"), _record(1, None)]).stop_if_nothing_trained()  # one applied
+    _loop_after([]).stop_if_nothing_trained()  # nothing left to do (a finished run resumed) is no failure
+
+
+def test_the_run_summary_counts_applied_and_skipped_steps(caplog):
+    import logging
+
+    from miles.metrics import log_summary
+    from miles.run_lifecycle import RunState
+
+    records = [{"rollout_id": i, "reward_mean": 0.5, "step_seconds": 1.0, "step_skipped": skipped}
+               for i, skipped in enumerate([None, "non-finite gradients", None])]
+    state = RunState(run_dir="/run", metrics_file="/run/m.jsonl", records=records, seconds=3.0)
+    config = SimpleNamespace(checkpoint=SimpleNamespace(save=None, save_interval=None))
+    with caplog.at_level(logging.INFO, logger="miles"):
+        log_summary(config, state)
+    assert "\n  optimizer steps: 2 applied, 1 skipped\n" in caplog.text

@@ -7,6 +7,7 @@ import pytest
 
 from miles.config import ArgumentError, Environment, parse_args, validate_args
 from miles.sizing.presets import GLM5_744B
+from pretend_machine import pretend_file
 
 MEGATRON = ["--train-backend", "megatron"]
 
@@ -15,7 +16,7 @@ def gpu_env(hf_config=None) -> Environment:
     return dataclasses.replace(
         Environment(), python_version=(3, 12), cuda_available=lambda: True, has_module=lambda m: m == "megatron.core",
         scratch_root="/scratch", run_id="RUN", cpu_count=lambda: 256, host_memory_available=lambda: 1 << 42,
-        path_exists=lambda p: True, is_file=lambda p: True, is_dir=lambda p: True,
+        path_exists=lambda p: True, is_file=pretend_file, is_dir=lambda p: True,
         read_json=lambda p: hf_config or {}, disk_free_bytes=lambda p: 1 << 60, dir_writable=lambda p: True)
 
 
@@ -92,6 +93,17 @@ def test_the_torch_backend_refuses_model_parallel_flags(flag):
     assert flag[0] in e.value.flags
 
 
+@pytest.mark.parametrize("flag", [["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"],
+                                  ["--expert-model-parallel-size", "2"], ["--sequence-parallel"],
+                                  ["--expert-tensor-parallel-size", "2"], ["--decoder-first-pipeline-num-layers", "1"]])
+def test_on_the_torch_backend_the_missing_megatron_backend_is_the_first_fault(flag):
+    # one train rank (the default): the layout is wrong too, but no layout of these flags trains on torch
+    with pytest.raises(ArgumentError) as e:
+        validate_args(parse_args(["--tiny-model", *flag]), gpu_env())
+    assert str(e.value).startswith(f"{' '.join(flag)} needs --train-backend megatron")
+    assert e.value.flags == (flag[0], "--train-backend") and "add --train-backend megatron" in e.value.fix
+
+
 def test_the_help_lists_megatrons_flag_names():
     from miles.config import build_parser
 
@@ -128,7 +140,7 @@ def test_qwen35s_gated_deltanet_heads_bound_tensor_parallelism():
     from miles.sizing.presets import QWEN3_5_35B_A3B
 
     odd = {**QWEN3_5_35B_A3B, "text_config": {**QWEN3_5_35B_A3B["text_config"], "num_key_value_heads": 8,
-                                               "linear_num_key_heads": 12}}
+                                               "linear_num_key_heads": 12, "linear_num_value_heads": 24}}
     argv = lambda tp: ["--hf-checkpoint", "/m", "--dry-run", "--num-train-ranks", "8",  # noqa: E731
                        "--tensor-model-parallel-size", str(tp), "--sequence-parallel", "--rollout-batch-size", "8"]
     with pytest.raises(ArgumentError) as e:

@@ -7,22 +7,28 @@ import pytest
 
 from miles.config import ArgumentError, parse_args, validate_args
 from miles.config.paths import rollout_data_path
-from miles.rollout.recorded import RolloutDataError, read_rollout, write_rollout
+from miles.rollout.recorded import ReplayShape, RolloutDataError, write_rollout
 from miles.rollout.types import Sample
 
 
 def _samples(prompts=2, per_prompt=2):
-    return [Sample(index=i, prompt_index=i // per_prompt, prompt_ids=[1, 2 + i], response_ids=[5, 6, 7][: 1 + i % 3],
+    return [Sample(index=i, prompt_index=i // per_prompt, prompt_ids=[1, 2 + i // per_prompt],
+                   response_ids=[5, 6, 7][: 1 + i % 3],
                    response_logprobs=[-0.5, -1.25, -2.0][: 1 + i % 3], response_text=f"r{i}",
                    finish_reason="stop" if i % 2 else "length", weight_version=3, reward=0.25 * i)
             for i in range(prompts * per_prompt)]
+
+
+def _shape(template, prompts=2, per_prompt=2):
+    return ReplayShape(template=template, prompts=prompts, samples_per_prompt=per_prompt, max_response_len=8,
+                       vocab_size=100, max_positions=1024, model="the tiny model")
 
 
 def test_a_recorded_rollout_reads_back_equal(tmp_path):
     template = str(tmp_path / "sub" / "rollout_{rollout_id}.json")
     path = write_rollout(template, 7, _samples())
     assert path == str(tmp_path / "sub" / "rollout_7.json") == rollout_data_path(template, 7)
-    assert read_rollout(template, 7, prompts=2, samples_per_prompt=2) == _samples()
+    assert _shape(template).read(7) == _samples()
 
 
 def test_a_recording_never_overwrites_a_file(tmp_path):
@@ -52,9 +58,10 @@ def _doc(**changes):
     (json.dumps(_doc(rollout_id=3)), "holds rollout 3, not 0"),
     (json.dumps(_doc(samples=[])), "0 samples; this run trains 4"),
     (json.dumps(_doc(first={"index": 2})), "sample 0: index 2"),
-    (json.dumps(_doc(first={"prompt_ids": [1, -4]})), "prompt_ids must be a non-empty list of token ids >= 0"),
+    (json.dumps(_doc(first={"prompt_ids": [1, -4]})), "prompt_ids[1] = -4 is not a token id of the model's "
+                                                       "vocabulary (0..99, the tiny model)"),
     (json.dumps(_doc(first={"response_ids": [1.5]})), "response_ids must be"),
-    (json.dumps(_doc(first={"response_logprobs": [-1.0, -2.0]})), "response_logprobs must be 1 numbers"),
+    (json.dumps(_doc(first={"response_logprobs": [-1.0, -2.0]})), "response_logprobs must be 1 finite numbers <= 0"),
     (json.dumps(_doc(first={"reward": float("nan")})), "reward nan is not a finite number"),
     (json.dumps(_doc(first={"reward": True})), "reward True is not a finite number"),
     (json.dumps(_doc(first={"finish_reason": "abort"})), "finish_reason 'stop' or 'length'"),
@@ -62,18 +69,18 @@ def _doc(**changes):
 def test_a_file_that_is_not_a_recording_of_this_run_is_refused_saying_why(tmp_path, text, words):
     (tmp_path / "r_0.json").write_text(text)
     with pytest.raises(RolloutDataError) as e:
-        read_rollout(str(tmp_path / "r_{rollout_id}.json"), 0, prompts=2, samples_per_prompt=2)
+        _shape(str(tmp_path / "r_{rollout_id}.json")).read(0)
     assert str(tmp_path / "r_0.json") in str(e.value) and words in str(e.value)
 
 
-def test_a_missing_or_oversized_file_is_refused_before_it_is_read(tmp_path, monkeypatch):
+def test_a_missing_or_oversized_file_is_refused_before_it_is_read(tmp_path):
     template = str(tmp_path / "r_{rollout_id}.json")
     with pytest.raises(RolloutDataError, match="cannot read the recorded rollout 0"):
-        read_rollout(template, 0, prompts=2, samples_per_prompt=2)
-    (tmp_path / "r_0.json").write_text(json.dumps(_doc()))
-    monkeypatch.setattr("miles.rollout.recorded.MAX_ROLLOUT_FILE_BYTES", 100)
-    with pytest.raises(RolloutDataError, match="more than the 100"):
-        read_rollout(template, 0, prompts=2, samples_per_prompt=2)
+        _shape(template).read(0)
+    bound = _shape(template).max_file_bytes
+    (tmp_path / "r_0.json").write_text(json.dumps(_doc()) + " " * bound)
+    with pytest.raises(RolloutDataError, match=f"more than the {bound:,} it may have"):
+        _shape(template).read(0)
 
 
 def _validate(tmp_path, *flags):

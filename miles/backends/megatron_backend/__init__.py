@@ -1,4 +1,4 @@
-"""The megatron training backend: megatron-core GPTModel + DDP + DistributedOptimizer (GPU only).
+"""The megatron training backend: megatron-core GPTModel + DDP + DistributedOptimizer (CUDA; machine.py).
 
     architecture.py   what a transformers config means for Megatron (pure; rejects what cannot be built)
     model.py          TransformerConfig / GPTModel kwargs from an HF config (pure) and the builder
@@ -14,6 +14,7 @@
     pipeline.py       the policy-gradient step through Megatron's pipeline schedule (PP > 1)
     router_bias.py    routers with an expert bias: fp32 in a bf16 model, the aux-loss-free balancing step (GPU)
     trainer.py        MegatronTrainer: the same methods as the torch backend's TorchTrainer
+    machine.py        what it needs of the machine: CUDA, unless megatron-core is a build for CPU ('+cpu')
 
-Importing this package does not import megatron-core (it needs Python >= 3.12 and CUDA).
+Importing this package does not import megatron-core (it needs Python >= 3.12 and, released, CUDA).
 """

@@ -178,8 +178,9 @@ def _this_stage(spec: Any, config: Any, pp_rank: int) -> Any:
 def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype, expert_model_parallel_size: int = 1,
                     use_te: bool | None = None, fused_attention: bool = True,
                     layout: Optional[ParallelLayout] = None, sequence_parallel: bool = False, pp_rank: int = 0):
-    """``(GPTModel, TransformerConfig, uses_te_spec)`` on the current CUDA device, weights uninitialized: this
-    rank's pipeline stage (``pp_rank`` of ``layout``; the embedding on the first, the output layer on the last).
+    """``(GPTModel, TransformerConfig, uses_te_spec)`` on the current CUDA device (the CPU without one), weights
+    uninitialized: this rank's pipeline stage (``pp_rank`` of ``layout``; the embedding on the first, the output
+    layer on the last).
 
     Needs megatron-core and ``parallel_state.initialize_model_parallel`` to have run (the MoE layers
     read the expert-parallel group). The local spec's attention is torch's scaled_dot_product_attention
@@ -193,6 +194,7 @@ def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype, expert_model_p
     kwargs = transformer_config_from_hf(hf_config, params_dtype=params_dtype,
                                         expert_model_parallel_size=expert_model_parallel_size, layout=layout,
                                         sequence_parallel=sequence_parallel)
+    kwargs["use_cpu_initialization"] = not torch.cuda.is_available()  # else megatron allocates on the CUDA device
     arch = describe(hf_config)
     pp = layout.pp if layout else 1
     stage = dict(pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,

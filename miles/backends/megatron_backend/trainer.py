@@ -18,13 +18,14 @@ every rank must iterate it.
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import logging
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from miles.backends.base import TrainBackend
+from miles.backends.base import TrainBackend, tensors_finite
 from miles.models import load_policy
 
 from .architecture import describe
@@ -33,6 +34,7 @@ from .convert import hf_moe_layout, hf_to_megatron, iter_megatron_to_hf
 from .expert_gather import gather_layer_experts
 from .grad_buffers import GradBuffers
 from .logprobs import LogprobRequest, output_logprobs
+from .machine import DISTRIBUTION, needs_cuda_message, runs_without_cuda
 from .model import build_gpt_model, native_fp32_param_names
 from .model_parallel import ModelParallelRank, initialize, pad_sequence
 from .router_bias import clear_router_token_counts, keep_routers_fp32, routers_to_fp32, step_router_expert_bias
@@ -40,8 +42,14 @@ from .router_bias import clear_router_token_counts, keep_routers_fp32, routers_t
 logger = logging.getLogger(__name__)
 
 _EXTRA_STATE = "_extra_state"  # Transformer Engine metadata in state dicts, not a weight
-_FINITE_CHECK_ELEMENTS = 1 << 27  # grads checked per isfinite call: its bool temporary stays at 128 MiB
 _LOW_PRECISION = (torch.bfloat16, torch.float16)  # param buffers whose masters the optimizer keeps in fp32
+
+
+def _installed_megatron_version() -> Optional[str]:
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 class MegatronTrainer(TrainBackend):
@@ -66,26 +74,31 @@ class MegatronTrainer(TrainBackend):
     def check_config(self) -> None:
         # the flags are validation's (miles.config.validation); what only this process can see is its own GPU
         if not torch.cuda.is_available():
-            raise RuntimeError("--train-backend megatron needs a CUDA GPU (megatron-core has no CPU path); "
-                               "use --train-backend torch on this machine")
+            version = _installed_megatron_version()
+            if not runs_without_cuda(version):
+                raise RuntimeError(f"{needs_cuda_message(version)} in this process; use --train-backend torch on "
+                                   "this machine")
 
     def join_process_group(self, rendezvous: str) -> str:
         from megatron.core import parallel_state
 
-        self.device = torch.device("cuda", torch.cuda.current_device())  # Ray gives each actor its own GPU
-        torch.cuda.set_device(self.device)
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())  # Ray gives each actor its own GPU
+            torch.cuda.set_device(self.device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"  # a megatron-core build for CPU (machine.py)
         if not dist.is_initialized():
-            dist.init_process_group("nccl", init_method=f"tcp://{rendezvous}", rank=self.rank,
+            dist.init_process_group(backend, init_method=f"tcp://{rendezvous}", rank=self.rank,
                                     world_size=self.world_size, timeout=datetime.timedelta(minutes=30))
         initialize(self.config.parallel_layout)
         self.ep_rank = parallel_state.get_expert_model_parallel_rank()
-        return "nccl"
+        return backend
 
     def seed(self, seed: int) -> None:
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
         super().seed(seed)
-        model_parallel_cuda_manual_seed(seed)  # megatron's CUDA RNG tracker (dropout paths need it seeded)
+        if self.device.type == "cuda":
+            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(seed)  # megatron's CUDA RNG tracker (dropout paths need it seeded)
 
     def build_model(self) -> str:
         hf_state, description = self._load_hf_policy()
@@ -130,7 +143,7 @@ class MegatronTrainer(TrainBackend):
             pp_rank=self.parallel.pp_rank)
         if tconfig.moe_router_enable_expert_bias:
             self.router_bias_update_rate = tconfig.moe_router_bias_update_rate
-        self.gpt.cuda()
+        self.gpt.to(self.device)
         routers_to_fp32(self.gpt)  # routers with an expert bias train in fp32 (router_bias.py)
         self._load_hf_state(hf_state)  # before DDP: its param buffer takes the values over
         to_bf16 = lambda: Float16Module(tconfig, self.gpt)  # noqa: E731
@@ -250,12 +263,13 @@ class MegatronTrainer(TrainBackend):
     def local_grads_finite(self) -> bool:
         """Over the DDP grad buffers, every param's grad (native-fp32 ones too): Megatron's step checks
         for inf/NaN only with an fp16 loss scaler, and with bf16 would apply them."""
-        finite = torch.ones((), dtype=torch.bool, device=self.device)
-        for buffer in self.ddp.buffers + self.ddp.expert_parallel_buffers:
-            # by slices: isfinite of a whole buffer is a bool tensor of one byte per param (9 GB at 9.2B)
-            for part in buffer.grad_data.split(_FINITE_CHECK_ELEMENTS):
-                finite &= torch.isfinite(part).all()
-        return bool(finite)
+        return tensors_finite([b.grad_data for b in self.ddp.buffers + self.ddp.expert_parallel_buffers],
+                              self.device)
+
+    def trained_weights(self) -> list[torch.Tensor]:
+        """The DDP param buffers (bf16 and native-fp32 alike), all-gathered by the step's param sync."""
+        return [b.param_data for b in self.ddp.buffers + self.ddp.expert_parallel_buffers
+                if b.param_data is not None]
 
     def optimizer_step(self, rollout_id: int) -> float:
         ok, grad_norm, _ = self.optimizer.step()  # clips by config.clip_grad over dense + expert grads
@@ -334,7 +348,7 @@ class MegatronTrainer(TrainBackend):
         targets = {k: v for k, v in self.gpt.state_dict().items()
                    if torch.is_tensor(v) and not k.endswith(_EXTRA_STATE) and v.dtype in _LOW_PRECISION}
         nbytes = copy_from_engine(mcore.items(), targets)
-        torch.cuda.synchronize()
+        self._synchronize()
         return nbytes
 
     def weights_from_masters(self) -> int:
@@ -345,14 +359,20 @@ class MegatronTrainer(TrainBackend):
             for member in getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]:
                 if not member.is_stub_optimizer:
                     member.start_param_sync_for_bucket_group_subset()
-        torch.cuda.synchronize()
+        self._synchronize()
         return read
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def before_offload(self) -> dict[str, Any]:
         # Before the offloader: torch_memory_saver must never see the grad buffers (grad_buffers.py).
         return {"grad_bytes_dropped": self.grad_buffers.release()}
 
     def asleep_report(self) -> dict[str, Any]:
+        if self.device.type != "cuda":
+            return {}
         free, total = torch.cuda.mem_get_info()
         # Device-wide: what this trainer still holds plus the (released) rollout engine's residue and
         # every process's CUDA context; an upper bound on the trainer's share while asleep.

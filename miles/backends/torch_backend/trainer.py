@@ -20,7 +20,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from miles.backends.base import TrainBackend
+from miles.backends.base import TrainBackend, tensors_finite
 from miles.models import load_policy
 from miles.offload import make_resizable
 from miles.rl.loss import forward_logprobs
@@ -103,11 +103,11 @@ class TorchTrainer(TrainBackend):
 
     @torch.no_grad()
     def local_grads_finite(self) -> bool:
-        finite = torch.ones((), dtype=torch.bool, device=self.device)
-        for p in self.model.parameters():
-            if p.grad is not None:
-                finite &= torch.isfinite(p.grad).all()
-        return bool(finite)
+        return tensors_finite([p.grad for p in self.model.parameters() if p.grad is not None], self.device)
+
+    def trained_weights(self) -> list[torch.Tensor]:
+        """The trainable params: every rank holds them whole after the step's all-gather."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def optimizer_step(self, rollout_id: int) -> float:
         with torch.no_grad():

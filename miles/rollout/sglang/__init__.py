@@ -9,14 +9,16 @@ with sglang's own classes, imported when first used.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import keyword
 import re
 import urllib.parse
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 __all__ = ["TESTED_SGLANG_VERSION", "TESTED_TORCH_VERSION", "WEIGHT_SESSION_SINCE", "INSTALL_HINT",
-           "RESERVED_SERVER_ARGS", "parse_version", "needs_weight_session", "parse_server_args", "check_url"]
+           "RESERVED_SERVER_ARGS", "parse_version", "needs_weight_session", "parse_server_args", "check_url",
+           "server_address"]
 
 TESTED_SGLANG_VERSION = "0.5.17"
 TESTED_TORCH_VERSION = "2.11.0"  # what sglang 0.5.11-0.5.17 pin
@@ -83,22 +85,53 @@ def parse_server_args(items: Iterable[str]) -> dict[str, Any]:
     return out
 
 
-def check_url(url: str) -> str:
-    """The URL of a running sglang server, ``http(s)://host[:port]`` with no path, query or credentials; it is
-    returned without a trailing slash. ValueError naming the URL otherwise."""
-    parsed = urllib.parse.urlsplit(url) if isinstance(url, str) else None
-    problem = None
+def _parsed_url(url: Any) -> tuple[Optional[urllib.parse.SplitResult], Optional[str]]:
+    """``(parsed, None)`` for the URL of a running sglang server, ``(None, problem)`` otherwise."""
+    try:
+        parsed = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+    except ValueError as e:  # a malformed IPv6 address ("[::1:30000")
+        return None, f"it does not parse as a URL ({e})"
     if parsed is None or parsed.scheme not in ("http", "https") or not parsed.hostname:
-        problem = "it is not http(s)://HOST[:PORT]"
-    elif parsed.path not in ("", "/") or parsed.query or parsed.fragment:
-        problem = "it has a path, query or fragment (miles adds the endpoint paths itself)"
-    elif parsed.username or parsed.password:
-        problem = "it carries credentials"
-    else:
-        try:
-            parsed.port  # noqa: B018 - raises ValueError for a port out of range
-        except ValueError:
-            problem = "its port is not a number in 1-65535"
+        return None, "it is not http(s)://HOST[:PORT]"
+    if parsed.path not in ("", "/") or parsed.query or parsed.fragment:
+        return None, "it has a path, query or fragment (miles adds the endpoint paths itself)"
+    if parsed.username or parsed.password:
+        return None, "it carries credentials"
+    try:
+        port = parsed.port  # ValueError for a port that is not a number or beyond 65535
+    except ValueError:
+        port = 0
+    if port == 0:
+        return None, "its port is not a number in 1-65535"
+    return parsed, None
+
+
+def check_url(url: str) -> str:
+    """The URL of a running sglang server, ``http(s)://host[:port]`` (port 1-65535) with no path, query or
+    credentials; it is returned without a trailing slash. ValueError naming the URL and ``--sglang-url``
+    otherwise."""
+    server_address(url)
+    return url.rstrip("/")
+
+
+_LOOPBACK = "loopback"
+_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def server_address(url: str) -> tuple[str, str, int]:
+    """``(scheme, host, port)`` naming the server a checked URL reaches, so that two spellings of one server
+    compare equal: scheme and host in lower case, an IP address in its canonical form, ``localhost``,
+    ``127.0.0.1`` and ``::1`` as one loopback, the port as a number (the scheme's default when none is given).
+    ValueError as :func:`check_url`."""
+    parsed, problem = _parsed_url(url)
     if problem:
         raise ValueError(f"--sglang-url {url!r}: {problem}; pass e.g. http://127.0.0.1:30000")
-    return url.rstrip("/")
+    host = parsed.hostname.lower()
+    try:
+        host = ipaddress.ip_address(host).compressed
+    except ValueError:
+        pass  # a name, not an address
+    if host in _LOOPBACK_NAMES:
+        host = _LOOPBACK
+    return parsed.scheme.lower(), host, parsed.port or _DEFAULT_PORTS[parsed.scheme.lower()]

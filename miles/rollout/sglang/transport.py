@@ -7,7 +7,9 @@ sglang reports in them (``(False, message)``, ``{"success": false, ...}``, ``{"e
 an HTTP error status) raise :class:`SglangCallError` naming the call (:func:`raise_for_failure`).
 HTTP uses only the standard library (``http.client``): each call ends by the deadline
 ``--sglang-request-timeout`` (connect, send and the whole answer), and a redirect is an error naming where it
-points, never followed.
+points, never followed. An answer is untrusted: its size is bounded before it is read (by what the call asked
+for: :func:`answer_limit`; a ``Content-Length`` above it is refused unread, and reading stops past it), and its
+JSON's nesting before it is parsed (:mod:`miles.untrusted_json`).
 """
 
 from __future__ import annotations
@@ -20,10 +22,20 @@ import time
 import urllib.parse
 from typing import Any, Optional
 
-__all__ = ["SglangCallError", "raise_for_failure", "InProcessSglang", "HttpSglang", "MAX_RESPONSE_BYTES"]
+from miles.untrusted_json import UntrustedJSONError, parse_bounded
+
+__all__ = ["SglangCallError", "raise_for_failure", "InProcessSglang", "HttpSglang", "MAX_RESPONSE_BYTES",
+           "answer_limit"]
 
 # A generate answer of a large batch with log-probs is tens of MiB; more than this is not an sglang answer.
 MAX_RESPONSE_BYTES = 512 * 1024 * 1024
+# Every other answer (server_info, health, memory, weight updates, flush_cache) is a few KiB.
+MAX_CONTROL_ANSWER_BYTES = 16 * 1024 * 1024
+# A generate answer per request: its fixed fields, and per token (prompt and new) at most an id, a
+# (logprob, id, text) triple and the token's text, JSON-escaped.
+_ANSWER_BYTES_PER_REQUEST = 64 * 1024
+_ANSWER_BYTES_PER_TOKEN = 512
+_MAX_ANSWER_DEPTH = 16  # sglang's answers nest 5 deep (a list of outputs, meta_info, log-prob triples)
 _MESSAGE_CHARS = 2000
 _READ_CHUNK = 1024 * 1024
 
@@ -40,6 +52,18 @@ class SglangCallError(RuntimeError):
 def _short(text: Any) -> str:
     text = str(text)
     return text if len(text) <= _MESSAGE_CHARS else text[:_MESSAGE_CHARS] + f"... ({len(text)} characters)"
+
+
+def answer_limit(endpoint: str, body: Optional[dict]) -> int:
+    """The most bytes sglang's answer to this call may hold: for ``generate``, what its requests can produce
+    (:data:`_ANSWER_BYTES_PER_REQUEST` each, plus :data:`_ANSWER_BYTES_PER_TOKEN` per prompt token and per
+    ``max_new_tokens``), at most :data:`MAX_RESPONSE_BYTES`; for every other call
+    :data:`MAX_CONTROL_ANSWER_BYTES`."""
+    if endpoint != "generate" or not isinstance(body, dict):
+        return MAX_CONTROL_ANSWER_BYTES
+    prompts, params = body.get("input_ids") or [], body.get("sampling_params") or []
+    tokens = sum(len(ids) for ids in prompts) + sum(int(p.get("max_new_tokens", 0)) for p in params)
+    return min(MAX_RESPONSE_BYTES, len(prompts) * _ANSWER_BYTES_PER_REQUEST + tokens * _ANSWER_BYTES_PER_TOKEN)
 
 
 def raise_for_failure(call: str, result: Any, where: str = "sglang") -> Any:
@@ -121,7 +145,8 @@ class HttpSglang:
 
     def _send(self, endpoint: str, body: Optional[dict]) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        status, location, raw = _exchange(self.url, endpoint, data, self.timeout_s, self.where)
+        status, location, raw = _exchange(self.url, endpoint, data, self.timeout_s, self.where,
+                                          answer_limit(endpoint, body))
         if 300 <= status < 400:
             raise SglangCallError(endpoint, f"HTTP {status}: the server redirects to {_short(location)!r}, and "
                                   "redirects are not followed; pass the server's own address as --sglang-url",
@@ -129,11 +154,14 @@ class HttpSglang:
         if status >= 400:
             text = raw[:_MESSAGE_CHARS * 4].decode(errors="replace")
             raise SglangCallError(endpoint, f"HTTP {status}: {_short(_error_text(text))}", self.where)
-        if not raw.strip():
+        text = raw.strip()
+        if not text:
             return None
         try:
-            return json.loads(raw)
-        except ValueError:
+            return parse_bounded(raw, max_depth=_MAX_ANSWER_DEPTH)
+        except UntrustedJSONError as e:
+            if text[:1] in (b"[", b"{"):
+                raise SglangCallError(endpoint, f"the answer is not JSON miles reads: {e}", self.where) from None
             return raw.decode(errors="replace")  # flush_cache answers in plain text
 
     def request(self, endpoint: str, body: Optional[dict] = None) -> Any:
@@ -152,11 +180,13 @@ class HttpSglang:
         self.closed = True  # the server is not ours: it keeps running
 
 
-def _exchange(url: str, endpoint: str, data: Optional[bytes], timeout_s: float, where: str) -> tuple[int, str, bytes]:
+def _exchange(url: str, endpoint: str, data: Optional[bytes], timeout_s: float, where: str,
+              limit: int) -> tuple[int, str, bytes]:
     """One request, ``(status, Location header, body)``, ended by the deadline ``timeout_s`` from now whatever
     the server does: a socket timeout bounds the connect, and a timer cuts the connection at the deadline
-    (a server trickling bytes resets every per-read timeout). The body is read in chunks up to
-    :data:`MAX_RESPONSE_BYTES`. ``http.client`` follows no redirects: a 3xx comes back as its status."""
+    (a server trickling bytes resets every per-read timeout). A body of more than ``limit`` bytes (an error's:
+    a short message) is refused: unread when its Content-Length says so, else once reading passes the limit.
+    ``http.client`` follows no redirects: a 3xx comes back as its status."""
     parsed = urllib.parse.urlsplit(url)
     connection_class = http.client.HTTPSConnection if parsed.scheme == "https" else http.client.HTTPConnection
     connection = connection_class(parsed.hostname, parsed.port, timeout=timeout_s)
@@ -183,15 +213,17 @@ def _exchange(url: str, endpoint: str, data: Optional[bytes], timeout_s: float, 
         headers = {"Content-Type": "application/json"} if data is not None else {}
         connection.request("GET" if data is None else "POST", f"/{endpoint}", body=data, headers=headers)
         response = connection.getresponse()
-        limit = MAX_RESPONSE_BYTES if response.status < 300 else _MESSAGE_CHARS * 4
-        chunks, size = [], 0
-        while size <= limit:
-            chunk = response.read(min(_READ_CHUNK, limit + 1 - size))
+        status, location = response.status, response.getheader("Location", "")
+        if status >= 300:
+            limit = _MESSAGE_CHARS * 4  # what of an error's body is shown
+        else:
+            _check_declared_length(response.getheader("Content-Length"), limit, endpoint, where)
+        body = bytearray()
+        while len(body) <= limit:
+            chunk = response.read(min(_READ_CHUNK, limit + 1 - len(body)))
             if not chunk:
                 break
-            chunks.append(chunk)
-            size += len(chunk)
-        status, location = response.status, response.getheader("Location", "")
+            body += chunk
     except (OSError, http.client.HTTPException) as e:
         if cut.is_set() or time.monotonic() >= deadline:  # the connect's own timeout ends at the deadline too
             raise _past_deadline(endpoint, timeout_s, where) from None
@@ -202,9 +234,22 @@ def _exchange(url: str, endpoint: str, data: Optional[bytes], timeout_s: float, 
         connection.close()
     if cut.is_set():  # the cut may end an answer of unknown length as if it were complete
         raise _past_deadline(endpoint, timeout_s, where)
-    if size > MAX_RESPONSE_BYTES:
-        raise SglangCallError(endpoint, f"the answer exceeds {MAX_RESPONSE_BYTES} bytes: refused", where)
-    return status, location, b"".join(chunks)
+    if len(body) > limit:
+        if status >= 300:
+            del body[limit:]  # an error's message, cut
+        else:
+            raise _too_large(endpoint, f"more than {limit:,} bytes", limit, where)
+    return status, location, bytes(body)
+
+
+def _check_declared_length(declared: Optional[str], limit: int, endpoint: str, where: str) -> None:
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise _too_large(endpoint, f"{int(declared):,} bytes (its Content-Length)", limit, where)
+
+
+def _too_large(endpoint: str, size: str, limit: int, where: str) -> SglangCallError:
+    return SglangCallError(endpoint, f"the answer is {size}, more than the {limit:,} this call may take: refused "
+                           "(is --sglang-url an sglang server?)", where)
 
 
 def _past_deadline(endpoint: str, timeout_s: float, where: str) -> SglangCallError:
@@ -216,8 +261,8 @@ def _past_deadline(endpoint: str, timeout_s: float, where: str) -> SglangCallErr
 def _error_text(text: str) -> str:
     """sglang's error body (``{"error": {"message"}}``, ``{"message"}``, ``{"detail"}``) as its message."""
     try:
-        body = json.loads(text)
-    except ValueError:
+        body = parse_bounded(text, max_depth=_MAX_ANSWER_DEPTH)
+    except UntrustedJSONError:
         return text
     if isinstance(body, dict):
         error = body.get("error")

@@ -45,10 +45,12 @@ def fla_gated_backward_is_exact(*, hopper: bool, triton_version: str, tilelang: 
 
 def gated_delta_rule_kwargs() -> dict[str, Any]:
     """``TransformerConfig`` keywords that choose the Gated DeltaNet's kernels on this GPU: fla's Triton kernels
-    ({}), or, where their backward is wrong, megatron-core's torch chunked delta rule and torch conv1d
-    (``deterministic_mode``). In megatron-core 0.19.2 that flag changes nothing else this build uses:
+    ({}), or, where their backward is wrong or there is no GPU, megatron-core's torch chunked delta rule and torch
+    conv1d (``deterministic_mode``). In megatron-core 0.19.2 that flag changes nothing else this build uses:
     besides GatedDeltaNet it is read by VocabParallelEmbedding (an index instead of F.embedding: the same
     values, a deterministic backward), Transformer Engine's attention and the inference engines."""
+    if not torch.cuda.is_available():  # fla's kernels are Triton's, for GPUs
+        return {"deterministic_mode": True}
     import triton
 
     hopper = torch.cuda.get_device_capability()[0] == 9 or "NVIDIA H" in torch.cuda.get_device_name()
