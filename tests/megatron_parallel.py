@@ -116,12 +116,12 @@ RUNS = ("resident", "streamed", "resumed")
 # taken from the loaded weights), optimizer state resident or streamed: bit-identical
 WEIGHTS_ONLY = ("weights-only-resident", "weights-only-streamed")
 FP32 = "fp32"  # a resident run in fp32: TP/PP/EP change only the reduction order, so it matches TP1 tightly
-# seen: 3e-8 (Llama, Qwen3-MoE at every layout), 1.4e-5 (GLM-5 at TP2 + SP); a wrong shard moves it by ~7e-4,
-# which bf16's rounding hides (bf16 TP2 vs TP1: 4e-5 to 1.4e-4)
-FP32_LOSS_TOL = 1e-4
-# seen: <= 2e-5, except GLM-5's kv_a_proj_with_mqa at TP2 + SP: 0.0056 in every layer, in fp32 as in bf16, not
-# explained yet (Adam's steps are lr-sized whatever the grad: two runs part by at most 2 x lr x 3 steps = 0.006)
-FP32_WEIGHT_TOL = 0.01
+# seen: 3e-8 (every layout and model); a wrong shard moves it by ~7e-4, which bf16's rounding hides (bf16 TP2 vs
+# TP1: 4e-5 to 1.4e-4); a grad missing part of its TP sum, by 1.4e-5 after 3 steps (GLM-5's rope key, before the fix)
+FP32_LOSS_TOL = 1e-6
+# seen: <= 2e-5 (Adam amplifies reduction order in small grads); a grad missing part of its TP sum moves a weight by
+# up to 2 x lr x 3 steps = 0.006 (Adam's steps are lr-sized whatever the grad): 0.0055 was GLM-5's kv_a_proj_with_mqa
+FP32_WEIGHT_TOL = 1e-4
 
 
 def _train(rank: int, layout: Layout, model: Optional[str], rendezvous: str, placement: Placement, root: str,

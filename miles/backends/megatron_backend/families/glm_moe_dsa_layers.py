@@ -15,7 +15,12 @@ supplies one: megatron's local modules plus
   LayerNorm with the configured one (``dsa_indexer_k_norm_epsilon``), their params marked ``sequence_parallel``
   under sequence parallelism (MLA scatters the latents back over the sequence: each rank's grads are partial,
   and megatron's ``finalize_model_grads`` sums the marked ones over TP);
-- no fused norm+linear: every norm is its own module (``convert.py``'s unfused names).
+- no fused norm+linear: every norm is its own module (``convert.py``'s unfused names);
+- :class:`SequenceParallelLatentMLA`: megatron's absorbed MLA whose kv down projection hands MLA the whole latent
+  of this rank's sequence part, as TE's duplicated projection does (megatron's ColumnParallelLinear path gathers
+  the latent over TP and uses the rope key of the whole sequence on every rank, so each rank's grad of the rope
+  key holds only its own heads' share, and the down projection's rope rows trained on a partial grad: GLM-5 at
+  TP2 drifted from TP1 by 0.0055 in ``kv_a_proj_with_mqa`` after 3 fp32 steps).
 
 Sparse attention runs megatron's PyTorch path (``dsa_kernel_backend="none"``: no tilelang, no cuDNN).
 """
@@ -28,7 +33,7 @@ import torch
 
 from .glm_moe_dsa import LATENT_NORM_EPS
 
-__all__ = ["dsa_decoder_block_spec", "DuplicatedLinear", "LocalDsaSpecProvider", "QKNorm"]
+__all__ = ["dsa_decoder_block_spec", "DuplicatedLinear", "LocalDsaSpecProvider", "QKNorm", "sequence_parallel_latent_mla"]
 
 
 class DuplicatedLinear(torch.nn.Module):
@@ -49,6 +54,34 @@ class DuplicatedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor):
         return torch.nn.functional.linear(x, self.weight), None
+
+
+def _latent_of_this_sequence_part(module, inputs, output):
+    """The kv down projection's output as MLA's duplicated-projection path takes it: the whole latent (gathered
+    over TP; the backward keeps this rank's slice) of this rank's part of the sequence (the backward all-gathers
+    it). MLA then gathers the rope key over the sequence, whose backward sums every rank's heads' grads."""
+    from megatron.core.tensor_parallel.mappings import (gather_from_tensor_model_parallel_region,
+                                                         scatter_to_sequence_parallel_region)
+
+    latent, bias = output
+    whole = gather_from_tensor_model_parallel_region(latent, group=module.tp_group)
+    return scatter_to_sequence_parallel_region(whole, group=module.tp_group), bias
+
+
+def sequence_parallel_latent_mla():
+    """:class:`SequenceParallelLatentMLA`, made on first use (megatron-core is imported inside the functions)."""
+    from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttention
+
+    class SequenceParallelLatentMLA(AbsorbedMLASelfAttention):
+        """megatron's absorbed MLA (it requires sequence parallelism under TP) with its column-parallel kv down
+        projection's output turned into the whole latent of this rank's sequence part (module doc)."""
+
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            if config.tensor_model_parallel_size > 1:
+                self.linear_kv_down_proj.register_forward_hook(_latent_of_this_sequence_part)
+
+    return SequenceParallelLatentMLA
 
 
 class QKNorm:
@@ -117,4 +150,5 @@ def dsa_decoder_block_spec(config):
     layers = get_transformer_layer_with_experimental_attention_variant_spec(config, backend=backend)
     # One attention spec object is shared by every layer: patch it once.
     _with_duplicated_indexer_linears(layers[0])
+    layers[0].submodules.self_attention.module = sequence_parallel_latent_mla()
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=backend.layer_norm(rms_norm=True))
