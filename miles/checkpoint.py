@@ -54,7 +54,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from miles.untrusted_json import UntrustedJSONError, parse_bounded, read_regular_file
-from miles_plugins.optimizers.streaming.io.ownership import (
+from miles_plugins.host.ownership import (
     CREATED_FILE,
     IDENTITY_TAG,
     OwnerRecord,

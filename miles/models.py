@@ -358,6 +358,7 @@ def check_tokenizer_files(folder: str, is_file: Callable[[str], bool], has_modul
     sentencepiece model only, and ``tokenizer.json`` / ``tokenizer_config.json``, where present, are what
     transformers loads (:func:`check_tokenizer_json`; read bounded, regular files only);
     :class:`ModelFolderError` otherwise. ``is_file`` and ``has_module``: the probes."""
+    refuse_irregular_tokenizer_files(folder, is_file)
     present = [files for files in TOKENIZER_FILES if all(is_file(os.path.join(folder, f)) for f in files)]
     if not present:
         names = " or ".join(" + ".join(files) for files in TOKENIZER_FILES)
@@ -377,6 +378,23 @@ def check_tokenizer_files(folder: str, is_file: Callable[[str], bool], has_modul
 
 _TOKENIZER_FIX = ("save the model's tokenizer into the folder again (tokenizer.save_pretrained(folder)), or pass the "
                   "folder of a complete HuggingFace model")
+
+
+def refuse_irregular_tokenizer_files(folder: str, is_file: Callable[[str], bool]) -> None:
+    """:class:`ModelFolderError` naming the first tokenizer file name in ``folder`` that is there but is no regular
+    file (a FIFO, a device, a directory; a symbolic link judged by what it names): transformers would open it and
+    block or fail, and a folder holding one is not a folder "without tokenizer files". ``stat`` opens nothing."""
+    from miles.untrusted_json import file_kind
+
+    for name in dict.fromkeys([*(f for files in TOKENIZER_FILES for f in files), "tokenizer_config.json"]):
+        path = os.path.join(folder, name)
+        if is_file(path) or not os.path.lexists(path):
+            continue
+        try:
+            kind = f"is {file_kind(os.stat(path).st_mode)}, not a regular file"
+        except OSError as e:  # a dangling or looping symbolic link
+            kind = f"is a symbolic link to nothing readable ({e.strerror})"
+        raise ModelFolderError(f"{path} {kind}", f"move {name} away and {_TOKENIZER_FIX}")
 
 
 def _read_tokenizer_file(path: str, max_bytes: int) -> tuple[bytes, Any]:

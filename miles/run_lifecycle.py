@@ -26,7 +26,7 @@ from miles import checkpoint
 from miles.config import RunConfig
 from miles.ray.node_sweep import (NodeSweep, checkpoint_reason, left_entries, removed_line, sweep_nodes,
                                   sweep_run_root, wait_for_exit)
-from miles_plugins.optimizers.streaming.io.ownership import (
+from miles_plugins.host.ownership import (
     DirectoryInUseError,
     DirectoryLock,
     LockUnsupportedError,

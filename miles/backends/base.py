@@ -22,7 +22,7 @@ Lifecycle, as :class:`miles.ray.train_actor.TrainActor` calls it::
     trainer.sleep(); trainer.wake()             # idempotent; dicts of offload stats
     trainer.shutdown()                          # closes files, removes rank_dir; idempotent
 
-The rank directory is held under a :class:`~miles_plugins.optimizers.streaming.io.ownership.DirectoryLock`
+The rank directory is held under a :class:`~miles_plugins.host.ownership.DirectoryLock`
 from init to shutdown (:meth:`TrainBackend.claim_rank_dir` / :meth:`TrainBackend.release_rank_dir`),
 so two actors, or two runs, never write into one; shutdown removes it only if this run made it.
 """
@@ -55,7 +55,7 @@ from miles.sizing.flops import mfu, model_flops, peak_bf16_flops, train_flops
 from miles.sizing.model_params import ModelConfigError
 from miles.rl.loss import accumulate_policy_gradient, training_input_problem
 from miles_plugins.optimizers.nvme_stream import StepStats, StoreGroup, stream_optimizer_state
-from miles_plugins.optimizers.streaming.io.ownership import DirectoryLock, claim_directory, remove_created
+from miles_plugins.host.ownership import DirectoryLock, claim_directory, remove_created
 
 logger = logging.getLogger(__name__)
 
@@ -374,7 +374,14 @@ class TrainBackend(abc.ABC):
 
     def weights_finite_on_every_rank(self) -> bool:
         """Whether every rank's :meth:`trained_weights` are finite (each rank checks its own; one all-reduce)."""
-        return self.all_reduce([0.0 if tensors_finite(self.trained_weights(), self.device) else 1.0])[0] == 0.0
+        return not self.ranks_with_non_finite_weights()
+
+    def ranks_with_non_finite_weights(self) -> list[int]:
+        """The ranks whose :meth:`trained_weights` hold a NaN or inf (one all-reduce of a slot per rank: every
+        rank gets the same list)."""
+        bad = not tensors_finite(self.trained_weights(), self.device)
+        slots = self.all_reduce([1.0 if bad and r == self.rank else 0.0 for r in range(self.world_size)])
+        return [r for r, slot in enumerate(slots) if slot]
 
     def refuse_non_finite_weights(self, action: str) -> None:
         """Raise :class:`NonFiniteWeightsError` once a step has left non-finite weights (``action``: what the
@@ -468,10 +475,19 @@ class TrainBackend(abc.ABC):
         """Load this rank's part of the checkpoint at ``base``: the weights, then the mains from them
         (through the store when streaming), then the optimizer state if asked."""
         with self.awake():
-            return checkpoint.load_train_state(base, model=self.checkpoint_model(),
+            info = checkpoint.load_train_state(base, model=self.checkpoint_model(),
                                                optimizer=self.checkpoint_optimizer(), store=self.store,
                                                rank=self.rank, world_size=self.world_size,
                                                load_optimizer=load_optimizer)
+            # a checkpoint saved before saves checked the weights may hold NaN/inf: every step from it would be
+            # skipped or poison the engines, so the run stops here (every rank raises: the check is one all-reduce)
+            bad_ranks = self.ranks_with_non_finite_weights()
+            if bad_ranks:
+                raise checkpoint.CheckpointError(
+                    f"{base} holds non-finite model weights (NaN or inf, as loaded on train rank(s) "
+                    f"{', '.join(map(str, bad_ranks))}): it was saved after a step that diverged. Resume from an "
+                    "earlier checkpoint (--load <its folder>) with a lower --lr, or start without --load")
+        return info
 
     # ---- sleep / wake -------------------------------------------------------------------------
     def sleep(self, engine: Optional[EngineNeeds] = None) -> dict[str, Any]:

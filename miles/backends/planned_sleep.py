@@ -25,7 +25,7 @@ from miles.offload.planned import stats_of
 from miles.offload.storage import unique_storages
 from miles_plugins.optimizers.nvme_stream import StoreGroup
 from miles_plugins.optimizers.streaming.config import DEFAULT_HOST_CACHE_RESERVE_MB
-from miles_plugins.optimizers.streaming.io.stager import available_host_memory
+from miles_plugins.host.memory import available_host_memory
 from miles_plugins.optimizers.streaming.units import GB, MiB
 
 logger = logging.getLogger(__name__)

@@ -13,6 +13,7 @@ import platform
 import sys
 import tempfile
 import time
+from decimal import Decimal, InvalidOperation
 
 import torch
 
@@ -21,9 +22,7 @@ from miles_plugins.optimizers.streaming.units import GB
 
 
 def parse_count(text: str) -> int:
-    text = text.strip().upper().replace("_", "")
-    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
+    return int(parse_count_exactly(text))
 
 
 def count_text(count: int) -> str:
@@ -42,7 +41,7 @@ def free_memory(device: torch.device) -> int | None:
     where it cannot be read."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    from miles_plugins.optimizers.streaming.io.stager import available_host_memory
+    from miles_plugins.host.memory import available_host_memory
 
     return available_host_memory()
 
@@ -80,6 +79,38 @@ def number_arg(kind, what: str, low: float = 0.0, inclusive: bool = False, high:
     return parse
 
 
+def count_arg(what: str, minimum: int, why: str):
+    """An argparse type: a whole count (``100M``, ``1.5B``, ``2000000``: :func:`parse_count`'s spellings) of at least
+    ``minimum``; the error says which of the two it is not, and ``why`` the minimum is what it is."""
+    parse_number = number_arg(parse_count_exactly, what)
+
+    def parse(text: str) -> int:
+        value = parse_number(text)  # a finite number > 0, or the error that says it is not one
+        if value != value.to_integral_value():
+            raise argparse.ArgumentTypeError(f"{text} is not a whole number; give {what}")
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text} is less than {count_text(minimum)} ({why}); give {what}")
+        return int(value)
+
+    return parse
+
+
+def parse_count_exactly(text: str) -> Decimal:
+    """:func:`parse_count`'s value before it is cut to a whole number, exact (``1.5`` stays 1.5, ``1.1B`` is
+    1100000000); ValueError when it is not a number, OverflowError beyond a float."""
+    text = text.strip().upper().replace("_", "")
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}.get(text[-1:], 1)
+    try:
+        value = Decimal(text[:-1] if scale > 1 else text) * scale
+    except InvalidOperation:
+        raise ValueError(f"{text!r} is not a number") from None
+    if not value.is_finite():
+        raise ValueError(f"{text!r} is not a finite number")
+    if math.isinf(float(value)):
+        raise OverflowError(f"{text!r} is beyond a float")
+    return value
+
+
 MAX_FWD_BWD_SECONDS = 600.0  # a synthetic forward/backward stands for one step's compute, not a wait
 
 
@@ -107,7 +138,7 @@ def device_arg(text: str) -> torch.device:
 def dir_arg(text: str) -> str:
     """An argparse type: the absolute path of a directory the bench may create files in, existing or to be
     made, outside the system's trees (/proc, /sys, /dev, ...). Nothing is created here."""
-    from miles_plugins.optimizers.streaming.io.ownership import system_directory_reason
+    from miles_plugins.host.ownership import system_directory_reason
 
     path = os.path.abspath(text)
     for candidate in dict.fromkeys((path, os.path.realpath(path))):

@@ -41,21 +41,27 @@ from miles.sizing.store_plan import moment_bytes_per_param
 from miles_plugins.optimizers.streaming.config import DEFAULT_CHUNK_MB, DEFAULT_DEPTH, DEFAULT_IO_THREADS, MOMENT_DTYPES
 from miles_plugins.optimizers.streaming.units import GB, MiB
 
-from .common import (MAX_FWD_BWD_SECONDS, FwdBwd, Progress, device_arg, dir_arg, fractions_arg, free_memory,
-                     log_store_lines, machine, median, number_arg, one_device, parse_count, refuse_count_beyond,
+from .common import (MAX_FWD_BWD_SECONDS, FwdBwd, Progress, count_arg, device_arg, dir_arg, fractions_arg,
+                     free_memory, log_store_lines, machine, median, number_arg, one_device, refuse_count_beyond,
                      run_standalone, sync_device, write_json)
 from .floor import raw_floor
 
 
+MIN_PARAMS = 10**6  # --params below it (less than 12 MB of state) measures no disk
+MIN_PARAMS_WHY = "a smaller state, under 12 MB, times the store's fixed costs rather than the disk"
+
+
 # ---- arguments ----------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", type=number_arg(parse_count, "a param count, e.g. 100M or 1.5B"), default="100M", help="trained params (e.g. 100M, 1.5B); 12 B/param of state "
-                   "with fp32 moments")
+    p.add_argument("--params", type=count_arg("a whole param count of at least 1M, e.g. 100M or 1.5B", MIN_PARAMS,
+                                              MIN_PARAMS_WHY), default="100M",
+                   help="trained params (e.g. 100M, 1.5B; at least 1M); 12 B/param of state with fp32 moments")
     p.add_argument("--moment-dtype", default="fp32", choices=MOMENT_DTYPES,
                    help="storage of the Adam moments in the bucket files (the update math stays fp32)")
     p.add_argument("--device", type=device_arg, default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--dir", type=dir_arg, default="miles-bench-stream", help="directory on the disk under test (created; "
-                   "the bench's files are removed at the end)")
+    p.add_argument("--dir", type=dir_arg, default="miles-bench-stream", help="directory on the disk under test, "
+                   "relative to the current directory unless absolute; made when missing. The bench's files are "
+                   "removed at the end, and the directory too when this run made it")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--buckets", type=number_arg(int, "a bucket count, e.g. 8"), default=None, help="sets bucket_numel to params / N (the store then cuts at "
                    "least N buckets: more where a tensor straddles a bucket's end; default: the store fits "
@@ -130,7 +136,23 @@ def run(args) -> int:
     total = args.params
     root = args.dir
     check_size(args, total, device)
+    made_root = not os.path.isdir(root)
     os.makedirs(root, exist_ok=True)
+    try:
+        results = measure(args, total, root, device, say)
+    finally:
+        if made_root:  # a directory the user gave stays, even empty
+            try:
+                os.rmdir(root)
+            except OSError:
+                pass
+    report(results, say)
+    write_json(args.json, results, say)
+    return 0
+
+
+def measure(args, total: int, root: str, device: torch.device, say) -> dict:
+    """Every measurement of the run in ``root``, whose files it removes at the end (its results)."""
     results: dict = {"args": vars(args) | {"func": None}, "params": total} | machine(device) | {"dir": root}
     say(f"{total / 1e9:.3f}B params on {device} ({results['device']}), moments {args.moment_dtype}, in {root}; "
         f"chunk {args.chunk_mb} MiB")
@@ -149,13 +171,7 @@ def run(args) -> int:
         store.flush()
     finally:
         store.close()
-        try:
-            os.rmdir(root)
-        except OSError:
-            pass
-    report(results, say)
-    write_json(args.json, results, say)
-    return 0
+    return results
 
 
 # ---- setup: the size check, the resident step and the store --------------------------------------------

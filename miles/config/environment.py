@@ -108,7 +108,7 @@ def _ray_running_here() -> bool:
 def _host_memory_available() -> Optional[int]:
     # the store's own reading, so validation and the store judge a host tier by the same number; imported
     # here because the stager brings torch, which validation loads only when it must
-    from miles_plugins.optimizers.streaming.io.stager import available_host_memory
+    from miles_plugins.host.memory import available_host_memory
 
     return available_host_memory()
 

@@ -27,7 +27,7 @@ from miles.config.environment import Environment
 from miles.config.errors import ArgumentError
 from miles.config.run_config import RunConfig, field_value
 from miles_plugins.optimizers.streaming.config import HOST_CACHE_AUTO
-from miles_plugins.optimizers.streaming.io.ownership import path_within, system_directory_reason
+from miles_plugins.host.ownership import path_within, system_directory_reason
 from miles_plugins.optimizers.streaming.units import MiB
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ state and views into them (e.g. a sharded optimizer's ``model_view``) are valid 
 bit-identical contents.
 
 The disk target owns its directory while it exists: it makes the directory if missing (marked as this
-run's), holds :class:`~miles_plugins.optimizers.streaming.io.ownership.DirectoryLock` on it, and
+run's), holds :class:`~miles_plugins.host.ownership.DirectoryLock` on it, and
 ``close(remove_directory=True)`` removes it only if this run made it. A second offloader on the same
 directory is refused: two of them would each truncate the other's file and wake with its bytes.
 
@@ -35,7 +35,7 @@ from typing import Iterable, Optional
 import torch
 
 from miles_plugins.optimizers.streaming.config import DEFAULT_CHUNK_MB
-from miles_plugins.optimizers.streaming.io.ownership import (
+from miles_plugins.host.ownership import (
     DirectoryLock,
     claim_directory,
     process_run_id,

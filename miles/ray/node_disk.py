@@ -103,7 +103,7 @@ def free_bytes_on_node(path: str) -> tuple[str, int, str, Optional[int]]:
     and its available memory (None where it cannot be read)."""
     import ray
 
-    from miles_plugins.optimizers.streaming.io.stager import available_host_memory  # the store's own reading
+    from miles_plugins.host.memory import available_host_memory  # the reading the store sizes its tier by
 
     existing = nearest_existing(path)
     return ray.util.get_node_ip_address(), shutil.disk_usage(existing).free, existing, available_host_memory()

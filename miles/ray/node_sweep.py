@@ -5,7 +5,7 @@ the missing folders on the way (the root, ``trainer/``, ``optimizer_state/``, ``
 this run's. An actor removes its own directory when it exits, not those parents, and an actor that crashed
 removes nothing; the driver's backstop (:func:`miles.run_lifecycle.remove_run_directories`) sees only the driver's
 filesystem. So once the actors are gone, one task pinned to each other node runs the same
-:func:`~miles_plugins.optimizers.streaming.io.ownership.sweep` there (only what this run's markers name is
+:func:`~miles_plugins.host.ownership.sweep` there (only what this run's markers name is
 removed) and reports what it removed and what it left; the driver logs that with its own result, in one
 line of each kind (:func:`removed_line`, :func:`left_entries`).
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from miles.checkpoint import LATEST_FILE, META_FILE
-from miles_plugins.optimizers.streaming.io.ownership import ProcessIdentity, Sweep, identity_alive, sweep
+from miles_plugins.host.ownership import ProcessIdentity, Sweep, identity_alive, sweep
 
 SWEEP_TIMEOUT_S = 60.0  # a node that does not answer in this time is reported, not waited for
 

@@ -42,6 +42,11 @@ _SLACK = 4
 _UNBOUNDED_PROMPT_TOKENS = 1 << 17
 _MODEL_CONFIG_BYTES = 4 << 20
 _MAX_DEPTH = 4  # document -> samples -> sample -> its lists
+# The largest |reward| a recording may hold. GRPO turns a group's rewards into fp32 (miles.rl.advantages): a finite
+# fp64 reward beyond fp32's 3.4e38 becomes inf there and its advantage nan, and the group's std sums squared
+# deviations of up to (2 x bound)^2 each: at 1e6 that is 4e12 per sample, finite for any group size below 8e25.
+# fp32 also spaces its values 0.0625 apart at 1e6, so a larger reward scale would lose the rewards' differences.
+MAX_ABS_REWARD = 1e6
 
 
 class RolloutDataError(ValueError):
@@ -216,6 +221,9 @@ class ReplayShape:
         reward = r.get("reward")
         if type(reward) not in (int, float) or not math.isfinite(reward):
             raise bad(f"reward {_clipped(reward)} is not a finite number")
+        if abs(reward) > MAX_ABS_REWARD:
+            raise bad(f"reward {_clipped(reward)} is beyond +-{MAX_ABS_REWARD:g}, where GRPO's fp32 advantages lose "
+                      "the rewards' differences or overflow: record rewards of a smaller scale")
         text, finish, version = r.get("response_text"), r.get("finish_reason"), r.get("weight_version")
         if not isinstance(text, str) or finish not in ("stop", "length") or type(version) is not int:
             raise bad("response_text must be a string, finish_reason 'stop' or 'length', weight_version an int")

@@ -32,7 +32,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 import torch.multiprocessing  # noqa: F401  (registers torch's tensor reducers with ForkingPickler)
 
-from miles_plugins.optimizers.streaming.io.ownership import IDENTITY_TAG, ProcessIdentity, identity_alive
+from miles_plugins.host.ownership import IDENTITY_TAG, ProcessIdentity, identity_alive
 
 from .buckets import BucketSpec
 

@@ -26,12 +26,13 @@ import dataclasses
 
 import torch
 
+from miles_plugins.host.ownership import DirectoryInUseError
+
 from .streaming.bind.megatron_optimizer import StoreGroup, bind_megatron
 from .streaming.bind.torch_adam import bind_plain_adam, bind_sharded_adam
 from .streaming.bucket import StreamEntry
 from .streaming.config import DEFAULT_BUCKET_NUMEL, DEFAULT_CHUNK_MB, MOMENT_DTYPES, StreamConfig
 from .streaming.errors import CheckpointError, StateCorruptionError, StoreConfigError, StorePoisonedError
-from .streaming.io.ownership import DirectoryInUseError
 from .streaming.layout import STREAMED_DIR
 from .streaming.plan import fit_to_device_budget, plan_buckets
 from .streaming.stats import StepStats, StoreStats

@@ -167,7 +167,7 @@ def _short_disk_run(out, victim):
 
 
 def _watch_markers(dirs, stop, found):
-    from miles_plugins.optimizers.streaming.io.ownership import CREATED_FILE, read_record
+    from miles_plugins.host.ownership import CREATED_FILE, read_record
 
     while not stop.is_set():
         for d in dirs:

@@ -30,7 +30,7 @@ def _argv(tmp, num_rollout):
 
 
 def _place_foreign_files(root):
-    from miles_plugins.optimizers.streaming.io.ownership import make_directory
+    from miles_plugins.host.ownership import make_directory
 
     results = root / "rollout" / "engine0" / "results.csv"
     results.parent.mkdir(parents=True)
@@ -44,7 +44,7 @@ def _place_foreign_files(root):
 
 def _this_runs_directories(root, run_id):
     """Directories under root whose marker names run_id (none may survive the run)."""
-    from miles_plugins.optimizers.streaming.io.ownership import created_by
+    from miles_plugins.host.ownership import created_by
 
     found = []
     for dirpath, dirnames, _ in os.walk(root):

@@ -137,3 +137,46 @@ def test_a_count_prints_as_the_bench_reads_it_back():
     for count in (7, 12_000, 450_000_000, 1_500_000_000, 10**15):
         assert parse_count(count_text(count)) == count, count_text(count)
     assert count_text(55_555_555) == "55.6M"
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("0.5", "0.5 is not a whole number"),
+    ("1.5", "1.5 is not a whole number"),
+    ("1.0000005M", "1.0000005M is not a whole number"),
+    ("999999", "999999 is less than 1M (a smaller state, under 12 MB, times the store's fixed costs rather than the "
+               "disk)"),
+    ("1", "1 is less than 1M (a smaller state, under 12 MB, times the store's fixed costs rather than the disk)"),
+])
+def test_params_must_be_a_whole_count_of_at_least_1m(tmp_path, capsys, text, problem):
+    with pytest.raises(SystemExit) as e:
+        main(["--params", text, "--device", "cpu", "--dir", str(tmp_path / "d"), "--quiet"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert f"argument --params: {problem}; give a whole param count of at least 1M, e.g. 100M or 1.5B" in err, err
+    assert not (tmp_path / "d").exists()
+
+
+def test_params_spelled_with_a_suffix_are_exact():
+    from miles.bench.stream import MIN_PARAMS, MIN_PARAMS_WHY
+    from miles.bench.common import count_arg
+
+    parse = count_arg("a count", MIN_PARAMS, MIN_PARAMS_WHY)
+    assert [parse(t) for t in ("1M", "1.5B", "1.1B", "0.3B", "2_000_000", "1e6")] == \
+        [10**6, 1_500_000_000, 1_100_000_000, 300_000_000, 2_000_000, 10**6]
+
+
+def test_a_directory_the_bench_did_not_make_stays_and_a_relative_default_is_explained(tmp_path, capsys, monkeypatch):
+    import argparse
+
+    from miles.bench import stream
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    rc = main(["--params", "1M", "--device", "cpu", "--dir", str(mine), "--buckets", "2", "--repeat", "1",
+               "--chunk-mb", "4", "--skip-exposed", "--skip-sync", "--quiet"])
+    assert rc == 0 and mine.is_dir() and not list(mine.iterdir()), "the user's directory stays, emptied of the bench"
+    parser = argparse.ArgumentParser()
+    stream.add_arguments(parser)
+    help_of_dir = next(a.help for a in parser._actions if a.dest == "dir")
+    assert help_of_dir.startswith("directory on the disk under test, relative to the current directory unless "
+                                  "absolute; made when missing.")

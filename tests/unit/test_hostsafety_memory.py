@@ -3,7 +3,7 @@ left under the memory limit of the process's cgroup (v2, else v1), read from a f
 
 import pytest
 
-from miles_plugins.optimizers.streaming.io.stager import available_host_memory
+from miles_plugins.host.memory import available_host_memory
 
 GIB = 1 << 30
 

@@ -13,8 +13,8 @@ import pytest
 
 from miles import checkpoint
 from miles_plugins.optimizers.streaming.checkpoint import save_load
-from miles_plugins.optimizers.streaming.io import ownership
-from miles_plugins.optimizers.streaming.io.ownership import (CREATED_FILE, ProcessIdentity, claim_directory,
+from miles_plugins.host import ownership
+from miles_plugins.host.ownership import (CREATED_FILE, ProcessIdentity, claim_directory,
                                                              identity_alive, make_directory, read_record, sweep)
 
 

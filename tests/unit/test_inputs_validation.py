@@ -466,3 +466,29 @@ def test_smollm2_follows_the_injected_probe_whatever_is_installed(tmp_path, monk
     assert validate(tmp_path, has_module=lambda m: True).model_source == "smollm2"
     monkeypatch.setattr(sys, "meta_path", sys.meta_path[1:])  # whether or not it is installed here
     assert validate(tmp_path, has_module=lambda m: m == "gguf").model_source == "tiny"
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero-link", "directory"])
+def test_a_tokenizer_file_that_is_no_regular_file_is_named_as_such(tmp_path, name, kind):
+    folder = model_folder(tmp_path, LLAMA, tokenizer_files=("vocab.txt",) if name == "tokenizer.json" else
+                          ("tokenizer.json",))
+    path = tmp_path / "model" / name
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev-zero-link":
+        os.symlink("/dev/zero", path)
+    else:
+        path.mkdir()
+    what = {"fifo": "a FIFO", "dev-zero-link": "a character device", "directory": "a directory"}[kind]
+    message = error(tmp_path, "--hf-checkpoint", folder)
+    assert message.startswith(f"--hf-checkpoint {path} is {what}, not a regular file. Fix: move {name} away and "
+                              "save the model's tokenizer into the folder again"), message
+
+
+def test_a_folder_whose_only_tokenizer_file_is_a_fifo_is_not_called_empty(tmp_path):
+    folder = model_folder(tmp_path, LLAMA, tokenizer_files=())
+    os.mkfifo(tmp_path / "model" / "tokenizer.json")
+    message = error(tmp_path, "--hf-checkpoint", folder)
+    assert "has no tokenizer files" not in message
+    assert message.startswith(f"--hf-checkpoint {folder}/tokenizer.json is a FIFO, not a regular file."), message

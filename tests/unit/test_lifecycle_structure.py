@@ -24,7 +24,7 @@ def _imported_modules(path: pathlib.Path) -> set[str]:
 
 def test_the_loop_module_holds_no_root_lock_signal_handler_or_sweep():
     imported = _imported_modules(REPO / "miles/train.py")
-    lifecycle = {"signal", "threading", "miles.ray.node_sweep", "miles_plugins.optimizers.streaming.io.ownership",
+    lifecycle = {"signal", "threading", "miles.ray.node_sweep", "miles_plugins.host.ownership",
                  "miles.weights.transport"}
     assert not imported & lifecycle, f"miles/train.py imports {sorted(imported & lifecycle)}: that is " \
                                      "miles/run_lifecycle.py's part"

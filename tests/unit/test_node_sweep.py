@@ -6,7 +6,7 @@ import dataclasses
 import os
 
 from miles.ray.node_sweep import NodeSweep, left_entries, removed_line
-from miles_plugins.optimizers.streaming.io.ownership import Sweep
+from miles_plugins.host.ownership import Sweep
 
 OTHER = NodeSweep("abcdef0123456789", "10.0.0.2", ("/r/trainer", "/r/rollout"),
                   ("/r/theirs.txt (not made by this run)",))

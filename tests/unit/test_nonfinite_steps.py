@@ -278,3 +278,32 @@ def test_the_run_summary_counts_applied_and_skipped_steps(caplog):
     with caplog.at_level(logging.INFO, logger="miles"):
         log_summary(config, state)
     assert "\n  optimizer steps: 2 applied, 1 skipped\n" in caplog.text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["resident", "streamed"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_checkpoint_holding_non_finite_weights_is_refused_at_load(tmp_path, trainers, stream, bad):
+    """What an older version saved after a diverged step: the load names the checkpoint and the way out, while the
+    checkpoint before it loads."""
+    from miles import checkpoint
+
+    old = _trainer(trainers, tmp_path / "old", stream)
+    old.train(0, *_samples())
+    good = checkpoint.prepare(str(tmp_path / "ckpt"), 1)
+    old.save(good)
+    checkpoint.write_meta(good, next_rollout_id=1, data_state={}, world_size=1)
+    with torch.no_grad():
+        next(old.model.parameters()).view(-1)[3] = bad
+    base = checkpoint.prepare(str(tmp_path / "ckpt"), 2)
+    old.save(base)  # this trainer never saw the step that made the value, so it saves it
+    checkpoint.write_meta(base, next_rollout_id=2, data_state={}, world_size=1)
+    old.shutdown()
+
+    new = _trainer(trainers, tmp_path / "new", stream)
+    assert new.load(good, load_optimizer=True)["optimizer"] in ("state_dict", "streamed")
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        new.load(base, load_optimizer=True)
+    assert str(e.value) == (
+        f"{base} holds non-finite model weights (NaN or inf, as loaded on train rank(s) 0): it was saved after a step "
+        "that diverged. Resume from an earlier checkpoint (--load <its folder>) with a lower --lr, or start without "
+        "--load")

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from miles_plugins.optimizers.streaming.io.ownership import (CREATED_FILE, LOCK_FILE, DirectoryInUseError,
+from miles_plugins.host.ownership import (CREATED_FILE, LOCK_FILE, DirectoryInUseError,
                                                              DirectoryLock, claim_directory, created_by,
                                                              make_directory, read_record, remove_created)
 

@@ -141,3 +141,26 @@ def test_a_file_larger_than_the_flags_allow_is_refused_before_it_is_read(tmp_pat
     with open(tmp_path / "r_0.json", "wb") as f:
         f.truncate(shape.max_file_bytes + 1)
     assert f"{shape.max_file_bytes + 1:,} bytes, more than the {shape.max_file_bytes:,} it may have" in _refusal(shape)
+
+
+@pytest.mark.parametrize("reward", [1e308, -1e308, 3.5e38, 1e6 + 1, -(10**7)])
+def test_a_reward_beyond_the_bound_is_refused_naming_file_sample_and_value(tmp_path, reward):
+    samples = _samples()
+    samples[1].reward = reward
+    message = _refusal(_shape(_record(tmp_path, samples)))
+    assert message.startswith(f"--load-debug-rollout-data {tmp_path / 'r_0.json'}: sample 1: reward {reward!r} is "
+                              "beyond +-1e+06, where GRPO's fp32 advantages"), message
+
+
+def test_rewards_read_back_up_to_the_bound_where_grpo_stays_finite(tmp_path):
+    from miles.rl.advantages import grpo_advantages
+    from miles.rollout.recorded import MAX_ABS_REWARD
+
+    samples = _samples(prompts=1, per_prompt=4)
+    for s, reward in zip(samples, (1e6, -1e6, 1e6, -1e6)):
+        s.reward = reward
+    read = _shape(_record(tmp_path, samples), prompts=1, per_prompt=4).read(0)
+    advantages = grpo_advantages([s.reward for s in read], group_size=4)
+    assert MAX_ABS_REWARD == 1e6 and [s.reward for s in read] == [1e6, -1e6, 1e6, -1e6]
+    assert bool(advantages.isfinite().all())
+    assert not bool(grpo_advantages([1e308, 0.0], group_size=2).isfinite().all()), "what the bound keeps out"

@@ -13,7 +13,7 @@ import torch
 
 from miles import checkpoint
 from miles_plugins.optimizers.nvme_stream import stream_optimizer_state
-from miles_plugins.optimizers.streaming.io.ownership import CREATED_FILE, read_record
+from miles_plugins.host.ownership import CREATED_FILE, read_record
 
 
 def _mark(path, pid, host=None):

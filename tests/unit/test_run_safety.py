@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from miles_plugins.optimizers.streaming.io.ownership import (
+from miles_plugins.host.ownership import (
     CREATED_FILE,
     DirectoryInUseError,
     DirectoryLock,
@@ -29,7 +29,7 @@ def _config(make_config, tmp_path, run_id="test"):
 
 def _lock_in_another_process(directory, run_id):
     """A child process that holds the lock on `directory` until its stdin closes."""
-    code = ("import sys; from miles_plugins.optimizers.streaming.io.ownership import DirectoryLock; "
+    code = ("import sys; from miles_plugins.host.ownership import DirectoryLock; "
             f"DirectoryLock.acquire({str(directory)!r}, {run_id!r}); print('held', flush=True); sys.stdin.read()")
     child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "held"

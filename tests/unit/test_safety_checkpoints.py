@@ -149,7 +149,7 @@ def test_a_crash_while_setting_the_old_checkpoint_aside_leaves_it_loadable(tmp_p
 
 def _unfinished_by(path, pid):
     """A checkpoint folder that a save of process ``pid`` (on this host) started and never finished."""
-    from miles_plugins.optimizers.streaming.io.ownership import CREATED_FILE
+    from miles_plugins.host.ownership import CREATED_FILE
     os.makedirs(path)
     with open(os.path.join(path, CREATED_FILE), "w") as f:
         json.dump({"host": socket.gethostname(), "pid": pid, "run_id": "dead-run", "since": 0.0}, f)

@@ -16,8 +16,8 @@ import torch
 
 from miles.config import ArgumentError, Environment, parse_args, validate_args
 from miles_plugins.optimizers.nvme_stream import StoreConfigError, stream_optimizer_state
-from miles_plugins.optimizers.streaming.io import ownership
-from miles_plugins.optimizers.streaming.io.ownership import CREATED_FILE, LOCK_FILE, DirectoryLock, make_directory
+from miles_plugins.host import ownership
+from miles_plugins.host.ownership import CREATED_FILE, LOCK_FILE, DirectoryLock, make_directory
 
 from test_store import make_params
 

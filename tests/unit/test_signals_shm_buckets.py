@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from miles.weights import iter_buckets, share_bucket, transport
-from miles_plugins.optimizers.streaming.io.ownership import ProcessIdentity
+from miles_plugins.host.ownership import ProcessIdentity
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

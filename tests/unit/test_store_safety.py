@@ -12,7 +12,7 @@ import torch
 
 from miles_plugins.optimizers.nvme_stream import DirectoryInUseError, StoreConfigError, stream_optimizer_state
 from miles_plugins.optimizers.streaming.io import engine as engine_mod
-from miles_plugins.optimizers.streaming.io.ownership import LOCK_FILE
+from miles_plugins.host.ownership import LOCK_FILE
 
 from test_store import make_adamw, make_params, run_steps
 

@@ -7,7 +7,8 @@
 2. The streaming package's imports form a tree of layers: no cycles; core (the package top) imports
    neither checkpoint/ nor bind/; io/ imports from core only errors, config, units and layout.
 3. The framework (miles/) imports from miles_plugins only the store's public API (nvme_stream's
-   ``__all__``) and the named set FRAMEWORK_MAY_IMPORT (architecture.md: "What the framework uses of the store").
+   ``__all__``), the named set FRAMEWORK_MAY_IMPORT (architecture.md: "What the framework uses of the store")
+   and the host services (miles_plugins/host/), which import neither the store nor the framework.
 4. The training backends are one template: base.TrainBackend runs the train call, sleep/wake, checkpoints
    and shutdown; a backend fills in its own hooks only, shares no code with the other by copy, and a
    chain of stores is wrapped by one class.
@@ -54,16 +55,9 @@ FRAMEWORK_MAY_IMPORT = {
     f"{STREAMING_PKG}.units": {"GB", "MiB"},
     # validation checks the store's flags by the store's own rules and words their failure for the flags
     f"{STREAMING_PKG}.errors": {"StoreConfigError"},
-    # the run's own directories (run root, rank dirs, offload files, checkpoints) are owned, locked and
-    # swept exactly as the store's
-    f"{STREAMING_PKG}.io.ownership": {"CREATED_FILE", "DirectoryInUseError", "DirectoryLock", "IDENTITY_TAG",
-                                      "LockUnsupportedError", "OwnerRecord", "ProcessIdentity", "Sweep",
-                                      "claim_directory", "identity_alive", "listing", "make_directory",
-                                      "path_within", "process_run_id", "read_record", "remove_created",
-                                      "sweep", "system_directory_reason"},
-    # validation's and the node probe's host-memory reading; the raw-file primitives `miles bench` measures the disk floor with
-    f"{STREAMING_PKG}.io.stager": {"available_host_memory", "HostMemory", "NO_DIRECT", "Stager", "align_up",
-                                   "drop_page_cache", "host_buffer", "open_direct", "pread_into", "pwrite_all"},
+    # the raw-file primitives `miles bench` measures the disk floor with, and the scratch file it times
+    f"{STREAMING_PKG}.io.stager": {"HostMemory", "NO_DIRECT", "Stager", "align_up", "drop_page_cache",
+                                   "host_buffer", "open_direct", "pread_into", "pwrite_all"},
     # `miles plan` and the disk checks size the store with its own cost model (footprint.py), codecs,
     # host-tier placement and "auto" tier size
     f"{STREAMING_PKG}.codec": {"make_moment_codecs"},
@@ -71,6 +65,8 @@ FRAMEWORK_MAY_IMPORT = {
     f"{STREAMING_PKG}.layout": {"EXP_AVG", "EXP_AVG_SQ"},
     f"{STREAMING_PKG}.plan": {"fit_host_cache", "place_in_host_ram"},
 }
+# The host services (directory ownership, host memory) both sides import: not the store, free to the framework.
+HOST_PKG = "miles_plugins.host"
 IO_MAY_IMPORT = {"errors", "config", "units", "layout"}
 # The one upward edge left: the store's save_to/load_from call checkpoint/ (architecture.md).
 UPWARD_ALLOWED = {("store", "checkpoint.save_load")}
@@ -225,10 +221,32 @@ def _framework_plugin_imports() -> list[tuple[str, str, str]]:
 def test_the_framework_uses_only_the_plugins_public_face():
     public = {NVME_STREAM: _public_api_of_nvme_stream(), **FRAMEWORK_MAY_IMPORT}
     wrong = [f"{where}: from {module} import {name}" for where, module, name in _framework_plugin_imports()
-             if name not in public.get(module, set())]
+             if name not in public.get(module, set()) and not module.startswith(HOST_PKG)]
     assert not wrong, ("miles/ imports store internals outside nvme_stream's __all__ and FRAMEWORK_MAY_IMPORT "
                        "(export the name from nvme_stream, or add it to the set and to architecture.md with "
                        "why):\n" + "\n".join(wrong))
+
+
+def test_the_host_services_import_neither_the_store_nor_the_framework():
+    """Directory ownership and the host-memory reading live in one package the store and miles/ both import;
+    it imports nothing of either (the store stays usable alone, and the framework needs no store internals)."""
+    host = REPO / HOST_PKG.replace(".", "/")
+    assert {"ownership.py", "memory.py"} <= {p.name for p in host.glob("*.py")}
+    wrong = []
+    for path in sorted(host.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                modules = [("." * node.level) + (node.module or "")]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            else:
+                continue
+            wrong += [f"{path.relative_to(REPO)}:{node.lineno}: {m}" for m in modules
+                      if m.split(".")[0] in ("miles", "miles_plugins") or m.startswith("..")]
+    assert not wrong, "the host services import the store or the framework:\n" + "\n".join(wrong)
+    framework = {module for _, module, _ in _framework_plugin_imports()}
+    inside_io = sorted(m for m in framework if m.startswith(f"{STREAMING_PKG}.io.") and m != f"{STREAMING_PKG}.io.stager")
+    assert not inside_io, f"miles/ imports the store's io/ for what the host services offer: {inside_io}"
 
 
 def test_the_framework_set_is_written_down_in_the_architecture_page():

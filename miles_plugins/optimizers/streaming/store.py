@@ -55,12 +55,14 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from miles_plugins.host.memory import available_host_memory
+
 from .checkpoint import save_load as checkpoint
 from .bucket import Bucket, StreamEntry, storage_identity
 from .config import HOST_CACHE_AUTO, StreamConfig
 from .errors import CheckpointError, StateCorruptionError, StoreConfigError, StorePoisonedError
 from .footprint import bucket_layouts, fit_store, residency_bound_bytes, segment_names, store_codecs, store_footprint
-from .io.stager import Stager, available_host_memory, free_disk_bytes
+from .io.stager import Stager, free_disk_bytes
 from .layout import MAIN, STREAMED_DIR, bucket_filename, store_identity, store_relative_dir
 from .lifetime import LIVE_STORES, StoreResources, call_if_alive, refuse_shared_directory, release_dropped_store
 from .pipeline import BucketPipeline

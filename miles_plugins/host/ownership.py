@@ -16,8 +16,6 @@ a teardown that removes "whatever is there" deletes other people's data. So:
   so one warning can list it (`listing` keeps that warning short).
 - `ProcessIdentity` names a process by pid, start time and boot id, and `identity_alive` says whether it
   still runs: records and temporary names carry it, so a reused pid does not keep a dead run's leftovers.
-- `remove_own_entries(directory, is_own)` empties a locked directory of what its owner made, and
-  refuses, removing nothing, when anything else is there.
 - `system_directory_reason(path, home)` says why `path` may not be a root a run creates things in;
   `path_within(path, top)` is the containment test both sides use.
 """
@@ -35,8 +33,6 @@ import socket
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable
-
-from ..errors import StoreConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -524,23 +520,6 @@ def _entries(path: str, result: Sweep) -> list[os.DirEntry] | None:
     except OSError as e:
         result.left.append(f"{path} (cannot be read: {e.strerror or e})")
         return None
-
-
-def remove_own_entries(directory: str, is_own: Callable[[str], bool], what: str) -> None:
-    """Empty `directory` (locked by the caller) of the entries its owner made: the names `is_own` accepts;
-    the lock file stays. Anything else in it is someone else's: then nothing is removed and
-    StoreConfigError names it (a few names and the count)."""
-    with os.scandir(directory) as scan:
-        entries = sorted((e for e in scan if e.name != LOCK_FILE), key=lambda e: e.name)
-    foreign = [e.name for e in entries if e.is_dir(follow_symlinks=False) or not is_own(e.name)]
-    if foreign:
-        count = f"{len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'}"
-        raise StoreConfigError(
-            f"{what} {directory} holds {count} the store did not make: {listing(foreign)}. The store clears its "
-            "directory at start and removes it at the end, so it works only in a directory that holds nothing "
-            "else; move them elsewhere, or choose another dir")
-    for entry in entries:
-        os.unlink(entry.path)
 
 
 # Where a run must not create and remove its folders: the filesystem root, the system's own trees, and a
