@@ -85,6 +85,11 @@ def test_a_complete_folder_is_accepted(tmp_path):
      "config (a JSON object)."),
 ])
 def test_a_config_json_without_what_the_model_needs_is_refused_in_one_line(tmp_path, config, problem, fix):
+    assert_config_refused(tmp_path, config, problem, fix)
+
+
+def assert_config_refused(tmp_path, config, problem: str, fix: str) -> None:
+    """Validation refuses a model folder of ``config`` in one line: its config.json, ``problem``, then ``fix``."""
     folder = model_folder(tmp_path, config)
     message = error(tmp_path, "--hf-checkpoint", folder)
     assert message.startswith(f"--hf-checkpoint {folder}/config.json: {problem}"), message
@@ -181,10 +186,7 @@ QWEN3_5_MOE = {**{k: v for k, v in QWEN3_MOE.items() if k != "intermediate_size"
     ({**QWEN3_5_MOE, "layer_types": ["linear_attention", "sliding_attention"]}, "layer_types = ", "Fix: "),
 ])
 def test_a_family_config_that_cannot_build_its_model_is_refused_in_one_line(tmp_path, config, problem, fix):
-    folder = model_folder(tmp_path, config)
-    message = error(tmp_path, "--hf-checkpoint", folder)
-    assert message.startswith(f"--hf-checkpoint {folder}/config.json: {problem}"), message
-    assert fix in message
+    assert_config_refused(tmp_path, config, problem, fix)
 
 
 def test_top_k_may_reach_the_expert_count_and_not_pass_it(tmp_path):
