@@ -71,8 +71,9 @@ def _top_parser(subs: Sequence[Subcommand]) -> argparse.ArgumentParser:
 
 def train_main(argv: Sequence[str]) -> int:
     """``miles train``: parse, validate (one clear error, before anything starts), run ``miles.train.run``."""
-    from miles.config import ArgumentError, build_parser, validate_args
+    from miles.config import ArgumentError, build_parser
     from miles.logging_setup import configure_logging
+    from miles.preflight import validate_args
 
     parser = build_parser(prog="miles train")
     args = parser.parse_args(list(argv))
@@ -83,8 +84,8 @@ def train_main(argv: Sequence[str]) -> int:
     configure_logging(config.logging.log_level)
     if config.cluster.dry_run:  # validated: flags, layout, placement, disk and memory here; nothing started
         from miles import checkpoint
-        from miles.config.environment import Environment
-        from miles.config.parallel_checks import layout_summary
+        from miles.preflight import Environment
+        from miles.preflight.parallel_checks import layout_summary
 
         print(layout_summary(config, Environment()))
         try:

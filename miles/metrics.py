@@ -3,6 +3,7 @@ the end-of-run summary. Pure formatting over the ranks' step reports; ``miles.tr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -173,6 +174,13 @@ def _mfu_record(ranks: list[dict], fwd_bwd: float) -> dict[str, Any]:
             "train_mfu": at_peak / fwd_bwd if at_peak is not None and fwd_bwd > 0 else None}
 
 
+# What the ranks report of the train/rollout mismatch beside train_rollout_logprob_abs_diff
+# (miles.backends.step.PolicyLoss.metrics; the tis_* keys only under --use-tis, the routing_replay_* keys only under
+# --use-rollout-routing-replay): docs/advanced/train-rollout-mismatch.md
+MISMATCH_KEYS = ("train_rollout_logprob_abs_diff_max", "train_rollout_kl", "tis_weight_mean", "tis_clipfrac",
+                 "routing_replay_mismatch_first", "routing_replay_mismatch_last")
+
+
 def rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, saved,
                    handoff=()) -> dict[str, Any]:
     """One rollout's record: the driver's ``timings`` (``*_seconds`` as the driver saw them) and the ranks'
@@ -193,6 +201,8 @@ def rollout_record(rollout_id, rewards, samples, ranks, wake, sleep, timings, sa
         "step_skipped": next((r["step_skipped"] for r in ranks if r.get("step_skipped")), None),
         "clipfrac": r0["clipfrac"],
         "train_rollout_logprob_abs_diff": r0["train_rollout_logprob_abs_diff"],
+        # the rest of the train/rollout mismatch, as every rank reports it (the same on all: reduced over them)
+        **{key: r0[key] for key in MISMATCH_KEYS if key in r0},
         # the slowest rank's train call and its parts: forward/backward, the optimizer step, the rest
         "forward_backward_seconds": fwd_bwd,
         "optimizer_step_seconds": step,
@@ -239,36 +249,81 @@ def _short(x: float) -> str:
     return f"{x:.2f}" if abs(x) < 10 else f"{x:.1f}" if abs(x) < 100 else f"{x:.0f}"
 
 
+@dataclasses.dataclass(frozen=True)
+class _LineDetail:
+    """What a rollout line shows beyond its fixed figures: what each sleep and wake moved (``moved``: by
+    source "sources", "bytes" only, or None), the train call's split, the streamed bytes' disk share, and
+    the mismatch in words or compact (``lp 0.062 max 1.2`` or ``lp 0.062/1.2``)."""
+
+    moved: Optional[str]
+    train_split: bool = True
+    stream_disk: bool = True
+    compact_mismatch: bool = False
+
+
+# From the most to the least detail: the first that fits is the line
+_LINE_DETAILS = (_LineDetail("sources"), _LineDetail("bytes"), _LineDetail(None),
+                 _LineDetail(None, stream_disk=False), _LineDetail(None, stream_disk=False, train_split=False),
+                 _LineDetail(None, stream_disk=False, train_split=False, compact_mismatch=True))
+
+
 def format_rollout_line(rec: dict[str, Any], num_rollout: int) -> str:
-    """The rollout's one log line (at most ROLLOUT_LINE_WIDTH characters): reward, loss, where the step's
-    seconds went (the train call: forward/backward, optimizer step, and the rest of the call, or on a GPU
-    forward/backward's MFU in its place), the streamed GB read + written (of which disk) and a saved
-    checkpoint; a skipped optimizer step says so in place of the stream figures (nothing streamed); what
-    each sleep and wake moved and from where, as much of it as the width leaves room for. Every field, and
-    more, is in the metrics record."""
-    for detail in ("sources", "bytes"):
+    """The rollout's one log line (at most ROLLOUT_LINE_WIDTH characters): reward, loss, the train/rollout
+    mismatch of an applied step (:func:`_mismatch`), where the step's seconds went (the train call:
+    forward/backward, optimizer step, and the rest of the call, or on a GPU forward/backward's MFU in its
+    place), the streamed GB read + written (of which disk) and a saved checkpoint; a skipped optimizer step
+    says so in place of the mismatch and the stream figures (nothing measured, nothing streamed); what each
+    sleep and wake moved and from where, the disk's share of the streamed bytes and the train call's split,
+    as much of them as the width leaves room for (:data:`_LINE_DETAILS`). Every field, and more, is in the
+    metrics record."""
+    for detail in _LINE_DETAILS:
         line = _rollout_line(rec, num_rollout, detail)
         if len(line) <= ROLLOUT_LINE_WIDTH:
             return line
-    return _rollout_line(rec, num_rollout, None)
+    return line
 
 
-def _rollout_line(rec: dict[str, Any], num_rollout: int, moved_detail) -> str:
+def _mismatch(rec: dict[str, Any], compact: bool) -> str:
+    """`` | lp 0.062 max 1.2 kl 0.0041 tis 0.98 cut 1.2% r3 1.6%..39.8%`` (compact: `` | lp 0.062/1.2 kl 0.0041
+    tis 0.98/1.2% r3 1.6%..39.8%``): the mean and largest |trainer - rollout log-prob|, the KL estimate, under
+    --use-tis the mean truncated weight and the share of weights truncated, and under
+    --use-rollout-routing-replay the share of tokens whose natural route differed from the replayed one in the
+    first and the last MoE layer; nothing for a skipped step."""
+    if rec.get("step_skipped"):
+        return ""
+    text = f" | lp {rec['train_rollout_logprob_abs_diff']:.2g}"
+    if "train_rollout_logprob_abs_diff_max" in rec:
+        text += f"{'/' if compact else ' max '}{rec['train_rollout_logprob_abs_diff_max']:.2g}"
+    if "train_rollout_kl" in rec:
+        text += f" kl {rec['train_rollout_kl']:.2g}"
+    if "tis_weight_mean" in rec:
+        text += f" tis {rec['tis_weight_mean']:.2f}{'/' if compact else ' cut '}{100 * rec['tis_clipfrac']:.1f}%"
+    if "routing_replay_mismatch_first" in rec:
+        text += (f" r3 {100 * rec['routing_replay_mismatch_first']:.1f}%.."
+                 f"{100 * rec['routing_replay_mismatch_last']:.1f}%")
+    return text
+
+
+def _rollout_line(rec: dict[str, Any], num_rollout: int, detail: _LineDetail) -> str:
     # forward/backward's MFU where it is counted (a GPU), in place of the rest of the call (train - fb - opt)
     rest = (f"mfu {100 * rec['train_mfu']:.0f}%" if rec.get("train_mfu") is not None
             else f"other {_short(rec['other_seconds'])}")
-    train = (f"train {_short(rec['train_seconds'])} (fb {_short(rec['forward_backward_seconds'])} opt "
-             f"{_short(rec['optimizer_step_seconds'])} {rest})")
+    train = f"train {_short(rec['train_seconds'])}"
+    if detail.train_split:
+        train += (f" (fb {_short(rec['forward_backward_seconds'])} opt {_short(rec['optimizer_step_seconds'])} "
+                  f"{rest})")
     seconds = [f"gen {_short(rec['generate_seconds'])}", train]
     if "weight_handoff_seconds" in rec:
         seconds.append(f"weights {_short(rec['weight_handoff_seconds'])}")
-    seconds.append(f"sleep {_short(rec['sleep_seconds'])}{_moved(rec, 'sleep', moved_detail)} "
-                   f"wake {_short(rec['wake_seconds'])}{_moved(rec, 'wake', moved_detail)}")
-    parts = [f"rollout {rec['rollout_id'] + 1}/{num_rollout} reward {rec['reward_mean']:.3f} loss {rec['loss']:+.3g}",
+    seconds.append(f"sleep {_short(rec['sleep_seconds'])}{_moved(rec, 'sleep', detail.moved)} "
+                   f"wake {_short(rec['wake_seconds'])}{_moved(rec, 'wake', detail.moved)}")
+    parts = [f"rollout {rec['rollout_id'] + 1}/{num_rollout} reward {rec['reward_mean']:.3f} loss {rec['loss']:+.3g}"
+             + _mismatch(rec, detail.compact_mismatch),
              f"{_short(rec['step_seconds'])}s: " + " ".join(seconds)]
     if not rec.get("step_skipped") and "stream_read_gb" in rec:
-        parts.append(f"streamed {_short(rec['stream_read_gb'])}+{_short(rec['stream_written_gb'])} GB (disk "
-                     f"{_short(rec['stream_disk_read_gb'])}+{_short(rec['stream_disk_written_gb'])})")
+        disk = (f" (disk {_short(rec['stream_disk_read_gb'])}+{_short(rec['stream_disk_written_gb'])})"
+                if detail.stream_disk else "")
+        parts.append(f"streamed {_short(rec['stream_read_gb'])}+{_short(rec['stream_written_gb'])} GB{disk}")
     if rec.get("checkpoint"):
         parts.append("saved")
     if rec.get("step_skipped"):  # what fits of the reason; all of it is in the record and the warning after the line
@@ -310,6 +365,14 @@ def log_summary(config: RunConfig, state: RunState) -> None:
             recs[0]["reward_mean"], recs[-1]["reward_mean"], mean_of(r["step_seconds"] for r in recs)))
         skipped = sum(1 for r in recs if r.get("step_skipped"))
         lines.append(f"  optimizer steps: {len(recs) - skipped} applied, {skipped} skipped")
+        measured = [r for r in recs if not r.get("step_skipped") and "train_rollout_kl" in r]
+        if measured:  # the applied steps' train/rollout mismatch (a skipped step measured nothing)
+            lines.append("  train/rollout log-probs: mean |diff| first %.3g, last %.3g; largest %.3g; KL first "
+                         "%.3g, last %.3g" % (
+                             measured[0]["train_rollout_logprob_abs_diff"],
+                             measured[-1]["train_rollout_logprob_abs_diff"],
+                             max(r["train_rollout_logprob_abs_diff_max"] for r in measured),
+                             measured[0]["train_rollout_kl"], measured[-1]["train_rollout_kl"]))
         if "stream_read_gb" in recs[-1]:
             lines.append("  streamed optimizer state: %.3f GB read, %.3f GB written in total, last step %.2f GB/s" % (
                 sum(r["stream_read_gb"] for r in recs), sum(r["stream_written_gb"] for r in recs),

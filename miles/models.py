@@ -13,6 +13,7 @@ Public API::
     build_tiny_model(tokenizer, seed=0, dtype=torch.float32) -> LlamaForCausalLM
     write_random_model(folder, preset, seed=0)    # random-init HF folder of a real architecture (RANDOM_MODEL_PRESETS)
     check_hf_config(config) / check_tokenizer_files(...) / check_weights(...)   # a folder's files, for validation
+    experts_implementation(device_type, dtype) -> "grouped_mm" | "eager"   # how load_policy runs MoE experts
 
 Which model (``config.model_source``, resolved by ``validate_args``):
 
@@ -65,6 +66,8 @@ __all__ = [
     "RANDOM_MODEL_PRESETS",
     "random_model_config",
     "write_random_model",
+    "experts_implementation",
+    "use_experts_implementation",
     "ModelFolderError",
     "check_hf_config",
     "check_tokenizer_files",
@@ -674,7 +677,7 @@ def load_policy(config: RunConfig, device: Any = "cpu", log: bool = True):
     mode (callers switch to ``train()``). ``tokenizer`` always has a pad token (eos if the model has
     none); prompts are formatted with ``miles.rl.data.format_prompt`` (chat template when present).
     """
-    import torch  # noqa: F401
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = resolve_policy_source(config, convert=True)
@@ -691,23 +694,64 @@ def load_policy(config: RunConfig, device: Any = "cpu", log: bool = True):
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.to(device)
     model.eval()
+    experts = use_experts_implementation(model, torch.device(device), dtype)
     if log:
         n = sum(p.numel() for p in model.parameters())
-        logger.info("policy model: %s, %.1fM params, %s", src.description, n / 1e6, dtype)
+        logger.info("policy model: %s, %.1fM params, %s%s", src.description, n / 1e6, dtype,
+                    f", MoE experts: transformers' {experts!r}" if experts else "")
     return model, tokenizer, src.description
+
+
+# ------------------------------------------------------------------------------------- MoE experts
+
+def experts_implementation(device_type: str, dtype) -> str:
+    """The transformers experts implementation (``transformers.integrations.moe.ExpertsInterface``) that MoE
+    layers run on ``device_type`` in ``dtype``: ``"grouped_mm"`` (tokens sorted by expert, one grouped GEMM per
+    projection) on CUDA in bf16, ``"eager"`` (a Python loop over the experts hit) elsewhere.
+
+    * CUDA bf16: torch's grouped GEMM kernel (sm90/sm100; other GPUs run torch's per-group loop). It needs no
+      host sync, so the decode step's CUDA graph can capture MoE layers (eager's loop syncs to find the experts
+      hit, which leaves decode uncaptured). Its rounding differs from eager's, as any bf16 kernel's does.
+    * CUDA fp32/fp16: eager. torch's grouped GEMM kernel takes bf16 only; other dtypes run its per-group
+      fallback, which copies the offsets to the host as eager does.
+    * CPU: eager, the reference the CPU runs' fp32 comparisons are made against. torch's CPU grouped GEMM gives
+      each expert's rows bitwise eager's ``F.linear``, but the layer sums rows and top-k terms in another
+      order: logits move by up to 1.7e-6 in fp32 (tests/unit/test_moe_experts_implementation.py,
+      scripts/bench_experts_implementation.py), and it is barely faster there (2 CPU cores: eager's time over
+      its own 1.02x for a prefill through 8 experts, 1.14x through 128; 1.00-1.03x for a decode step).
+    """
+    import torch
+
+    return "grouped_mm" if device_type == "cuda" and dtype == torch.bfloat16 else "eager"
+
+
+def use_experts_implementation(model, device, dtype) -> Optional[str]:
+    """Make ``model``'s MoE layers run :func:`experts_implementation` for ``device`` and ``dtype``; returns it,
+    or None for a model without transformers' switchable experts (dense models, remote code)."""
+    from miles.sizing.model_params import num_experts, text_config
+
+    if not num_experts(text_config(model.config.to_dict())):
+        return None
+    choice = experts_implementation(device.type, dtype)
+    try:
+        model.set_experts_implementation(choice)
+    except ValueError:  # transformers: "<class> does not support setting experts implementation" (remote code)
+        return None
+    return choice
 
 
 # ------------------------------------------------------------------------------------- random models
 
 def random_model_config(preset: str, vocab_size: int, **fields: Any):
-    """The transformers config of the RANDOM_MODEL_PRESETS entry ``preset`` with ``vocab_size`` tokens;
-    ``fields``: more config fields (token ids, ``max_position_embeddings``: 1024 unless given)."""
+    """The transformers config of the RANDOM_MODEL_PRESETS entry ``preset`` with ``vocab_size`` tokens, or the
+    preset's own vocabulary where it names one (a published model's output layer; ``vocab_size`` tokens are
+    its first ids); ``fields``: more config fields (token ids, ``max_position_embeddings``: 1024 unless given)."""
     from transformers import AutoConfig
 
     if preset not in RANDOM_MODEL_PRESETS:
         raise ValueError(f"unknown random model preset {preset!r}; choose one of {sorted(RANDOM_MODEL_PRESETS)}")
-    spec = {"max_position_embeddings": 1024, **RANDOM_MODEL_PRESETS[preset], **fields}
-    return AutoConfig.for_model(spec.pop("model_type"), vocab_size=vocab_size, **spec)
+    spec = {"max_position_embeddings": 1024, "vocab_size": vocab_size, **RANDOM_MODEL_PRESETS[preset], **fields}
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)
 
 
 def write_random_model(folder: str, preset: str, seed: int = 0, dtype: str = "bf16") -> str:

@@ -36,10 +36,10 @@ from typing import Any, Optional
 
 from miles import checkpoint
 from miles.config import RunConfig
-from miles.config.parallel_checks import EXPERIMENTAL_MODEL_PARALLEL_FLAG
 from miles.logging_setup import configure_logging, set_driver_env
 from miles.metrics import MetricsSink, format_rollout_line, log_summary, rollout_record
 from miles.parallel.layout import ParallelLayout, rank_slices
+from miles.preflight.parallel_checks import EXPERIMENTAL_MODEL_PARALLEL_FLAG
 from miles.progress import progress_bar, waiting
 from miles.rollout.recorded import ReplayShape, RolloutDataError, write_rollout
 from miles.run_lifecycle import Actors, RunState, StopOnSignal, hold_root_and_run, tear_down
@@ -137,15 +137,12 @@ def run(config: RunConfig) -> RunState:
     return hold_root_and_run(config, _run_holding_root)
 
 
-def _run_holding_root(config: RunConfig, stop: StopOnSignal, state: RunState) -> RunState:
-    import ray
-
+def _prepare_before_ray(config: RunConfig) -> tuple[Optional[tuple[str, dict[str, Any]]], Any, Any,
+                                                    Optional[ReplayShape]]:
+    """What the run settles in the driver before Ray starts: the checkpoint to resume (``target``), the policy
+    model's source, its tokenizer and the recorded rollouts to replay; each refusal stops the run at once."""
     from miles.models import load_tokenizer, prepare_policy
-    from miles.ray.errors import ActorFailure
-    from miles.ray.node_disk import NodeDiskError
-    from miles.ray.placement_group import PlacementError
 
-    t_run = time.perf_counter()
     if config.training.experimental_model_parallel:
         logger.warning("%s: tensor/pipeline parallel training (%s) is checked with its ranks sharing one GPU, not "
                        "yet across GPUs; scripts/validate_parallel.sh compares it with TP = PP = 1 on this host",
@@ -157,11 +154,23 @@ def _run_holding_root(config: RunConfig, stop: StopOnSignal, state: RunState) ->
     with waiting("preparing the policy model"):
         source = prepare_policy(config)  # one-time model conversion happens here, not in every actor
     tokenizer = load_tokenizer(config)
-    replay = checked_replay(config, source, tokenizer, target)  # before Ray: a bad recording stops the run at once
+    return target, source, tokenizer, checked_replay(config, source, tokenizer, target)
+
+
+def _run_holding_root(config: RunConfig, stop: StopOnSignal, state: RunState) -> RunState:
+    import ray
+
+    from miles.ray.errors import ActorFailure
+    from miles.ray.node_disk import NodeDiskError
+    from miles.ray.placement_group import PlacementError
+
+    t_run = time.perf_counter()
+    target, source, tokenizer, replay = _prepare_before_ray(config)
     started_ray = _init_ray(config)
     stop.install()  # ray.init replaced the SIGTERM handler
     actors = Actors()
     sink = None
+    loop: Optional[_Loop] = None
     failure: Optional[BaseException] = None
     try:
         _start_actors(config, actors, state, source)
@@ -177,11 +186,14 @@ def _run_holding_root(config: RunConfig, stop: StopOnSignal, state: RunState) ->
         sink = MetricsSink(config.logging.metrics_file, config.logging.tensorboard_dir, config.run_id,
                            state.resumed_runs, start_rollout)
         state.tensorboard_dir = sink.tb_dir if sink.tb is not None else None
-        _Loop(config, cursor, tokenizer, actors.train_group, actors.rollout, weight_sync, sink, state, replay).run(
-            range(start_rollout, config.rollout.num_rollout))
+        loop = _Loop(config, cursor, tokenizer, actors.train_group, actors.rollout, weight_sync, sink, state, replay)
+        loop.run(range(start_rollout, config.rollout.num_rollout))
     except ActorFailure as e:
         failure = e
-        logger.error("%s failed on %s. The actor's traceback:\n%s", e.what, e.actor, e.remote_traceback)
+        if _server_error(e) is None:
+            logger.error("%s failed on %s. The actor's traceback:\n%s", e.what, e.actor, e.remote_traceback)
+        elif loop is not None:  # a server's error names it and says what it said: its traceback adds nothing
+            _publish_after_server_failure(loop)
     except (NodeDiskError, PlacementError, SkippedStepsError, NonFiniteStepError, checkpoint.CheckpointError,
             RolloutDataError) as e:
         failure = e
@@ -196,10 +208,47 @@ def _run_holding_root(config: RunConfig, stop: StopOnSignal, state: RunState) ->
     state.seconds = time.perf_counter() - t_run
     if failure is not None:
         # the traceback was logged once above; the error itself is the one-line cause
-        cause = failure.summary if isinstance(failure, ActorFailure) else str(failure)
+        cause = _failure_line(failure, config, state) if isinstance(failure, ActorFailure) else str(failure)
         raise RunError(f"run stopped: {cause}") from None
     log_summary(config, state)
     return state
+
+
+def _server_error(failure) -> Optional[BaseException]:
+    """The error of an sglang server (--sglang-url) that an actor failure carries (Ray wraps it once per actor it
+    crossed: the engine's, and a train rank's when it came from a weight push), or None."""
+    from ray.exceptions import RayTaskError
+
+    from miles.rollout.sglang.transport import SglangCallError
+
+    error = failure.cause
+    while isinstance(error, RayTaskError):
+        error = error.cause
+    return error if isinstance(error, SglangCallError) and error.from_server else None
+
+
+def _publish_after_server_failure(loop: "_Loop") -> None:
+    """The trainer is well when a server fails: the checkpoint it was finishing in the background is complete once
+    its ranks finish it, so it is published rather than lost."""
+    from miles.ray.errors import ActorFailure
+
+    try:
+        loop.publish_pending()
+    except (ActorFailure, checkpoint.CheckpointError) as e:
+        logger.error("the checkpoint being finished when the server failed was not published: %s",
+                     e.summary if isinstance(e, ActorFailure) else e)
+
+
+def _failure_line(failure, config: RunConfig, state: RunState) -> str:
+    """An actor's failure in one line; a server's error with how far the run got and what is safe to resume
+    from (the checkpoint being written when it failed is removed, never published)."""
+    server_error = _server_error(failure)
+    if server_error is None:
+        return failure.summary
+    done = state.start_rollout + len(state.records)
+    latest = state.latest_checkpoint or state.loaded_checkpoint
+    kept = f"checkpoint {latest} is the last complete one" if latest else "no checkpoint was saved"
+    return f"{server_error} ({done}/{config.rollout.num_rollout} rollouts done; {kept})"
 
 
 def _start_actors(config: RunConfig, actors: Actors, state: RunState, source) -> None:

@@ -7,7 +7,8 @@ exit 2 with one line on a refusal, 0 otherwise."""
 
 import sys
 
-from miles.config import ArgumentError, build_parser, validate_args
+from miles.config import ArgumentError, build_parser
+from miles.preflight import validate_args
 
 parser = build_parser(prog="miles train")
 try:

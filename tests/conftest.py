@@ -34,7 +34,8 @@ def _no_runs_dir_in_the_working_tree():
 def make_config(tmp_path):
     """``make_config("--tiny-model", ...)`` -> a validated RunConfig whose every path lies under tmp_path
     (no CUDA, no optional modules, so the model is the tiny one unless --hf-checkpoint)."""
-    from miles.config import Environment, parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import Environment, validate_args
 
     def make(*argv: str):
         argv = list(argv)

@@ -4,8 +4,8 @@ by tests/megatron_cpu) and the GPU one (tests/gpu/test_parallel_megatron_gpu.py)
 
 A run is ``resident`` (optimizer state in memory), ``streamed`` (the store; saves after rollout SAVE_AFTER),
 ``resumed`` (loads that checkpoint and trains the rollouts after it), all bf16, or ``fp32`` (resident). Each rank
-reports its losses, its export (every rank's: each feeds an engine) and its replicated tensors; :func:`check_layout`
-(bf16) and :func:`check_fp32` compare them with TP1's.
+reports its losses, its export (every rank's: each feeds an engine), its replicated tensors and its routed experts'
+module kind; :func:`check_layout` (bf16) and :func:`check_fp32` compare them with TP1's.
 
 Each rank prints its stage as it starts it (flushed); a child that dies fails the run at once with the stack
 it died in, and a run that stops fails after 2 x timeout naming each rank's last stage (tests/spawned.py).
@@ -64,7 +64,8 @@ class Placement(NamedTuple):
 
 def _config(root: str, layout: Layout, model: Optional[str], stream: bool, dtype: str):
     sys.path.insert(0, REPO)
-    from miles.config import parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import validate_args
 
     os.makedirs(root, exist_ok=True)
     argv = ["--hf-checkpoint", model] if model else ["--tiny-model"]
@@ -158,16 +159,21 @@ def _train(rank: int, layout: Layout, model: Optional[str], rendezvous: str, pla
         if run == "streamed" and step == SAVE_AFTER:
             stage(f"{run}: save after rollout {step}")
             checkpoint_base = _save(trainer, config, rank, save_root, step + 1)
+    from miles.backends.megatron_backend.families import describe
     from miles.backends.megatron_backend.tp_shards import split_kind
 
-    replicated = {k: v.float().tolist() for k, v in trainer.gpt.state_dict().items()  # norms, routers, indexers
-                  if not k.endswith("_extra_state") and split_kind(k) == "replicated"}
+    rules = describe(trainer.engine.hf_config).tp_rules
+    replicated = {k: v.float().tolist() for k, v in trainer.engine.gpt.state_dict().items()  # norms, routers, indexers
+                  if not k.endswith("_extra_state") and split_kind(k, rules) == "replicated"}
+    # the routed experts' modules as the trainer built them: SequentialMLP, or TEGroupedMLP (--moe-grouped-gemm)
+    experts = sorted({type(m).__name__ for name, m in trainer.engine.gpt.named_modules() if name.endswith(".experts")})
     stage(f"{run}: export (a collective: every TP and PP rank takes part)")
     exported = trainer.export_weights()
     weights = {k: v.float().tolist() for k, v in exported.items()}  # every rank's: each feeds an engine
     stage(f"{run}: shutdown")
     trainer.shutdown()
-    return {"losses": losses, "weights": weights, "replicated": replicated, "checkpoint": checkpoint_base}
+    return {"losses": losses, "weights": weights, "replicated": replicated, "experts": experts,
+            "checkpoint": checkpoint_base}
 
 
 def _rank(rank: int, layout: Layout, model: Optional[str], rendezvous: dict, placement: Placement, root: str,

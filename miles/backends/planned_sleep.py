@@ -1,10 +1,10 @@
 """A train rank's planned sleep and wake (``--offload-train-plan auto``): measure, plan, execute, report.
 
-The template's sleep (:meth:`miles.backends.base.TrainBackend.sleep`) calls :func:`sleep_by_plan`; it
-measures the rank's :class:`~miles.offload.plan.MemoryFacts`, asks the backend for its tensor groups
-(``sleep_groups``) and rebuilders (``sleep_rebuilders``), plans with
-:func:`miles.offload.plan.plan_sleep` and hands the plan to the :class:`~miles.offload.planned.PlannedOffloader`.
-What each call moved comes back in keys the rollout record sums (:mod:`miles.metrics`):
+:class:`miles.backends.sleep.PlannedSleep` calls :func:`sleep_by_plan`; it measures the rank's
+:class:`~miles.offload.plan.MemoryFacts`, asks the engine for its tensor groups (``sleep_groups``), plans
+with :func:`miles.offload.plan.plan_sleep` and hands the plan and the rebuilders to the
+:class:`~miles.offload.planned.PlannedOffloader`. What each call moved comes back in keys the rollout
+record sums (:mod:`miles.metrics`):
 
     sleep: moved_bytes (written to RAM or disk), kept_bytes, discarded_bytes, to_ram_bytes, to_disk_bytes,
            released_for_engine_bytes, released_for_masters_bytes, plan_need_bytes, plan_shortfall_bytes, plan_notes
@@ -27,6 +27,8 @@ from miles_plugins.optimizers.nvme_stream import StoreGroup
 from miles_plugins.optimizers.streaming.config import DEFAULT_HOST_CACHE_RESERVE_MB
 from miles_plugins.host.memory import available_host_memory
 from miles_plugins.optimizers.streaming.units import GB, MiB
+
+from .sleep_mode import AUTO
 
 logger = logging.getLogger(__name__)
 
@@ -83,14 +85,14 @@ def copy_from_engine(named: Iterable[tuple[str, torch.Tensor]], targets: dict[st
     return nbytes
 
 
-def engine_weights_or_fail(backend) -> list:
+def engine_weights_or_fail(engine_weights: Optional[list], rank: int) -> list:
     """The engine's shared weights handed to this wake; a plan that released the weights for them cannot
     wake without them."""
-    if backend.engine_weights is None:
-        raise RuntimeError(f"rank {backend.rank}: the sleep released the weights to rebuild them from the "
+    if engine_weights is None:
+        raise RuntimeError(f"rank {rank}: the sleep released the weights to rebuild them from the "
                            "rollout engine's copy, but this wake was not handed it (wake(engine_weights=...)); "
                            "the driver promised it with EngineNeeds(copy_at_wake=True)")
-    return backend.engine_weights
+    return engine_weights
 
 
 def memory_facts(device: torch.device, engine: EngineNeeds, store, ranks_on_node: int,
@@ -121,30 +123,29 @@ def memory_facts(device: torch.device, engine: EngineNeeds, store, ranks_on_node
         device_is_host=device.type != "cuda")
 
 
-def sleep_by_plan(backend, engine: EngineNeeds) -> dict[str, Any]:
-    """Plan and execute this rank's sleep; returns the report (module docstring)."""
-    config = backend.config
-    groups = backend.sleep_groups()
-    facts = memory_facts(backend.device, engine, backend.store, backend.ranks_on_node,
-                         config.rollout.rollout_engine, backend.offloader.host_bytes_held)
-    plan = plan_sleep([g for g, _ in groups], facts, config.offload.offload_train_plan,
-                      config.offload.offload_train_target or "cpu")
-    report = backend.offloader.sleep({g.name: tensors for g, tensors in groups}, plan, backend.sleep_rebuilders())
-    if plan.shortfall_bytes and engine.kv_bytes is not None:  # unmeasured, the need is the whole device
+def sleep_by_plan(engine, offloader, needs: EngineNeeds, rebuilders: dict, ranks_on_node: int) -> dict[str, Any]:
+    """Plan and execute the sleep of ``engine``'s tensors; returns the report (module docstring)."""
+    config = engine.config
+    groups = engine.sleep_groups()
+    facts = memory_facts(engine.device, needs, engine.store, ranks_on_node, config.rollout.rollout_engine,
+                         offloader.host_bytes_held)
+    plan = plan_sleep([g for g, _ in groups], facts, config.offload.target)
+    report = offloader.sleep({g.name: tensors for g, tensors in groups}, plan, rebuilders)
+    if plan.shortfall_bytes and needs.kv_bytes is not None:  # unmeasured, the need is the whole device
         logger.warning("rank %d: sleep plan: the engine needs %.3f GB more than the trainer can release "
-                       "(%s)", backend.rank, plan.shortfall_bytes / GB, "; ".join(plan.notes))
+                       "(%s)", engine.rank, plan.shortfall_bytes / GB, "; ".join(plan.notes))
     return {**_as_offload_stats(report, "sleep", plan), **sleep_split(plan, report)}
 
 
-def wake_by_plan(backend) -> dict[str, Any]:
-    report = backend.offloader.wake()
-    return {**_as_offload_stats(report, "wake", backend.offloader.plan), **wake_split(report)}
+def wake_by_plan(offloader) -> dict[str, Any]:
+    report = offloader.wake()
+    return {**_as_offload_stats(report, "wake", offloader.plan), **wake_split(report)}
 
 
 def _as_offload_stats(report: dict, action: str, plan: Optional[SleepPlan]) -> dict[str, Any]:
     stats = stats_of(report, action, plan.target if plan else "")
     return {"action": action, "target": stats.target, "skipped": stats.skipped, "storages": 0,
-            "bytes": stats.bytes, "seconds": stats.seconds, "path": None, "plan": plan.mode if plan else None}
+            "bytes": stats.bytes, "seconds": stats.seconds, "path": None, "plan": AUTO if plan else None}
 
 
 def sleep_split(plan: SleepPlan, report: dict) -> dict[str, Any]:
@@ -168,11 +169,3 @@ def wake_split(report: dict) -> dict[str, Any]:
             # what crossed host->device to rebuild them: the fp32 masters (twice the bf16 weights' bytes)
             "masters_read_bytes": report[f"wake_{FROM_MASTERS}_read"]}
 
-
-def offload_all_split(action: str, target: str, nbytes: int, skipped: bool) -> dict[str, Any]:
-    """The same keys for --offload-train-plan offload-all (every byte to or from the target)."""
-    if skipped:
-        return {"moved_bytes": 0}
-    where = "ram" if target == "cpu" else "disk"
-    key = f"to_{where}_bytes" if action == "sleep" else f"from_{where}_bytes"
-    return {"moved_bytes": nbytes, key: nbytes, "plan": "offload-all"}

@@ -7,7 +7,7 @@ store's own ``streaming.config``). :func:`build_parser` turns the dataclasses in
 ``argparse.Namespace`` whose attribute names are the field names (= flag names with underscores).
 
 Parsing does not validate combinations and does not resolve tri-states / environment-dependent
-defaults (``None`` values); :func:`miles.config.validation.validate_args` does that and returns the
+defaults (``None`` values); :func:`miles.preflight.validation.validate_args` does that and returns the
 frozen :class:`miles.config.run_config.RunConfig` built from these groups.
 
 Groups (in order): cluster, model, rollout, training, optimizer, offload, checkpoint, logging.
@@ -210,9 +210,11 @@ class RolloutConfig:
         "Repeat the flag for more servers, one per rollout engine (--num-rollout-engines): engine i drives the "
         "i-th URL.", metavar="URL", repeatable=True)
     sglang_request_timeout: float = knob(
-        600.0, "With --sglang-url: seconds one request to the server may take in all (connecting, sending, and "
-        "reading the whole answer), > 0; a server that answers slower fails the call with an error naming this "
-        "flag. The longest call is a generate of one rollout batch.", metavar="SECONDS", above=0,
+        3600.0, "With --sglang-url: seconds one request to the server may take in all (connecting, sending, and "
+        "reading the whole answer), > 0; a server that answers slower fails the call, and the run stops, with an "
+        "error naming the server and this flag. The longest call is a generate of the engine's whole share of a "
+        "rollout batch, hence the hour by default; a server that is gone fails at once, whatever this is.",
+        metavar="SECONDS", above=0,
         what="a finite number of seconds", fix="pass e.g. --sglang-request-timeout 600, or drop the flag")
     sglang_tp_size: int = knob(
         1, "With --rollout-engine sglang: tensor-parallel size of each sglang engine (with --sglang-url, the "
@@ -304,6 +306,12 @@ class TrainingConfig:
     decoder_last_pipeline_num_layers: Optional[int] = knob(
         None, "Decoder layers of the last pipeline stage (Megatron's uneven pipeline); the stages without a "
         "count split the rest evenly. Unset: an even split.", metavar="N", at_least=1)
+    moe_grouped_gemm: bool = knob(
+        False, "Megatron's flag (megatron backend, MoE models): each layer's local routed experts run as one grouped "
+        "GEMM per projection (torch's grouped_mm over an [experts, out, in] weight) instead of one GEMM per expert "
+        "in a Python loop (SequentialMLP). Equal to SequentialMLP on CPU in fp32 and bf16; not yet measured on "
+        "GPUs, hence off by default. Each expert's sizes must be multiples of 8 in bf16. A checkpoint's optimizer "
+        "state belongs to the layout it was saved with.")
     micro_batch_size: int = knob(4, "Samples per forward/backward on one rank (gradient accumulation over the rest).",
                                 at_least=1)
     use_dynamic_batch_size: bool = knob(
@@ -330,7 +338,31 @@ class TrainingConfig:
     seed: int = knob(1234, "Seed of model initialization (tiny model) and training.", at_least=0, at_most=SEED_MAX,
                      why=SEED_WHY)
     eps_clip: float = knob(0.2, "PPO-style clip range of the importance ratio against the rollout log-probs "
-                           "(inf: the unclipped surrogate).", at_least=0, finite=False)
+                           "(inf: the unclipped surrogate). GSPO's sequence ratios need far smaller ranges: "
+                           "upstream's GSPO recipes pass 3e-4 to 4e-4.", at_least=0, finite=False)
+    advantage_estimator: str = knob(
+        "grpo", "Policy loss (miles/slime's flag; both take GRPO's group-normalized advantages): grpo clips each "
+        "token's importance ratio; gspo clips one ratio per sample, exp of the mean over its response tokens of "
+        "the log-ratio (Qwen's GSPO, for MoE RL). See docs/advanced/train-rollout-mismatch.md.",
+        choices=("grpo", "gspo"))
+    use_tis: bool = knob(
+        False, "Truncated importance sampling (miles/slime's flag): the PPO ratio is taken against the trainer's "
+        "own log-probs and each token's loss is weighted by exp(trainer - rollout log-prob), truncated to "
+        "[--tis-clip-low, --tis-clip], correcting the train/rollout mismatch (MoE routing, bf16 kernels). See "
+        "docs/advanced/train-rollout-mismatch.md.")
+    tis_clip: float = knob(2.0, "With --use-tis: the largest importance weight (upstream's default 2.0).", above=0)
+    tis_clip_low: float = knob(
+        0.0, "With --use-tis: the smallest importance weight (upstream's default 0; its GLM-5 recipe uses 0.5). "
+        "Must be below --tis-clip.", at_least=0)
+    use_rollout_routing_replay: bool = knob(
+        False, "Rollout routing replay, R3 (upstream miles' flag; MoE policies): the rollout engine records the "
+        "experts every MoE layer chose for each token of each sample, and every training forward of that sample "
+        "runs on those experts, the gate weights recomputed from the trainer's own router logits, so trainer and "
+        "engine route alike. Each sample carries MoE layers x top-k bytes per token (uint8 ids up to 256 experts). "
+        "The embedded engine records them; sglang returns them (a --sglang-url server must run with "
+        "--enable-return-routed-experts); both backends replay them, at any TP/SP/EP/PP layout. The share of tokens "
+        "whose natural route differs, first and last MoE layer, is reported per rollout. See "
+        "docs/advanced/train-rollout-mismatch.md.")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Pure data: the driver reads it to tell each train actor which class to build, and choosing a backend
 imports nothing (no torch, no store, no megatron-core) until the actor resolves the spec
-(:func:`miles.backends.base.resolve_backend`).
+(:func:`miles.backends.rank.resolve_backend`).
 """
 
 BACKENDS: dict[str, str] = {

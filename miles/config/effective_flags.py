@@ -1,7 +1,7 @@
 """Flags that would change nothing in the chosen configuration: rejected, naming what would make them count.
 
 A flag counts as *given* when its parsed value differs from its parser default (the dataclass field's
-default). Comparing values, not command-line tokens, keeps :func:`~miles.config.validation.validate_args`
+default). Comparing values, not command-line tokens, keeps :func:`~miles.preflight.validation.validate_args`
 a function of the namespace alone (a namespace built in code is judged like a parsed one); the price is
 that repeating a default explicitly (``--stream-optimizer-state-moment-dtype fp32`` without streaming)
 is accepted, which is harmless because it asks for exactly what the run does.
@@ -59,6 +59,12 @@ RULES: tuple[EffectRule, ...] = (
                lambda d: d.training.tensor_model_parallel_size * d.training.pipeline_model_parallel_size > 1,
                lambda d: ("tensor and pipeline parallel sizes are 1",
                           "add --tensor-model-parallel-size or --pipeline-model-parallel-size > 1")),
+    *(EffectRule(name, lambda d: d.training.use_tis,
+                 lambda d: ("importance weights are truncated only under --use-tis", "add --use-tis"))
+      for name in ("tis_clip", "tis_clip_low")),
+    EffectRule("moe_grouped_gemm", lambda d: d.training.train_backend == "megatron",
+               lambda d: (f"--train-backend {d.training.train_backend} builds its experts with transformers' own "
+                          "modules", "add --train-backend megatron")),
     EffectRule("max_tokens_per_gpu", lambda d: d.training.use_dynamic_batch_size,
                lambda d: ("micro-batches hold --micro-batch-size samples unless --use-dynamic-batch-size",
                           "add --use-dynamic-batch-size")),

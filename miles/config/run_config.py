@@ -1,4 +1,4 @@
-"""The validated configuration of one run: :class:`RunConfig`, what ``validate_args`` returns.
+"""The validated configuration of one run: :class:`RunConfig`, what :func:`miles.preflight.validate_args` returns.
 
 One frozen object, the argument groups as frozen dataclasses (field names = flag names), with every
 tri-state and environment-dependent default resolved, plus what the run derives from them::

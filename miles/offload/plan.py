@@ -16,7 +16,7 @@ and the KV pool it allocates after). Everything the trainer holds comes back at 
 Order of preference, cheapest first: keep > engine copy (device) > masters in host RAM (PCIe) > host
 RAM > disk. The plan releases only what the engine needs: grads always (free), then groups in that
 order, largest first, until the device has room; the rest stays. ``offload-all`` (--offload-train-plan
-offload-all) is today's behaviour: every group but the grads written to the target.
+offload-all) is not a plan: the rank's offloader writes every tensor to the target (miles.backends.sleep).
 
 On a CPU 'device' (the torch backend on CPU) device memory is host memory: a copy to host RAM frees
 nothing, so only rebuilds and the disk free anything there.
@@ -26,8 +26,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
-
-from miles.config.arguments import OFFLOAD_TRAIN_PLANS
 
 KEEP = "keep"
 FROM_ENGINE = "rebuild_from_engine"
@@ -43,9 +41,6 @@ WEIGHTS = "weights"
 GRADS = "grads"
 OPTIMIZER_STATE = "optimizer_state"
 OTHER = "other"  # buffers and what no other source holds
-
-PLAN_MODES = OFFLOAD_TRAIN_PLANS  # --offload-train-plan's values, named once in the config
-PLAN_AUTO, PLAN_OFFLOAD_ALL = PLAN_MODES
 
 # Device memory left free beyond the engine's KV pool: the caching allocator's fragmentation, the engine's
 # decode buffers and CUDA graphs. 1 GiB: measured residue of a released embedded engine is far below it.
@@ -115,7 +110,6 @@ class Decision:
 
 @dataclass(frozen=True)
 class SleepPlan:
-    mode: str
     target: str
     decisions: tuple[Decision, ...]
     need_bytes: int = 0       # device bytes the engine needed freed at sleep (0: it fit already)
@@ -147,26 +141,20 @@ class SleepPlan:
         return ways[FROM_ENGINE] + ways[FROM_MASTERS] + ways[TO_RAM] + ways[TO_DISK]
 
 
-def check_mode(mode: str, target: str) -> None:
-    if mode not in PLAN_MODES:
-        raise ValueError(f"--offload-train-plan must be one of {PLAN_MODES}, got {mode!r}")
+def check_target(target: str) -> None:
     if target not in ("cpu", "disk"):
         raise ValueError(f"--offload-train-target must be cpu or disk, got {target!r}")
 
 
-def plan_sleep(groups: list[Group], facts: MemoryFacts, mode: str, target: str) -> SleepPlan:
-    """Each group's way back (see the module docstring). ``offload-all``: every group but the grads
-    to the target. ``auto``: the grads discarded, then the fewest, cheapest-to-restore groups released
-    until the engine's KV pool and the reserve fit; a shortfall left after releasing everything
-    releasable is reported (``shortfall_bytes``), never hidden."""
-    check_mode(mode, target)
+def plan_sleep(groups: list[Group], facts: MemoryFacts, target: str) -> SleepPlan:
+    """Each group's way back (see the module docstring): the grads discarded, then the fewest,
+    cheapest-to-restore groups released until the engine's KV pool and the reserve fit; a shortfall left
+    after releasing everything releasable is reported (``shortfall_bytes``), never hidden. (``offload-all``
+    plans nothing: :class:`miles.backends.sleep.OffloadAllSleep` writes every tensor to the target.)"""
+    check_target(target)
     names = [g.name for g in groups]
     if len(set(names)) != len(names):
         raise ValueError(f"group names must be unique, got {names}")
-    if mode == PLAN_OFFLOAD_ALL:
-        way = TO_DISK if target == "disk" else TO_RAM
-        decisions = tuple(Decision(g.name, g.kind, DISCARD if g.kind == GRADS else way, g.nbytes) for g in groups)
-        return SleepPlan(mode, target, decisions, notes=("every group written to the target (offload-all)",))
     return _plan_auto(groups, facts, target)
 
 
@@ -236,7 +224,7 @@ def _plan_auto(groups: list[Group], facts: MemoryFacts, target: str) -> SleepPla
     shortfall = max(0, left)
     if shortfall:
         notes.append(f"{shortfall} bytes short of the engine's need after releasing everything releasable")
-    return SleepPlan(PLAN_AUTO, target, decisions, need_bytes=need, shortfall_bytes=shortfall, notes=tuple(notes))
+    return SleepPlan(target, decisions, need_bytes=need, shortfall_bytes=shortfall, notes=tuple(notes))
 
 
 def device_need(engine_bytes: int, device_free: int, reserve: int = DEVICE_RESERVE_BYTES) -> int:

@@ -15,6 +15,7 @@ import os
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from miles.backends.sleep_mode import OFFLOAD_ALL, sleep_mode
 from miles.config import RunConfig
 from miles.config.backends import BACKENDS
 
@@ -49,9 +50,9 @@ def make_train_actors(cfg: RunConfig, pg, use_gpu: bool, cell: int = 0) -> list:
     n = cfg.cluster.num_train_ranks
     # torch_memory_saver pauses the whole process at sleep: what --offload-train-plan offload-all does; the
     # sleep plan moves tensors one by one (miles.offload.planned) and needs no hook
-    offload = cfg.offload.offload_train and cfg.offload.offload_all
-    tms = layout.tms_preload_library() if use_gpu and offload else None
-    if use_gpu and offload and tms is None:
+    pauses = use_gpu and sleep_mode(cfg) == OFFLOAD_ALL
+    tms = layout.tms_preload_library() if pauses else None
+    if pauses and tms is None:
         logger.warning("torch_memory_saver is not installed: GPU trainer offload falls back to the storage "
                        "offloader (pip install 'miles[gpu]' for torch_memory_saver)")
     res = layout.train_actor_resources(cfg, use_gpu)

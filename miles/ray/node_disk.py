@@ -6,7 +6,7 @@ ranks landed on which node, a tiny probe task on each node reports the free spac
 under the run root there, and a node short of space stops the run with one line naming it and the numbers.
 
 The need per node is ``ranks on the node x`` what one rank writes there
-(:func:`miles.config.disk_budget.rank_disk_need`: `miles plan`'s estimate of the streamed optimizer state's
+(:func:`miles.preflight.disk_budget.rank_disk_need`: `miles plan`'s estimate of the streamed optimizer state's
 files and the trainer offload, for this run's model and layout). A host tier keeps its buckets in RAM with
 no file; for ``--stream-optimizer-state-host-cache-mb auto`` the probe reports the node's available memory,
 so each node is asked only for what its ranks' tiers will not hold.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from miles.config import RunConfig
-from miles.config.disk_budget import model_tensors_of_run, rank_disk_need
+from miles.preflight.disk_budget import model_tensors_of_run, rank_disk_need
 from miles.sizing.model_params import ModelTensors
 from miles.sizing.estimate import GB, SizingError
 from miles.sizing.sharding import LayoutError

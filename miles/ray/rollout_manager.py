@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 from miles.config import RunConfig
 from miles.logging_setup import configure_logging
+from miles.progress import waiting
 
 from . import actor_factory
 from .actor_logs import ActorLogs, reports_logs
@@ -31,7 +32,8 @@ def build_engine(config: RunConfig, engine_id: int):
         from miles.rollout.embedded import EmbeddedRolloutEngine
 
         # No backup of released weights: the loop pushes every weight after resuming them (contract.py)
-        return EmbeddedRolloutEngine(config, engine_id=engine_id, backup="none")
+        return EmbeddedRolloutEngine(config, engine_id=engine_id, backup="none",
+                                     record_routes=config.training.use_rollout_routing_replay)
     if backend == "sglang":
         from miles.rollout.sglang.engine import SglangRolloutEngine
 
@@ -110,7 +112,10 @@ class RolloutManager:
     def __init__(self, config: RunConfig, pg, use_gpu: bool):
         self.config = config
         self.engines = actor_factory.make_rollout_engines(config, pg, use_gpu, RolloutEngineActor)
-        self.labels = [f"rollout engine {i}" for i in range(len(self.engines))]
+        # an engine that drives a server (--sglang-url) is named with it: waits and failures then say which server
+        servers = config.rollout.sglang_url or [None] * len(self.engines)
+        self.labels = [f"rollout engine {i}" + (f" (sglang server {url})" if url else "")
+                       for i, url in enumerate(servers)]
         self.released = False
 
     def _all(self, method: str, *args) -> list[Any]:
@@ -127,7 +132,9 @@ class RolloutManager:
         slices = [(i * per, min(len(prompts), (i + 1) * per)) for i in range(n_eng)]
         slices = [(a, b) for a, b in slices if a < b]
         refs = [self.engines[i].generate.remote(list(prompts[a:b]), sampling) for i, (a, b) in enumerate(slices)]
-        parts = wait_all(refs, "generate", [self.labels[i] for i in range(len(slices))])
+        labels = [self.labels[i] for i in range(len(slices))]
+        with waiting(f"generate on {', '.join(labels)}"):
+            parts = wait_all(refs, "generate", labels)
         samples = []
         for (a, _), part in zip(slices, parts):
             for s in part:

@@ -61,7 +61,7 @@ class TrainActor:
 
     @reports_logs
     def init(self, rendezvous: str) -> dict[str, Any]:
-        from miles.backends.base import resolve_backend
+        from miles.backends.rank import resolve_backend
 
         cls = resolve_backend(self.backend)
         self.trainer = cls(self.config, rank=self.rank, world_size=self.world_size, cell=self.cell,

@@ -83,7 +83,7 @@ class RayTrainGroup:
 
     def sleep(self, engine=None) -> list[dict[str, Any]]:
         """``engine``: what the driver measured of the colocated engine (:class:`miles.offload.plan.EngineNeeds`;
-        see :meth:`miles.backends.base.TrainBackend.sleep`)."""
+        see :meth:`miles.backends.rank.TrainRank.sleep`)."""
         out = self._all("sleep", engine)
         self.asleep = True
         return out

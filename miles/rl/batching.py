@@ -11,7 +11,7 @@ exactly one. Two kinds:
   on its own is trained alone (logged): it cannot be cut without changing what the model sees.
 
 The loss does not depend on the plan: each micro-batch's loss is its token sum divided by the token
-count of the whole rollout (:func:`miles.rl.loss.accumulate_policy_gradient`), so a plan changes only the
+count of the whole rollout (``miles.backends.step.PolicyLoss``), so a plan changes only the
 order of floating-point sums. Plans are pure functions of the lengths: the same samples give the same
 plan on every run.
 

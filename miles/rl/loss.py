@@ -1,4 +1,5 @@
-"""Policy-gradient loss with the rollout engine's log-probs (token-level, masked), and the helpers
+"""Policy-gradient loss against the rollout engine's log-probs (GRPO token-level or GSPO sequence-level,
+truncated importance sampling optional; docs/advanced/train-rollout-mismatch.md), and the helpers
 that put samples and model outputs on the same token grid.
 
 Token grid: a batch row is ``prompt_ids + response_ids`` right-padded to ``L``. Targets are
@@ -11,26 +12,28 @@ Public API::
     logprobs = forward_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature)
     loss, metrics = policy_gradient_loss(logprobs, batch["rollout_logprobs"], batch["advantages"],
                                          batch["loss_mask"], eps_clip=args.eps_clip,
-                                         num_tokens=total_response_tokens)
+                                         num_tokens=total_response_tokens, advantage_estimator="gspo",
+                                         tis=TruncatedImportanceSampling(low=0.0, high=2.0))  # both optional
+    stats = mismatch_stats(logprobs, batch["rollout_logprobs"], batch["loss_mask"])   # train vs rollout
     token_logprobs(logits, targets, temperature) -> [B, T]
     chunked_token_logprobs(hidden, targets, output_layer, temperature)  # the same, a chunk of logits at a time
     problem = training_input_problem(samples, advantages, vocab_size)   # None, or why not to train on them
     for indices, batch in micro_batch_inputs(samples, advantages, plan, pad_id=0, device=d): ...
-    sums = accumulate_policy_gradient(samples, advantages, logprobs_fn, micro_batches=plan, ...)
 
 A plan (``micro_batches``) is a list of index lists, :mod:`miles.rl.batching`'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.utils.checkpoint
 
-__all__ = ["token_logprobs", "forward_logprobs", "collate_samples", "policy_gradient_loss",
-           "training_input_problem", "micro_batch_inputs", "accumulate_policy_gradient", "chunked_token_logprobs",
+__all__ = ["token_logprobs", "forward_logprobs", "collate_samples", "policy_gradient_loss", "mismatch_stats",
+           "ADVANTAGE_ESTIMATORS", "TruncatedImportanceSampling", "training_input_problem", "micro_batch_inputs", "chunked_token_logprobs",
            "LOGPROB_CHUNK_TOKENS"]
 
 
@@ -172,6 +175,57 @@ def collate_samples(
     }
 
 
+ADVANTAGE_ESTIMATORS = ("grpo", "gspo")
+
+
+@dataclasses.dataclass(frozen=True)
+class TruncatedImportanceSampling:
+    """``--use-tis``: the bounds ``[low, high]`` (``--tis-clip-low``, ``--tis-clip``) each token's weight
+    ``exp(trainer - rollout log-prob)`` is truncated to (:func:`policy_gradient_loss`)."""
+
+    low: float
+    high: float
+
+
+def _log_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, advantage_estimator: str) -> torch.Tensor:
+    """Per token ``logp - old`` (GRPO), or each sample's mean of it on every one of its tokens (GSPO: Qwen's GSPO,
+    arXiv 2507.18071; upstream slime's ``compute_gspo_kl``): the gradient flows through the mean, and a sample's
+    ratio ``exp(mean)`` is clipped as a whole. The mean needs all of a sample's tokens in one row, as every
+    micro-batch plan keeps them (a sample is never split)."""
+    log_ratio = (logp - old) * mask
+    if advantage_estimator == "gspo":
+        sample_mean = log_ratio.sum(-1, keepdim=True) / torch.clamp(mask.sum(-1, keepdim=True), min=1.0)
+        log_ratio = sample_mean * mask
+    return log_ratio
+
+
+def _tis_weights(old: torch.Tensor, rollout: torch.Tensor,
+                 tis: TruncatedImportanceSampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w, raw)``: ``raw = exp(old - rollout)``, the importance weight between the policy the trainer computes
+    and the one the engine sampled from, and ``w`` its truncation to ``[tis.low, tis.high]`` (upstream's
+    ``vanilla_tis_function``; Yao et al., "Your efficient RL framework secretly brings you off-policy RL
+    training"). Both detached."""
+    raw = torch.exp(old - rollout)
+    return torch.clamp(raw, tis.low, tis.high), raw
+
+
+def _loss_metrics(loss: torch.Tensor, mask: torch.Tensor, ratio: torch.Tensor, log_ratio: torch.Tensor,
+                  clipped: torch.Tensor, tis_weights: Optional[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    n = torch.clamp(mask.sum(), min=1.0)
+    metrics = {
+        "pg_loss": loss.detach(),
+        "clipfrac": (clipped.float() * mask).sum() / n,
+        "ratio_mean": (ratio * mask).sum() / n,
+        "approx_kl": (-log_ratio * mask).sum() / n,
+        "num_tokens": mask.sum(),
+    }
+    if tis_weights is not None:
+        weight, raw = tis_weights
+        metrics["tis_weight_mean"] = (weight * mask).sum() / n
+        metrics["tis_clipfrac"] = ((weight != raw).float() * mask).sum() / n
+    return metrics
+
+
 def policy_gradient_loss(
     logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,
@@ -180,44 +234,63 @@ def policy_gradient_loss(
     eps_clip: float = 0.2,
     eps_clip_high: Optional[float] = None,
     num_tokens: Optional[float] = None,
+    advantage_estimator: str = "grpo",
+    tis: Optional[TruncatedImportanceSampling] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Token-level clipped policy-gradient loss (PPO/GRPO surrogate) against the rollout log-probs.
+    """Clipped policy-gradient loss (PPO surrogate), token-level (GRPO) or sequence-level (GSPO,
+    :func:`_log_ratio`), with truncated importance sampling optional (TIS, :func:`_tis_weights`).
 
-    ``ratio = exp(logprobs - rollout_logprobs)``; per token
-    ``-min(ratio * A, clip(ratio, 1 - eps_clip, 1 + eps_clip_high) * A)``; summed over ``loss_mask``
-    and divided by ``num_tokens`` (default: ``loss_mask.sum()``). With gradient accumulation pass the
-    token count of the whole batch so the micro-batch losses add up to the batch token-mean. All
-    inputs are ``[B, T]`` (``advantages`` may be ``[B]``). Pass ``eps_clip=float("inf")`` for the
-    unclipped REINFORCE-style surrogate; on-policy (ratio 1) both give the same gradient.
+    The "old" policy of the ratio: without ``tis`` the rollout engine's log-probs, ``ratio = exp(logprobs -
+    rollout_logprobs)`` (upstream's ``--use-rollout-logprobs``, "bypass" mode); with ``tis`` the trainer's own
+    log-probs before the update, which with one optimizer step per rollout are ``logprobs`` detached: the ratio is
+    1 in value, its gradient that of ``logprobs``, and each token's loss is multiplied by the truncated weight
+    instead. Per token ``-min(ratio * A, clip(ratio, 1 - eps_clip, 1 + eps_clip_high) * A)``, summed over
+    ``loss_mask`` and divided by ``num_tokens`` (default ``loss_mask.sum()``; with gradient accumulation the whole
+    batch's count, so micro-batch losses add up to its token mean; under GSPO a sample's loss counts once per
+    token). Inputs ``[B, T]`` (``advantages`` may be ``[B]``); ``eps_clip=inf``: the unclipped surrogate.
 
-    Returns ``(loss, metrics)``; metrics (detached scalars): ``pg_loss``, ``clipfrac``, ``ratio_mean``,
-    ``approx_kl`` (mean of ``rollout_logprobs - logprobs``), ``num_tokens``.
+    Returns ``(loss, metrics)``, metrics detached means over the masked tokens: ``pg_loss``, ``clipfrac`` (under
+    GSPO the tokens of clipped samples), ``ratio_mean``, ``approx_kl`` (mean of ``old - logprobs``),
+    ``num_tokens``, and with ``tis`` ``tis_weight_mean`` and ``tis_clipfrac`` (tokens whose weight was truncated).
     """
+    if advantage_estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"advantage_estimator must be one of {ADVANTAGE_ESTIMATORS} (got {advantage_estimator!r})")
     mask = loss_mask.to(torch.float32)
     if advantages.dim() == 1:
         advantages = advantages.view(-1, 1).expand_as(mask)
     adv = advantages.to(torch.float32)
-    old = rollout_logprobs.to(torch.float32).detach()
+    rollout = rollout_logprobs.to(torch.float32).detach()
+    logp = at_least_fp32(logprobs)
+    old = logp.detach() if tis is not None else rollout
     high = eps_clip if eps_clip_high is None else eps_clip_high
-    log_ratio = (at_least_fp32(logprobs) - old) * mask
+    log_ratio = _log_ratio(logp, old, mask, advantage_estimator)
     ratio = torch.exp(log_ratio)
     surr1 = ratio * adv
     surr2 = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + high) * adv
     per_token = -torch.min(surr1, surr2)
+    tis_weights = _tis_weights(old, rollout, tis) if tis is not None else None
+    if tis_weights is not None:
+        per_token = per_token * tis_weights[0]
     denom = mask.sum() if num_tokens is None else torch.as_tensor(float(num_tokens))
-    denom = torch.clamp(denom, min=1.0)
-    loss = (per_token * mask).sum() / denom
+    loss = (per_token * mask).sum() / torch.clamp(denom, min=1.0)
     with torch.no_grad():
-        n = torch.clamp(mask.sum(), min=1.0)
-        clipped = ((surr2 < surr1).float() * mask).sum() / n
-        metrics = {
-            "pg_loss": loss.detach(),
-            "clipfrac": clipped,
-            "ratio_mean": (ratio * mask).sum() / n,
-            "approx_kl": (-log_ratio * mask).sum() / n,
-            "num_tokens": mask.sum(),
-        }
+        metrics = _loss_metrics(loss, mask, ratio, log_ratio, surr2 < surr1, tis_weights)
     return loss, metrics
+
+
+def mismatch_stats(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                   loss_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How far the trainer's log-probs are from the rollout engine's on the masked tokens, in float64
+    (detached): ``abs_diff_sum`` (sum of ``|trainer - rollout|``), ``abs_diff_max`` (0 with no token) and
+    ``kl_sum``, the sum of Schulman's k3 ``exp(d) - 1 - d`` with ``d = trainer - rollout``: the tokens
+    were sampled from the rollout policy, so its mean estimates KL(rollout || trainer), without bias and
+    never negative (upstream miles' ``train_rollout_kl``, which clamps ``d`` to [-10, 10]; here it is not
+    clamped, so one far-off token shows)."""
+    with torch.no_grad():
+        mask = loss_mask.bool()
+        d = torch.where(mask, logprobs.detach().double() - rollout_logprobs.detach().double(), 0.0)
+        return {"abs_diff_sum": d.abs().sum(), "abs_diff_max": d.abs().max() if d.numel() else d.new_zeros(()),
+                "kl_sum": torch.expm1(d).sub(d).sum()}
 
 
 def micro_batch_inputs(samples: Sequence[Any], advantages: Sequence[float], micro_batches: Sequence[Sequence[int]], *,
@@ -228,26 +301,3 @@ def micro_batch_inputs(samples: Sequence[Any], advantages: Sequence[float], micr
         rows = [samples[i] for i in indices]
         batch = collate_samples(rows, pad_id, [advantages[i] for i in indices])
         yield indices, {k: v.to(device) for k, v in batch.items()}
-
-
-def accumulate_policy_gradient(samples: Sequence[Any], advantages: Sequence[float], logprobs, *, pad_id: int,
-                               micro_batches: Sequence[Sequence[int]], device: Any, eps_clip: float,
-                               temperature: float, num_tokens: float) -> list[float]:
-    """Forward and backward of :func:`policy_gradient_loss` over the micro-batches of ``samples`` that
-    ``micro_batches`` names (index lists, :mod:`miles.rl.batching`); the grads accumulate in the model.
-    Every micro-batch divides by ``num_tokens``, the token count of the whole batch, so the plan changes
-    only the order of the sums. ``logprobs(batch, temperature)`` gives the ``[B, L-1]`` token log-probs of
-    a collated batch (each backend runs its own model). Returns the sums ``[loss, clipped tokens,
-    |train - rollout log-prob| over tokens]`` for the step's metrics."""
-    sums = [0.0, 0.0, 0.0]
-    for _, batch in micro_batch_inputs(samples, advantages, micro_batches, pad_id=pad_id, device=device):
-        logp = logprobs(batch, temperature)
-        loss, m = policy_gradient_loss(logp, batch["rollout_logprobs"], batch["advantages"], batch["loss_mask"],
-                                       eps_clip=eps_clip, num_tokens=num_tokens)
-        loss.backward()
-        with torch.no_grad():
-            mask = batch["loss_mask"]
-            sums[0] += float(loss.detach())
-            sums[1] += float(m["clipfrac"]) * float(mask.sum())
-            sums[2] += float(((logp.detach() - batch["rollout_logprobs"]).abs() * mask).sum())
-    return sums

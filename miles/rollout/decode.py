@@ -16,6 +16,11 @@ It never copies to the host inside the loop except for the all-finished check, m
   models with recurrent layers, e.g. Qwen3.5's Gated DeltaNet, use the dynamic decoder). The
   model's attention runs through :func:`packed_gqa_sdpa`, which reads the cache once per KV head.
 
+:class:`RoutesRecordingDecoder` wraps either and keeps each forward's routed experts (R3,
+:mod:`miles.routing`): the prefill's and every decode step's. Router hooks do not run when a CUDA graph
+replays: a static decoder given the recorder keeps the ids its captured step's hooks saw (graph outputs, like
+its logits) and hands them back to the recorder after each replay.
+
 Sampling draws exactly what ``torch.multinomial(probs, 1, generator)`` draws (its exponential race,
 ``argmax(p / q)`` with ``q ~ Exp(1)``), without multinomial's input checks, which copy to the host
 every call. Top-p sorts only when ``top_p < 1``.
@@ -25,14 +30,19 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Optional, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from miles.routing import Routes
+    from miles.routing.record import RouteRecorder
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["decode", "sample_next", "left_pad", "DynamicCacheDecoder", "StaticCacheDecoder", "StaticDecoderPool",
-           "cache_keyword", "cache_bytes", "supports_static_cache", "use_packed_gqa_attention", "CUDA_CHECK_EVERY", "CACHE_LEN_STEP"]
+           "RoutesRecordingDecoder", "cache_keyword", "cache_bytes", "supports_static_cache", "use_packed_gqa_attention",
+           "CUDA_CHECK_EVERY", "CACHE_LEN_STEP"]
 
 CUDA_CHECK_EVERY = 16     # tokens between all-finished checks on CUDA (each one is a host sync)
 CACHE_LEN_STEP = 128      # static cache lengths are rounded up to this (fewer shapes, fewer graphs)
@@ -274,10 +284,11 @@ class StaticCacheDecoder:
     dropped) whose prompt length + new tokens - 1 fits ``cache_len``. ``warmup_stream``: the side stream of
     the eager steps before a capture (shared by the engine's decoders, see :class:`StaticDecoderPool`).
     ``graph_pool``: CUDA graph memory
-    pool shared by the decoders of one engine (None: no CUDA graph)."""
+    pool shared by the decoders of one engine (None: no CUDA graph). ``recorder``: the engine's route recorder
+    (None: routes are not recorded), whose ids a replayed graph step hands back."""
 
     def __init__(self, model: torch.nn.Module, batch: int, cache_len: int, graph_pool=None,
-                 warmup_stream: Optional[torch.cuda.Stream] = None):
+                 warmup_stream: Optional[torch.cuda.Stream] = None, recorder: Optional["RouteRecorder"] = None):
         from transformers import StaticCache
 
         self.model = model
@@ -296,6 +307,8 @@ class StaticCacheDecoder:
         self.use_graph = graph_pool is not None
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self._graph_logits: Optional[torch.Tensor] = None
+        self.recorder = recorder
+        self._graph_routes: Optional[list] = None  # the ids the captured step's router hooks kept
 
     def fits(self, batch: int, length: int) -> bool:
         return batch <= self.batch and length <= self.cache_len
@@ -309,6 +322,7 @@ class StaticCacheDecoder:
         prefill captures again)."""
         self._graph = None
         self._graph_logits = None
+        self._graph_routes = None
 
     def _forward(self) -> torch.Tensor:
         return self.model(input_ids=self.tokens, attention_mask=self.mask, position_ids=self.positions,
@@ -342,6 +356,8 @@ class StaticCacheDecoder:
         except RuntimeError as e:
             return self._fall_back(e)
         self._graph = graph
+        if self.recorder is not None:
+            self._graph_routes = self.recorder.last_outputs()
 
     def _fall_back(self, error: Exception) -> None:
         logger.warning("rollout decode: CUDA graph capture failed for batch %d, cache length %d (%s: %s); "
@@ -378,6 +394,8 @@ class StaticCacheDecoder:
         if self._graph is not None:
             self._graph.replay()
             logits = self._graph_logits
+            if self._graph_routes is not None:
+                self.recorder.set_outputs(self._graph_routes)
         else:
             logits = self._forward()
         return logits[:batch, -1, :].float()
@@ -389,9 +407,11 @@ class StaticCacheDecoder:
 class StaticDecoderPool:
     """The static decoders of one engine (its ``kv_cache`` memory), least recently used dropped first."""
 
-    def __init__(self, model: torch.nn.Module, use_cuda_graphs: bool, max_decoders: int = MAX_STATIC_DECODERS):
+    def __init__(self, model: torch.nn.Module, use_cuda_graphs: bool, max_decoders: int = MAX_STATIC_DECODERS,
+                 recorder: Optional["RouteRecorder"] = None):
         self.model = model
         self.use_cuda_graphs = use_cuda_graphs
+        self.recorder = recorder
         self.max_decoders = max_decoders
         self._decoders: OrderedDict[tuple[int, int], StaticCacheDecoder] = OrderedDict()
         self._graph_pool = None
@@ -412,7 +432,7 @@ class StaticDecoderPool:
             if self.use_cuda_graphs and self._warmup_stream is None:
                 self._warmup_stream = torch.cuda.Stream(next(self.model.parameters()).device)
             decoder = StaticCacheDecoder(self.model, *key, graph_pool=self._graph_pool,
-                                         warmup_stream=self._warmup_stream)
+                                         warmup_stream=self._warmup_stream, recorder=self.recorder)
         self._decoders[key] = decoder
         return decoder
 
@@ -429,3 +449,44 @@ class StaticDecoderPool:
         self._decoders.clear()
         self._graph_pool = None
         return freed
+
+
+class RoutesRecordingDecoder:
+    """A decoder (:class:`Decoder`) that also keeps, after the prefill and each step, the experts every MoE layer
+    chose for the tokens it fed (``recorder``: hooks on the model's routers). Recorded ids stay on the device
+    in the compact dtype until :meth:`routes` copies them to the host once."""
+
+    def __init__(self, decoder: Decoder, recorder: "RouteRecorder"):
+        self.decoder = decoder
+        self.recorder = recorder
+        self._forwards: list[torch.Tensor] = []  # [B, tokens fed, layers, top_k] per forward
+
+    def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        self._forwards = []
+        logits = self.decoder.prefill(input_ids, valid)
+        self._keep(*input_ids.shape)
+        return logits
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.decoder.step(tokens)
+        self._keep(tokens.shape[0], 1)
+        return logits
+
+    def _keep(self, batch: int, fed: int) -> None:
+        ids = self.recorder.take()
+        # a static decoder runs its whole bucket: rows past ``batch`` repeat the last prompt and are dropped
+        rows = ids.shape[0] // fed
+        self._forwards.append(ids.view(rows, fed, *ids.shape[1:])[:batch])
+
+    def routes(self, valid: torch.Tensor, response_lengths: list[int]) -> list["Routes"]:
+        """Each row's routes over its prompt (``valid``: the left-padded prompts' real tokens) and its response
+        but the last token (never fed): ``prompt + response - 1`` tokens, padding dropped."""
+        from miles.routing import Routes
+
+        ids = torch.cat(self._forwards, dim=1).cpu()
+        self._forwards = []
+        prompt_width = valid.shape[1]
+        prompt_lengths = valid.sum(dim=1).tolist()
+        return [Routes.from_expert_ids(ids[row, prompt_width - prompt_len: prompt_width + response_len - 1],
+                                       self.recorder.shape)
+                for row, (prompt_len, response_len) in enumerate(zip(prompt_lengths, response_lengths))]

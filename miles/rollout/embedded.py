@@ -21,6 +21,11 @@ them) frees the parameters' storages without a copy; after resume their contents
 generate is refused until a weight update has rewritten every parameter. A loaded checkpoint's storages (mmap'ed safetensors, tied embeddings) are made
 resizable once, at construction (:func:`miles.offload.make_resizable`).
 
+With ``record_routes=True`` (MoE models, R3) every sample carries its :class:`miles.routing.Routes`: the
+experts each MoE layer chose for its prompt and response tokens, recorded by hooks on the routers in the
+prefill and every decode step (:class:`miles.rollout.decode.RoutesRecordingDecoder`; with CUDA graphs, the
+ids the captured step's hooks kept are graph outputs that each replay rewrites).
+
 ``"kv_cache"`` is the static decoders' memory (:mod:`miles.rollout.decode`: static KV caches, decode
 buffers, CUDA graphs), freed on release and allocated again by the next ``generate`` for its shape.
 """
@@ -43,6 +48,7 @@ from miles.rollout.contract import (FLATTENED_BUCKET, KV_CACHE, LOAD_FORMATS, MI
                                     check_memory_tags)
 from miles.rollout.engine_state import EngineState, check_prompts
 from miles.rollout.types import Sample, SamplingParams
+from miles.routing.record import RouteRecorder
 from miles_plugins.optimizers.streaming.config import DEFAULT_CHUNK_MB
 
 logger = logging.getLogger(__name__)
@@ -79,6 +85,7 @@ class EmbeddedRolloutEngine:
         static_cache: decode with static KV caches (default: on CUDA, for full-attention models).
         cuda_graphs: replay one captured CUDA graph per decode step (default: with a static cache on
             CUDA; needs both).
+        record_routes: return each sample's routed experts (``Sample.routes``); MoE models only.
     """
 
     weight_payload = MILES_FLAT_BUCKET  # a SharedBucket by reference, miles' aligned flat by broadcast
@@ -98,6 +105,7 @@ class EmbeddedRolloutEngine:
         max_batch_size: int = 64,
         static_cache: Optional[bool] = None,
         cuda_graphs: Optional[bool] = None,
+        record_routes: bool = False,
     ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.device.index is None:
@@ -128,19 +136,21 @@ class EmbeddedRolloutEngine:
         self._generator = torch.Generator(device=self.device).manual_seed(int(seed) * 7919 + engine_id)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.stop_token_ids = self._default_stop_ids()
+        self._recorder = RouteRecorder(self.model) if record_routes else None
         self.static_cache, self.cuda_graphs = self._choose_decoding(static_cache, cuda_graphs)
         if self.static_cache:
             decode.use_packed_gqa_attention(self.model)
-        self._static = decode.StaticDecoderPool(self.model, self.cuda_graphs)
+        self._static = decode.StaticDecoderPool(self.model, self.cuda_graphs, recorder=self._recorder)
         self._dynamic_kv_bytes = 0  # the largest dynamic cache a generate call built since the last release
         self._check_every = 1 if self.device.type == "cpu" else decode.CUDA_CHECK_EVERY
         self._state = EngineState(engine_id)  # released tags, the open weight update, a generate running
         self._groups: dict[str, _Group] = {}
         self._shared: list = []  # the weights shared with a trainer by share_weights, until released
         self._closed = False
-        logger.info("rollout engine %d: %s on %s (%s)", engine_id, self.description, self.device,
+        logger.info("rollout engine %d: %s on %s (%s%s)", engine_id, self.description, self.device,
                     "static cache, CUDA graphs" if self.cuda_graphs else
-                    "static cache" if self.static_cache else "dynamic cache")
+                    "static cache" if self.static_cache else "dynamic cache",
+                    f", recording routes ({self._recorder.shape.bytes_per_token} B/token)" if record_routes else "")
 
     def _make_offloader(self, config: Optional[RunConfig], backup_dir: Optional[str]) -> StorageOffloader:
         """The offloader of released weights. Its directory: the given one; with a run's config the engine's
@@ -219,23 +229,25 @@ class EmbeddedRolloutEngine:
             for start in range(0, len(jobs), self.max_batch_size):
                 chunk = jobs[start: start + self.max_batch_size]
                 results = self._generate_batch([ids for _, ids in chunk], sp, stop, gen)
-                for (pi, ids), (resp, lps, reason) in zip(chunk, results):
+                for (pi, ids), (resp, lps, reason, routes) in zip(chunk, results):
                     samples.append(Sample(
                         index=len(samples), prompt_index=pi, prompt_ids=list(ids), response_ids=resp,
                         response_logprobs=lps if return_logprob else [],
                         response_text=self.tokenizer.decode(resp, skip_special_tokens=True),
-                        finish_reason=reason, weight_version=self.weight_version,
+                        finish_reason=reason, weight_version=self.weight_version, routes=routes,
                     ))
         return samples
 
     def _generate_batch(self, batch: list[list[int]], sp: SamplingParams, stop: tuple[int, ...], gen):
+        """Per row: response tokens, their log-probs, the finish reason and the routes (None unless recorded)."""
         input_ids, valid = decode.left_pad(batch, self.pad_token_id, self.device)
         if self.static_cache:
             decoder = self._static.get(len(batch), input_ids.shape[1] + sp.max_new_tokens - 1)
         else:
             decoder = decode.DynamicCacheDecoder(self.model, sp.max_new_tokens)
+        recording = decode.RoutesRecordingDecoder(decoder, self._recorder) if self._recorder is not None else None
         tokens, logprobs = decode.decode(
-            decoder, input_ids, valid, max_new_tokens=sp.max_new_tokens, temperature=sp.temperature,
+            recording or decoder, input_ids, valid, max_new_tokens=sp.max_new_tokens, temperature=sp.temperature,
             top_p=sp.top_p, stop_ids=stop, pad_id=self.pad_token_id, generator=gen, check_every=self._check_every)
         if not self.static_cache:  # freed when this call returns: the largest is what the next generate needs
             self._dynamic_kv_bytes = max(self._dynamic_kv_bytes, decoder.cache_bytes())
@@ -246,7 +258,10 @@ class EmbeddedRolloutEngine:
             reason = "length" if end is None else "stop"
             end = len(row_tokens) if end is None else end
             results.append((row_tokens[:end], row_logprobs[:end], reason))
-        return results
+        if recording is None:
+            return [(*row, None) for row in results]
+        routes = recording.routes(valid, [len(resp) for resp, _, _ in results])
+        return [(*row, row_routes) for row, row_routes in zip(results, routes)]
 
     def flush_cache(self) -> None:
         """Nothing to flush: the embedded engine keeps no prompt state between generate calls (each call
@@ -447,6 +462,8 @@ class EmbeddedRolloutEngine:
             self.destroy_weights_update_group(name)
         self._static.clear()
         self._drop_shared()
+        if self._recorder is not None:
+            self._recorder.close()
         self._offloader.close(remove_directory=self._temp_backup_dir is None)
         if self._temp_backup_dir is not None:
             shutil.rmtree(self._temp_backup_dir, ignore_errors=True)

@@ -9,6 +9,11 @@ and its model); :meth:`ReplayShape.read` takes a regular file only, bounds its s
 allocate by that shape, checks every field's type and range, the sample count and order, the lengths and
 token ids against the flags and the model, and says what is wrong with which file. :meth:`ReplayShape.check`
 reads every file a run will replay, so that a bad one stops the run before Ray and the actors start.
+
+Samples with routes (R3, :class:`miles.routing.Routes`) keep them: ``"routes"`` holds the ids base64-encoded
+(compact, one JSON value), read back checked against the model's route shape (:attr:`ReplayShape.routes`:
+expert count, top-k and MoE layers) and the sample's token count, every id below the expert count and distinct
+within a token's top-k; a file's samples carry routes all or none.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
 
 from miles.config.paths import rollout_data_path
 from miles.rollout.types import Sample
+from miles.routing import Routes, RoutesError, RouteShape, UnsupportedRouterError
 from miles.untrusted_json import TooLargeError, UntrustedJSONError, read_json
 
 if TYPE_CHECKING:
@@ -41,7 +47,8 @@ _SLACK = 4
 # A model config that names no position limit: the prompt length a file is sized for.
 _UNBOUNDED_PROMPT_TOKENS = 1 << 17
 _MODEL_CONFIG_BYTES = 4 << 20
-_MAX_DEPTH = 4  # document -> samples -> sample -> its lists
+_MAX_DEPTH = 4  # document -> samples -> sample -> its lists and its routes' object
+_ROUTES_VALUES = 8  # a sample's "routes" member: the object and its four members, with room
 # The largest |reward| a recording may hold. GRPO turns a group's rewards into fp32 (miles.rl.advantages): a finite
 # fp64 reward beyond fp32's 3.4e38 becomes inf there and its advantage nan, and the group's std sums squared
 # deviations of up to (2 x bound)^2 each: at 1e6 that is 4e12 per sample, finite for any group size below 8e25.
@@ -61,7 +68,8 @@ def write_rollout(template: str, rollout_id: int, samples: Sequence[Sample]) -> 
            "samples": [{"index": s.index, "prompt_index": s.prompt_index, "prompt_ids": list(s.prompt_ids),
                         "response_ids": list(s.response_ids), "response_logprobs": list(s.response_logprobs),
                         "response_text": s.response_text, "finish_reason": s.finish_reason,
-                        "weight_version": s.weight_version, "reward": s.reward} for s in samples]}
+                        "weight_version": s.weight_version, "reward": s.reward,
+                        **({"routes": s.routes.to_json()} if s.routes is not None else {})} for s in samples]}
     try:
         with open(path, "x") as f:
             json.dump(doc, f)
@@ -77,8 +85,9 @@ class ReplayShape:
     ``samples_per_prompt`` (--n-samples-per-prompt) samples, prompt-major, the ``samples_per_prompt`` samples
     of a prompt sharing its tokens; responses of at most ``max_response_len`` tokens
     (--rollout-max-response-len); token ids below the model's ``vocab_size``; prompt + response within the
-    model's ``max_positions`` (None: its config names no limit). ``model``: where the model's limits come from,
-    as messages name it."""
+    model's ``max_positions`` (None: its config names no limit); ``routes``: the shape of the model's routes
+    (None: a model without MoE routers miles records, whose recordings carry none). ``model``: where the model's
+    limits come from, as messages name it."""
 
     template: str
     prompts: int
@@ -87,6 +96,7 @@ class ReplayShape:
     vocab_size: int
     max_positions: Optional[int]
     model: str
+    routes: Optional[RouteShape] = None
 
     @classmethod
     def of_run(cls, config: "RunConfig", model_config: Mapping[str, Any], model: str) -> "ReplayShape":
@@ -98,11 +108,17 @@ class ReplayShape:
         if type(vocab_size) is not int or vocab_size < 1:
             raise RolloutDataError(f"{LOAD_FLAG}: {model} gives no vocab_size (got {_clipped(vocab_size)}) to check "
                                    "the recorded rollouts' token ids against; pass a complete model folder")
+        from miles.routing.routers import route_shape_of_config  # torch and transformers, when a replay is checked
+
+        try:
+            routes = route_shape_of_config(sizes)
+        except UnsupportedRouterError:  # an MoE family no engine of miles records routes of: its recordings carry none
+            routes = None
         r = config.rollout
         return cls(template=r.load_debug_rollout_data, prompts=r.rollout_batch_size,
                    samples_per_prompt=r.n_samples_per_prompt, max_response_len=r.rollout_max_response_len,
                    vocab_size=vocab_size, max_positions=positions if type(positions) is int and positions > 0 else None,
-                   model=model)
+                   model=model, routes=routes)
 
     @classmethod
     def of_policy(cls, config: "RunConfig", source, tokenizer) -> "ReplayShape":
@@ -132,15 +148,21 @@ class ReplayShape:
     @property
     def max_file_bytes(self) -> int:
         """The largest file a rollout of this shape can be: bounds what is read."""
-        per_sample = (_SAMPLE_BYTES + _ID_BYTES * self.sample_tokens
+        per_sample = (_SAMPLE_BYTES + _ID_BYTES * self.sample_tokens + self._routes_bytes
                       + (_LOGPROB_BYTES + _TEXT_BYTES) * self.max_response_len)
         return _SLACK * (1024 + self.samples * per_sample)
 
     @property
+    def _routes_bytes(self) -> int:
+        """The most a sample's routes take in a file: base64 (4 characters per 3 bytes) of its tokens' ids."""
+        return 0 if self.routes is None else 4 * -(-self.sample_tokens * self.routes.bytes_per_token // 3)
+
+    @property
     def max_values(self) -> int:
-        """The most JSON values such a file holds (each sample: its fields, its token ids, a log-prob per
-        response token): bounds what parsing it allocates."""
-        return _SLACK * (16 + self.samples * (16 + self.sample_tokens + self.max_response_len))
+        """The most JSON values such a file holds (each sample: its fields, its routes' object, its token ids, a
+        log-prob per response token): bounds what parsing it allocates."""
+        routes = 0 if self.routes is None else _ROUTES_VALUES
+        return _SLACK * (16 + self.samples * (16 + routes + self.sample_tokens + self.max_response_len))
 
     def check(self, rollout_ids: Iterable[int]) -> None:
         """Read every rollout of ``rollout_ids`` as :meth:`read` does (one at a time), so that a missing or
@@ -179,6 +201,10 @@ class ReplayShape:
                 "replay with the batch shape of the run that recorded it")
         samples = [self._sample(path, i, r) for i, r in enumerate(records)]
         for s in samples:
+            if (s.routes is None) != (samples[0].routes is None):
+                has, lacks = ("lacks", "has") if s.routes is None else ("has", "lacks")
+                raise RolloutDataError(f"{LOAD_FLAG} {path}: sample {s.index} {has} routes and sample 0 {lacks}: a "
+                                       "rollout records routes for all its samples or none")
             first = samples[s.prompt_index * self.samples_per_prompt]
             if s.prompt_ids != first.prompt_ids:
                 raise RolloutDataError(
@@ -229,7 +255,18 @@ class ReplayShape:
             raise bad("response_text must be a string, finish_reason 'stop' or 'length', weight_version an int")
         return Sample(index=i, prompt_index=i // n, prompt_ids=prompt_ids, response_ids=response_ids,
                       response_logprobs=[float(x) for x in logprobs], response_text=text, finish_reason=finish,
-                      weight_version=version, reward=float(reward))
+                      weight_version=version, reward=float(reward), routes=self._routes(bad, r, tokens))
+
+    def _routes(self, bad, r: dict, tokens: int) -> Optional[Routes]:
+        if "routes" not in r:
+            return None
+        if self.routes is None:
+            raise bad(f"carries routes, but {self.model} has no MoE router miles records: replay with the model of "
+                      "the run that recorded it")
+        try:
+            return Routes.from_json(r["routes"], self.routes, tokens)
+        except RoutesError as e:
+            raise bad(f"{e}: replay with the model of the run that recorded it") from None
 
 
 def _clipped(value: Any) -> str:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from miles.config import RunConfig
+    from miles.routing import Routes
 
 __all__ = ["SamplingParams", "Sample"]
 
@@ -75,7 +76,9 @@ class Sample:
     ``response_logprobs[j]`` = the engine's ``log_softmax(logits / temperature)`` of ``response_ids[j]``
     (top-p not applied; temperature 0 reports temperature-1 log-probs); ``response_text`` decoded
     without special tokens; ``finish_reason`` ``"stop"`` or ``"length"``; ``reward``/``advantage`` are
-    filled in by the RL loop; ``weight_version`` of the engine weights that generated it.
+    filled in by the RL loop; ``weight_version`` of the engine weights that generated it; ``routes``: the
+    experts each MoE layer chose for its tokens when the engine records them (R3, :mod:`miles.routing`), else
+    None.
     """
 
     index: int
@@ -89,6 +92,7 @@ class Sample:
     reward: Optional[float] = None
     advantage: Optional[float] = None
     metadata: dict = field(default_factory=dict)
+    routes: Optional["Routes"] = None
 
     @property
     def response_length(self) -> int:

@@ -242,7 +242,7 @@ def _mlp(cfg: dict, h: int, p: str, dense: bool) -> list[Tensor]:
     if dense:
         return _swiglu(f"{p}.mlp", h, _count(cfg, "intermediate_size"))
     experts = num_experts(cfg)
-    ffn = _count(cfg, "moe_intermediate_size")
+    ffn = _count(cfg, "moe_intermediate_size", "intermediate_size")  # Mixtral's experts are its MLP's width
     out = [Tensor(f"{p}.mlp.router", (experts, h), tp_split=False)]
     for e in range(experts):
         out += _swiglu(f"{p}.mlp.experts.{e}", h, ffn, expert=e)

@@ -18,6 +18,7 @@ was shared, `miles plan` named three of the random models with a `-random` suffi
 |                 |        |                | heads x 128), 1 of 4 gated GQA     |         |               |       |        |     |
 |                 |        |                | 16 q / 2 kv heads x 256            |         |               |       |        |     |
 | qwen3.5-moe-1b  | 2048   | 12 (0)         | qwen3.5-35b-a3b's, 9 + 3 layers    | 100     | 16 x 512      | 8     | 1x512  | 0   |
+| qwen3-30b-a3b-12l | 2048 | 12 (0)         | qwen3-30b-a3b's, 12 of its layers  | 151936  | 128 x 768     | 8     | 0      | 0   |
 
 Sources and assumptions:
   * glm5-744b: "a GLM-5.2-744B-like MoE". The numbers are GLM-5's published config.json (zai-org/GLM-5,
@@ -28,6 +29,8 @@ Sources and assumptions:
   * qwen3.5-35b-a3b: "a Qwen3.5-35B-A3B-like MoE": the language model of Qwen/Qwen3.5-35B-A3B's
     config.json (`text_config`, hybrid Gated DeltaNet / gated attention like Qwen3-Next, untied
     embeddings, one MTP layer); its vision tower is not counted (RL recipes freeze it).
+  * qwen3-30b-a3b-12l: qwen3-30b-a3b's config with 12 layers, as scripts/make_random_model.py writes it
+    (8.10B params; its vocabulary too, unlike the other random-init models).
   * qwen3.5-moe-1b: the config scripts/make_random_model.py qwen3.5-moe-1b writes (1.03B params);
     the count is transformers' own (tests/unit/test_megatron_qwen35.py compares them).
 """
@@ -85,6 +88,16 @@ QWEN3_5_MOE_1B_RANDOM = {
     "vocab_size": 100, "tie_word_embeddings": False,
     "num_experts": 16, "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
 }
+
+# Qwen3-30B-A3B's layers (QWEN3_30B_A3B: 32 q / 4 kv heads x 128 with qk norms, 128 experts x 768, top-8, its
+# 151936-token vocabulary, untied) with 12 of its 48: 8.10B params, 97.2 GB of streamed fp32 Adam state, the
+# most whole layers whose state one H200 host's tier holds (`miles plan --preset qwen3-30b-a3b-12l
+# --gpus-per-node 1 --host-ram-gb 134 --host-tier-gb 100 --disk-gb 64 --checkpoint-copies 0`: streaming, 65.1 GB
+# of HBM, the whole state in RAM). The tier that host gave llama-9.2b's 110 GB was 92-111 GB
+# (docs/benchmarks.md): 13 layers' 104.7 GB would leave no room, 14 layers' 112.2 GB spill to disk. A save of
+# the state does not fit the 64 GB disk (`miles bench rl` saves none). Written at random init with the whole
+# vocabulary (the char tokenizer uses its first 100 ids): the output layer is the real model's.
+QWEN3_30B_A3B_12L_RANDOM = {**QWEN3_30B_A3B, "num_hidden_layers": 12}
 
 # Llama-3-8B's shape (hidden 4096, FFN 14336, 32 heads, 8 KV heads) with 42 layers instead of 32: 9.16B params
 # as scripts/make_random_model.py llama-9.2b builds it (its 100-token character tokenizer adds almost no
@@ -157,11 +170,24 @@ RANDOM_MODEL_PRESETS: dict[str, dict[str, Any]] = {
                       index_n_heads=8, index_head_dim=16, index_topk=16, index_topk_freq=2, index_skip_topk_offset=2,
                       n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.5,
                       n_group=1, topk_group=1, norm_topk_prob=True, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # DeepSeek-V3's architecture (Kimi-K2's too): a dense layer then MoE ones, routing limited to 1 of 2 expert groups.
+    "deepseek-v3-tiny": dict(model_type="deepseek_v3", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                             num_hidden_layers=4, first_k_dense_replace=1, num_attention_heads=4,
+                             num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                             qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                             n_shared_experts=1, routed_scaling_factor=2.5, n_group=2, topk_group=1,
+                             norm_topk_prob=True, num_nextn_predict_layers=0, rms_norm_eps=1e-5,
+                             tie_word_embeddings=False),
+    # Qwen3-30B-A3B's layer shape and vocabulary with 12 of its 48 layers, 8.10B params (QWEN3_30B_A3B_12L_RANDOM).
+    "qwen3-30b-a3b-12l": dict(QWEN3_30B_A3B_12L_RANDOM, norm_topk_prob=True, rms_norm_eps=1e-6),
     "llama-tiny": dict(model_type="llama", **TINY_MODEL_CONFIG),
     "qwen3-moe-tiny": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
                            mlp_only_layers=[], rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "mixtral-tiny": dict(model_type="mixtral", hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                         num_experts_per_tok=2, sliding_window=None, rms_norm_eps=1e-5, tie_word_embeddings=False),
     # 2 Gated DeltaNet + 2 gated attention layers; head sizes of 32, the smallest the GPU kernels take comfortably.
     "qwen3.5-moe-tiny": dict(model_type="qwen3_5_moe_text", hidden_size=128, num_hidden_layers=4,
                              full_attention_interval=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -185,8 +211,9 @@ PRESET_NAMES: tuple[str, ...] = tuple(sorted([*PUBLISHED_PRESETS, *RANDOM_MODEL_
 PRESETS: dict[str, dict] = {
     **PUBLISHED_PRESETS,
     **{name: {**spec, "vocab_size": CHAR_VOCAB_SIZE} for name, spec in RANDOM_MODEL_PRESETS.items()},
-    # the three sized at full scale keep the shapes their random-init models are made from
+    # the four sized at full scale keep the shapes their random-init models are made from
     "glm5-2b": GLM5_2B_RANDOM, "llama-9.2b": LLAMA_9B_RANDOM, "qwen3.5-moe-1b": QWEN3_5_MOE_1B_RANDOM,
+    "qwen3-30b-a3b-12l": QWEN3_30B_A3B_12L_RANDOM,
 }
 PRESETS.update({old: PRESETS[new] for old, new in RENAMED_PRESETS.items()})
 

@@ -30,6 +30,6 @@ class AlwaysPoisonedLogprobTrainer(PoisonedLogprobTrainer):
 class InfiniteLrTrainer(TorchTrainer):
     def train(self, rollout_id, samples, advantages):
         if self.rank == 0 and rollout_id >= INFINITE_LR_FROM:
-            for group in self.optimizer.param_groups:
+            for group in self.engine.optimizer.param_groups:
                 group["lr"] = float("inf")
         return super().train(rollout_id, samples, advantages)

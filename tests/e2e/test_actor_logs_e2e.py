@@ -9,7 +9,8 @@ pytestmark = pytest.mark.e2e
 
 
 def test_actor_lines_come_before_the_drivers_line_about_the_same_call(ray_cluster, tmp_path, caplog):
-    from miles.config import parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import validate_args
     from miles.train import run
 
     args = validate_args(parse_args([

@@ -45,7 +45,8 @@ def _weights(folder):
 def _run(tmp_path, name, model, *flags):
     """`miles train` with the torch backend, colocated, trainer offloaded to disk, 2 rollouts, saved at the
     end: the metrics records and the saved weights."""
-    from miles.config import parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import validate_args
     from miles.train import run
 
     metrics, save = tmp_path / f"{name}.jsonl", tmp_path / f"{name}-ckpt"

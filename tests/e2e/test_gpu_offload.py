@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.gpu,
 
 
 def test_colocated_gpu_run_with_tms_disk_offload(ray_cluster, tmp_path):
-    from miles.config import parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import validate_args
     from miles.ray import layout
     from miles.train import run
 

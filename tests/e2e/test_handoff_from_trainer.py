@@ -40,7 +40,8 @@ def test_twenty_handoffs_from_the_megatron_trainer_are_bit_exact_bounded_and_fla
 def run_handoffs(backend: str, preset: str, handoffs: int, tmp_path) -> None:
     import ray
 
-    from miles.config import parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import validate_args
     from miles.models import write_random_model
     from miles.ray.placement_group import create_placement_group, remove
     from miles.ray.rollout_manager import RolloutManager

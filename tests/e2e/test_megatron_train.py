@@ -25,7 +25,8 @@ def random_models(tmp_path_factory):
 
 
 def _run(tmp_path, name, model, *flags):
-    from miles.config import parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import validate_args
     from miles.train import run
 
     metrics = tmp_path / f"{name}.jsonl"

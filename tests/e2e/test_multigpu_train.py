@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.gpu,
 
 
 def _args(tmp, *extra, ranks: int = 2, model=("--tiny-model",)):
-    from miles.config import parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import validate_args
 
     return validate_args(parse_args([
         *model, "--num-train-ranks", str(ranks), "--num-rollout-engines", str(ranks), "--colocate",

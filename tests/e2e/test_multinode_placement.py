@@ -128,7 +128,8 @@ def test_gpu_bundles_fill_each_node_in_rank_order(seen):
 
 # ---- the simulated cluster (in the subprocess) ---------------------------------------------------------
 def _config(out, name, *extra):
-    from miles.config import parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import validate_args
 
     return validate_args(parse_args([
         "--tiny-model", "--num-train-ranks", "4", "--num-rollout-engines", "2", "--colocate",
@@ -190,7 +191,7 @@ def _full_run(out):
     """A real run over the two CPU nodes, watching who makes the rank directories, with a file under the
     root that the run did not make."""
     from miles.ray.node_disk import per_rank_disk_bytes
-    from miles.config.disk_budget import model_tensors_of_run
+    from miles.preflight.disk_budget import model_tensors_of_run
     from miles.train import run
 
     cfg = _config(out, "run")

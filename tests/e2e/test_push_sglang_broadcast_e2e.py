@@ -17,7 +17,8 @@ FAKES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(tmp_path, name, model, *extra):
-    from miles.config import parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import validate_args
     from miles.train import run
 
     metrics = tmp_path / f"{name}.jsonl"

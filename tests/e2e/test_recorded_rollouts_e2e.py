@@ -12,7 +12,8 @@ pytestmark = pytest.mark.e2e
 
 
 def _run(tmp, name, *flags):
-    from miles.config import parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import validate_args
     from miles.train import run
 
     metrics = tmp / f"{name}.jsonl"

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.e2e
 
 
 def _args(tmp, *extra):
-    from miles.config import parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import validate_args
 
     argv = ["--tiny-model", "--num-train-ranks", "2", "--num-rollout-engines", "1", "--colocate",
             "--stream-optimizer-state-to-disk", "--offload-train-target", "disk",

@@ -53,7 +53,8 @@ def _this_runs_directories(root, run_id):
 
 
 def test_teardown_leaves_what_the_run_did_not_make_and_lists_it(ray_cluster, tmp_path, caplog):
-    from miles.config import parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import validate_args
     from miles.train import run
 
     results, theirs = _place_foreign_files(tmp_path / "root")

@@ -21,7 +21,8 @@ FAKES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the fake sglang engine takes CPU weights only: on a CUDA "
                     "host the loop is run against real sglang")
 def test_rl_loop_against_the_fake_sglang_engine(ray_cluster, tmp_path, monkeypatch):
-    from miles.config import parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import validate_args
     from miles.models import write_random_model
     from miles.train import run
 

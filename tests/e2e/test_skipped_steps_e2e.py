@@ -24,7 +24,8 @@ def _use_backend(monkeypatch, spec: str) -> None:
 
 
 def test_poisoned_rollouts_are_skipped_then_stop_the_run(ray_cluster, tmp_path, monkeypatch):
-    from miles.config import parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import validate_args
     from miles.train import RunError, run
 
     _use_backend(monkeypatch, "poisoned_backend:PoisonedLogprobTrainer")
@@ -53,7 +54,8 @@ def test_poisoned_rollouts_are_skipped_then_stop_the_run(ray_cluster, tmp_path, 
 def test_a_run_whose_every_step_was_skipped_fails(ray_cluster, tmp_path, monkeypatch):
     """Fewer rollouts than --max-consecutive-skipped-steps, none applied: the run ends with one line, not as
     a run that trained."""
-    from miles.config import parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import validate_args
     from miles.train import RunError, run
 
     _use_backend(monkeypatch, "poisoned_backend:AlwaysPoisonedLogprobTrainer")
@@ -84,7 +86,8 @@ def test_non_finite_weights_stop_the_run_and_the_last_good_checkpoint_stays_late
     from safetensors.torch import load_file
 
     from miles import checkpoint
-    from miles.config import parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import validate_args
     from miles.train import RunError, run
 
     _use_backend(monkeypatch, "poisoned_backend:InfiniteLrTrainer")

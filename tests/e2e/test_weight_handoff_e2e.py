@@ -9,7 +9,8 @@ pytestmark = pytest.mark.e2e
 
 
 def _run(tmp_path, name, *extra):
-    from miles.config import parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import validate_args
     from miles.train import run
 
     argv = ["--tiny-model", "--num-train-ranks", "1", "--num-rollout-engines", "1",

@@ -27,7 +27,8 @@ from miles import checkpoint  # noqa: E402
 from miles.backends.megatron_backend.convert import hf_moe_layout, hf_to_megatron, megatron_to_hf  # noqa: E402
 from miles.backends.megatron_backend.model import build_gpt_model  # noqa: E402
 from miles.backends.megatron_backend.trainer import MegatronTrainer  # noqa: E402
-from miles.config import parse_args, validate_args  # noqa: E402
+from miles.config import parse_args  # noqa: E402
+from miles.preflight import validate_args  # noqa: E402
 from miles.rl.loss import token_logprobs  # noqa: E402
 
 FP32_LOGPROB_TOL = 1e-3
@@ -199,16 +200,16 @@ def test_exported_weights_load_into_transformers_and_round_trip(tmp_path):
     samples, advantages = _rollout(7)
     from miles.rl.loss import collate_samples, forward_logprobs
 
-    batch = {k: v.cuda() for k, v in collate_samples(samples, trainer.tokenizer.pad_token_id, advantages).items()}
+    batch = {k: v.cuda() for k, v in collate_samples(samples, trainer.engine.tokenizer.pad_token_id, advantages).items()}
     with torch.no_grad():
-        ours = trainer.logprobs(batch, 1.0)
+        ours = trainer.engine.logprobs(batch, 1.0)
         theirs = forward_logprobs(hf_model, batch["input_ids"], batch["attention_mask"])
     mask = batch["loss_mask"].bool()
     diff = (ours - theirs).abs()[mask].max().item()
     print(f"\nexported weights: max |logprob diff| Megatron vs transformers on response tokens, bf16: {diff:.3f}")
     assert diff < BF16_LOGPROB_TOL
 
-    trainer._load_hf_state(exported)  # HF -> Megatron -> HF is the identity on the trainer's own weights
+    trainer.engine._load_hf_state(exported)  # HF -> Megatron -> HF is the identity on the trainer's own weights
     assert _same_weights(trainer.export_weights(), exported)
     trainer.shutdown()
 
@@ -223,14 +224,14 @@ def test_sleep_drops_grads_and_wake_resumes_bit_identically(tmp_path):
 
     trainer = _trainer(_config(tmp_path / "slept", stream=True))
     _run(trainer, range(1))
-    grad_bytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b in trainer.ddp.buffers)
+    grad_bytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b in trainer.engine.ddp.buffers)
     asleep = trainer.sleep()
     assert asleep["grad_bytes_dropped"] == grad_bytes > 0, asleep
-    assert all(b.grad_data.untyped_storage().nbytes() == 0 for b in trainer.ddp.buffers)
+    assert all(b.grad_data.untyped_storage().nbytes() == 0 for b in trainer.engine.ddp.buffers)
     assert asleep["bytes"] < grad_bytes, "the backup holds bf16 params only (half the fp32 grads' bytes)"
     awake = trainer.wake()
     assert awake["grad_bytes_zeroed"] == grad_bytes
-    assert all(not b.grad_data.any() for b in trainer.ddp.buffers)
+    assert all(not b.grad_data.any() for b in trainer.engine.ddp.buffers)
     _run(trainer, [1])
     slept = trainer.export_weights()
     trainer.shutdown()
@@ -263,11 +264,11 @@ def test_a_poisoned_rollout_is_skipped_and_changes_nothing(tmp_path, stream, poi
     if poison == "nan-logprob":
         samples[2].response_logprobs[3] = float("nan")
     else:
-        good = trainer.logprobs
-        trainer.logprobs = lambda batch, temperature: good(batch, temperature) * float("nan")
+        good = trainer.engine.logprobs
+        trainer.engine.logprobs = lambda batch, temperature: good(batch, temperature) * float("nan")
     metrics = trainer.train(1, samples, advantages)
     if poison == "nan-grads":
-        trainer.logprobs = good
+        trainer.engine.logprobs = good
     expected = ("rank 0: sample 2: rollout log-prob of response token 3 is nan" if poison == "nan-logprob"
                 else "non-finite gradients")
     print(f"\n{poison} ({'streamed' if stream else 'resident'}): step_skipped={metrics['step_skipped']!r}")

@@ -4,7 +4,7 @@ Run on the GPU host: ``python -m pytest -q -x -s tests/gpu/test_megatron_glm_moe
 no Transformer Engine, no tilelang: megatron's DSA runs its PyTorch path). Tiny models only.
 
 - The same random weights (every norm, norm bias and router expert bias off its init value) in transformers
-  (eager attention) and in megatron-core's GPTModel (glm_moe_dsa_layers), 8 sequences of 128 tokens, fp32: the
+  (eager attention) and in megatron-core's GPTModel (pieces/dsa_layers), 8 sequences of 128 tokens, fp32: the
   built state's names and shapes are the converter's, the export is ``torch.equal`` to the loaded state, max
   per-token |log-prob diff| < 1e-3, one backward's grad norm within 1%. Twice: an indexer top-k of 128 (the
   sparse attention is dense) and of 64 (sparse; the last layer reuses the previous layer's top-k).
@@ -36,7 +36,8 @@ from miles import checkpoint  # noqa: E402
 from miles.backends.megatron_backend.convert import hf_moe_layout, hf_to_megatron, megatron_to_hf  # noqa: E402
 from miles.backends.megatron_backend.model import build_gpt_model  # noqa: E402
 from miles.backends.megatron_backend.trainer import MegatronTrainer  # noqa: E402
-from miles.config import parse_args, validate_args  # noqa: E402
+from miles.config import parse_args  # noqa: E402
+from miles.preflight import validate_args  # noqa: E402
 from miles.models import RANDOM_MODEL_PRESETS, build_tiny_tokenizer, load_policy, write_random_model  # noqa: E402
 from miles.rl.loss import forward_logprobs, token_logprobs  # noqa: E402
 
@@ -138,7 +139,7 @@ def _trainer(config) -> MegatronTrainer:
 
 
 def _router(trainer, layer: int = 1):
-    router = trainer.gpt.decoder.layers[layer].mlp.router
+    router = trainer.engine.gpt.decoder.layers[layer].mlp.router
     return router.weight.detach().clone(), router.expert_bias.detach().clone()
 
 
@@ -155,9 +156,9 @@ def test_glm_streamed_training_is_bit_identical_to_resident(tmp_path, glm_folder
     assert streamed.store is not None and streamed.info()["store"]["num_buckets"] >= 2
     # the fp32 router weights are native-fp32 params: Megatron keeps no master for them, the store's
     # resident Adam steps them (miles_plugins/optimizers/streaming/bind/megatron_optimizer.py)
-    members = getattr(streamed.optimizer, "chained_optimizers", [streamed.optimizer])
+    members = getattr(streamed.engine.optimizer, "chained_optimizers", [streamed.engine.optimizer])
     native_fp32 = sum(p.numel() for m in members for g in getattr(m, "shard_fp32_groups", []) for p in g)
-    routers = [layer.mlp.router.weight for layer in streamed.gpt.decoder.layers if hasattr(layer.mlp, "router")]
+    routers = [layer.mlp.router.weight for layer in streamed.engine.gpt.decoder.layers if hasattr(layer.mlp, "router")]
     assert native_fp32 == sum(w.numel() for w in routers) > 0 and all(w.dtype == torch.float32 for w in routers)
     metrics = _run(streamed, range(3))
     weights = streamed.export_weights()
@@ -207,7 +208,7 @@ def test_glm_trainer_logprobs_match_transformers_in_bf16(tmp_path, glm_folder):
     batch = {"input_ids": torch.randint(4, 100, (BATCH, SEQ), device="cuda", generator=g),
              "attention_mask": torch.ones(BATCH, SEQ, dtype=torch.long, device="cuda")}
     with torch.no_grad():
-        ours = trainer.logprobs(batch, 1.0)
+        ours = trainer.engine.logprobs(batch, 1.0)
         theirs = forward_logprobs(hf_model, batch["input_ids"], batch["attention_mask"])
     trainer.shutdown()
     diff = (ours.float() - theirs.float()).abs()

@@ -33,7 +33,8 @@ from test_megatron_backend import _run, _same_weights, _trainer  # noqa: E402
 
 from miles.backends.megatron_backend.convert import hf_moe_layout, hf_to_megatron, megatron_to_hf  # noqa: E402
 from miles.backends.megatron_backend.model import build_gpt_model, native_fp32_param_names  # noqa: E402
-from miles.config import parse_args, validate_args  # noqa: E402
+from miles.config import parse_args  # noqa: E402
+from miles.preflight import validate_args  # noqa: E402
 from miles.models import RANDOM_MODEL_PRESETS, write_random_model  # noqa: E402
 from miles.rl.loss import token_logprobs  # noqa: E402
 
@@ -188,11 +189,11 @@ def test_streamed_training_is_bit_identical_to_resident_and_a_log_trains_in_fp32
     resident.shutdown()
 
     streamed = _trainer(_config(tmp_path / "streamed", tiny_folder, stream=True))
-    fp32 = native_fp32_param_names(streamed.gpt, streamed.hf_config)
-    assert len(fp32) == 2 and all(streamed.gpt.get_parameter(n).dtype == torch.float32 for n in fp32)
-    resident_adams = [s.resident_adam for s in streamed.streamed_stores() if s.resident_adam is not None]
+    fp32 = native_fp32_param_names(streamed.engine.gpt, streamed.engine.hf_config)
+    assert len(fp32) == 2 and all(streamed.engine.gpt.get_parameter(n).dtype == torch.float32 for n in fp32)
+    resident_adams = [s.resident_adam for s in streamed.engine.streamed_stores() if s.resident_adam is not None]
     aliases = [a for adam in resident_adams for a in adam.aliases]
-    assert sum(a.numel() for a in aliases) == sum(streamed.gpt.get_parameter(n).numel() for n in fp32)
+    assert sum(a.numel() for a in aliases) == sum(streamed.engine.gpt.get_parameter(n).numel() for n in fp32)
     assert all(a.dtype == torch.float32 for a in aliases)
     metrics = _run(streamed, range(3))
     weights = streamed.export_weights()
@@ -221,10 +222,10 @@ def test_embedded_engine_log_probs_agree_with_the_trainer(tmp_path, tiny_folder)
     samples = engine.generate(prompts, dict(max_new_tokens=24, temperature=1.0, stop_token_ids=[]))
     engine.close()
     trainer = _trainer(config)
-    batch = {k: v.cuda() for k, v in collate_samples(samples, trainer.tokenizer.pad_token_id,
+    batch = {k: v.cuda() for k, v in collate_samples(samples, trainer.engine.tokenizer.pad_token_id,
                                                      [0.0] * len(samples)).items()}
     with torch.no_grad():
-        ours = trainer.logprobs(batch, 1.0)
+        ours = trainer.engine.logprobs(batch, 1.0)
     trainer.shutdown()
     mask = batch["loss_mask"].bool()
     diff = (ours - batch["rollout_logprobs"]).abs()[mask]  # the engine's log-probs on the same grid

@@ -20,7 +20,8 @@ pytest.importorskip("megatron.core", reason="needs megatron-core (Python >= 3.12
 from megatron.core import parallel_state  # noqa: E402
 
 from miles.backends.megatron_backend.trainer import MegatronTrainer  # noqa: E402
-from miles.config import parse_args, validate_args  # noqa: E402
+from miles.config import parse_args  # noqa: E402
+from miles.preflight import validate_args  # noqa: E402
 from miles.offload.plan import EngineNeeds  # noqa: E402
 
 HUGE = EngineNeeds(kv_bytes=1 << 60)  # a KV pool no device has: the plan releases everything releasable
@@ -65,7 +66,7 @@ def _rollout(step: int):
 
 
 def _weights(trainer) -> dict:
-    return {k: v.detach().clone() for k, v in trainer.gpt.state_dict().items() if torch.is_tensor(v)}
+    return {k: v.detach().clone() for k, v in trainer.engine.gpt.state_dict().items() if torch.is_tensor(v)}
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -132,7 +133,7 @@ def _engine_holding(trainer, step):
     hf_model, tokenizer, _ = load_policy(trainer.config)
     engine = EmbeddedRolloutEngine(model=hf_model.to(torch.bfloat16), tokenizer=tokenizer, device="cpu", backup="cpu")
     engine.begin_weight_update(step + 1)
-    engine.update_weights_from_tensor(list(trainer.hf_weights()), load_format=None)
+    engine.update_weights_from_tensor(list(trainer.engine.hf_weights()), load_format=None)
     engine.end_weight_update(step + 1)
     return engine
 

@@ -24,7 +24,8 @@ from miles.backends.megatron_backend.logprobs import LogprobRequest, output_logp
 from miles.backends.megatron_backend.model import build_gpt_model  # noqa: E402
 from miles.backends.megatron_backend.sdpa_attention import SDPACoreAttention  # noqa: E402
 from miles.backends.megatron_backend.trainer import MegatronTrainer  # noqa: E402
-from miles.config import parse_args, validate_args  # noqa: E402
+from miles.config import parse_args  # noqa: E402
+from miles.preflight import validate_args  # noqa: E402
 from miles.rl.loss import token_logprobs  # noqa: E402
 
 FP32_LOGIT_TOL = 1e-4

@@ -63,7 +63,8 @@ def test_the_same_in_a_ray_train_actor_with_the_train_actors_environment(tmp_pat
     """What a colocated train rank does at its first handoff: the actor's environment as the actor factory
     builds it (the preload hook, TMS_INIT_ENABLE, disk backup)."""
     ray = pytest.importorskip("ray")
-    from miles.config import parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import validate_args
     from miles.ray import layout
     from miles.ray.actor_factory import base_env
 

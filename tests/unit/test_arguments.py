@@ -11,12 +11,11 @@ import pytest
 from miles.config import (
     CONFIG_GROUPS,
     ArgumentError,
-    Environment,
     RunConfig,
     build_parser,
     parse_args,
-    validate_args,
 )
+from miles.preflight import Environment, validate_args
 from miles_plugins.optimizers.streaming.config import DEFAULT_BUCKET_NUMEL, DEFAULT_CHUNK_MB, MOMENT_DTYPES
 
 LR_WHY = (": a step moves each weight by about lr (Adam): above 1 one step ruins any model. Fix: pass a learning "

@@ -114,14 +114,19 @@ def _rollout(seed=0, n=10):
 
 
 def _grads_of(model, samples, advantages, plan):
-    from miles.rl.loss import accumulate_policy_gradient, forward_logprobs
+    """The loss the train rank hands its engine, over the plan's micro-batches as an engine runs them."""
+    from miles.backends.step import PolicyLoss
+    from miles.rl.loss import forward_logprobs, micro_batch_inputs
 
     model.zero_grad(set_to_none=True)
-    tokens = sum(len(s.response_ids) for s in samples)
-    sums = accumulate_policy_gradient(
-        samples, advantages, lambda b, t: forward_logprobs(model, b["input_ids"], b["attention_mask"], t),
-        pad_id=0, micro_batches=plan, device="cpu", eps_clip=0.2, temperature=0.7, num_tokens=tokens)
-    return sums, {n: p.grad.clone() for n, p in model.named_parameters()}
+    loss = PolicyLoss(eps_clip=0.2, temperature=0.7, num_tokens=sum(len(s.response_ids) for s in samples),
+                      advantage_estimator="grpo", tis=None)
+    stats = loss.no_stats("cpu")
+    for _, batch in micro_batch_inputs(samples, advantages, plan, pad_id=0, device="cpu"):
+        value, batch_stats = loss(forward_logprobs(model, batch["input_ids"], batch["attention_mask"], 0.7), batch)
+        value.backward()
+        stats = loss.combine(stats, batch_stats)
+    return stats.tolist()[:3], {n: p.grad.clone() for n, p in model.named_parameters()}  # loss, clipped, |diff|
 
 
 def test_token_budget_plan_gives_the_fixed_plans_loss_and_grads_in_fp64():

@@ -40,7 +40,7 @@ def test_param_count_matches_a_llama_of_the_same_shape(groups):
     params as the GPTModel the arms build: q/k/v/o, gate/up/down, two norms a layer, final norm, untied
     embeddings), and the shape goes through the megatron trainer's config mapping unchanged."""
     transformers = pytest.importorskip("transformers")
-    from miles.backends.megatron_backend.architecture import describe
+    from miles.backends.megatron_backend.families import describe
     from miles.backends.megatron_backend.model import gpt_model_kwargs, transformer_config_from_hf
 
     shape, _ = bench.validate(args("--hidden", "64", "--layers", "2", "--heads", "4", "--ffn", "96", "--vocab", "128",

@@ -51,7 +51,8 @@ def test_miles_train_refuses_another_layout_before_ray_starts(tmp_path, monkeypa
     import json
 
     from miles import train
-    from miles.config import parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import validate_args
 
     saved = ParallelLayout(world=2, tp=2)
     base = _checkpoint(tmp_path, json.dumps({"next_rollout_id": 2, LAYOUT_META: layout_meta(saved)}))

@@ -42,7 +42,8 @@ def _run_flags(tmp_path, *flags):
 def _refused_before_ray(tmp_path, monkeypatch, *flags):
     """``miles.train.run`` of these flags: the RunError it raises before Ray starts (a test failure if it starts)."""
     from miles import train
-    from miles.config import parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import validate_args
 
     def no_ray(_config):
         raise AssertionError("Ray was started for a checkpoint the run cannot resume")
@@ -284,6 +285,7 @@ def test_dry_run_refuses_the_other_streaming_mode_and_no_load_optim_resumes_the_
 
 
 def _config(tmp_path, *flags):
-    from miles.config import parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import validate_args
 
     return validate_args(parse_args(_run_flags(tmp_path, *TINY, *flags)))

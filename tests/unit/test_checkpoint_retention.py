@@ -236,7 +236,8 @@ def test_an_interrupted_save_leaves_only_the_complete_checkpoint(make_config, tm
 SIGTERM_MID_SAVE = textwrap.dedent("""
     import dataclasses, os, sys, time
     import miles.train as train
-    from miles.config import Environment, parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import Environment, validate_args
     tmp = sys.argv[1]
     os.makedirs(os.path.join(tmp, "scratch"))
     env = Environment(cuda_available=lambda: False, has_module=lambda m: False,

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from miles.backends.torch_backend.trainer import TorchTrainer
-from miles.config import parse_args, validate_args
+from miles.config import parse_args
+from miles.preflight import validate_args
 from test_trainer_checkpoint import _params, _rendezvous, _samples, trainers  # noqa: F401  (trainers: a fixture)
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from miles.config import Environment, build_parser, validate_args
+from miles.config import build_parser
+from miles.preflight import Environment, validate_args
 from pretend_machine import pretend_file
 
 REPO = Path(__file__).resolve().parents[2]

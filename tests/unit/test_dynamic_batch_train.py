@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from miles.backends.torch_backend.trainer import TorchTrainer
-from miles.config import parse_args, validate_args
+from miles.config import parse_args
+from miles.preflight import validate_args
 from test_trainer_checkpoint import _params, _rendezvous, _samples, trainers  # noqa: F401  (trainers: a fixture)
 
 
@@ -43,6 +44,6 @@ def test_the_step_reports_its_model_flops_and_no_mfu_on_cpu(tmp_path, trainers):
     samples, advantages = _samples()
     trainer = _trainer(tmp_path, trainers)
     metrics = trainer.train(0, samples, advantages)
-    expected = train_flops(model_flops(trainer.model.config.to_dict()), sample_lengths(samples))
+    expected = train_flops(model_flops(trainer.engine.model.config.to_dict()), sample_lengths(samples))
     assert metrics["model_flops"] == expected > 0
     assert metrics["device_peak_flops"] is None and metrics["train_mfu"] is None

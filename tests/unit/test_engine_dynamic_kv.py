@@ -66,7 +66,8 @@ def test_cache_bytes_counts_each_storage_once_through_any_container():
 
 def test_a_static_cache_engine_reports_its_pool(tmp_path):
     """The static path is unchanged: what clearing the pool freed (here on CPU, asked for explicitly)."""
-    from miles.config import parse_args, validate_args
+    from miles.config import parse_args
+    from miles.preflight import validate_args
 
     config = validate_args(parse_args(["--tiny-model"]))
     model, tokenizer, _ = load_policy(config, device="cpu")

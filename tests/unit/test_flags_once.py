@@ -11,10 +11,11 @@ import re
 
 import pytest
 
-from miles.config import CONFIG_GROUPS, ArgumentError, Environment, parse_args, store_config, validate_args
+from miles.config import CONFIG_GROUPS, ArgumentError, parse_args, store_config
+from miles.preflight import Environment, validate_args
 from miles.config.arguments import flag_name
-from miles.config.disk_budget import disk_budget, model_tensors_of_run
-from miles.config.validation import draft_config
+from miles.preflight.disk_budget import disk_budget, model_tensors_of_run
+from miles.preflight.validation import draft_config
 from miles.ray.node_disk import per_rank_disk_bytes
 
 MILES = pathlib.Path(__file__).resolve().parents[2] / "miles"
@@ -155,7 +156,7 @@ def test_fp8_params_are_refused_in_one_place(tmp_path, argv):
         validate_args(parse_args([*argv, "--metrics-file", str(tmp_path / "m.jsonl")]), megatron)
     assert e.value.flags == ("--fp8-param",) and str(e.value).endswith("Fix: drop --fp8-param.")
     reads = [f"{p.relative_to(MILES)}" for p, text in _sources().items() if ".fp8_param" in text]
-    assert reads == ["config/validation.py"]
+    assert reads == ["preflight/validation.py"]
 
 
 def test_the_megatron_trainer_leaves_the_flags_to_validation():

@@ -422,9 +422,9 @@ def test_auto_without_meminfo_is_no_tier(tmp_path, monkeypatch, caplog):
 
 
 def test_the_run_flag_reaches_the_store_config():
-    from miles.backends.base import store_config
+    from miles.config import store_config
     from miles.config.arguments import parse_args
-    from miles.config.validation import Environment, validate_args
+    from miles.preflight.validation import Environment, validate_args
 
     args = parse_args(["--stream-optimizer-state-to-disk", "--offload-train-target", "disk", "--num-train-ranks", "2",
                        "--stream-optimizer-state-host-cache-mb", "auto"])
@@ -436,10 +436,10 @@ def test_the_run_flag_reaches_the_store_config():
 def test_a_trainer_shares_the_tier_with_the_ranks_of_its_node_only(tmp_path):
     """On a cluster the actor factory tells each rank how many train ranks its node holds; the auto tier
     divides the node's RAM by those, not by every rank of the run. In-process (no factory): all ranks."""
-    from miles.backends.base import store_config
+    from miles.config import store_config
     from miles.backends.torch_backend.trainer import TorchTrainer
     from miles.config.arguments import parse_args
-    from miles.config.validation import Environment, validate_args
+    from miles.preflight.validation import Environment, validate_args
 
     args = parse_args(["--stream-optimizer-state-to-disk", "--offload-train-target", "disk", "--num-train-ranks", "8",
                        "--stream-optimizer-state-host-cache-mb", "auto",

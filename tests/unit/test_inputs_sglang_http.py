@@ -13,7 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from miles.config import ArgumentError, Environment, parse_args, validate_args
+from miles.config import ArgumentError, parse_args
+from miles.preflight import Environment, validate_args
 from miles.rollout.sglang.engine import samples_from_outputs
 from miles.rollout.sglang.transport import HttpSglang, SglangCallError
 
@@ -164,7 +165,7 @@ def test_the_request_timeout_reaches_the_http_client(tmp_path, serve, monkeypatc
     monkeypatch.setattr(engine_module, "HttpSglang", Recording)
     engine_module.SglangRolloutEngine.from_config(config)
     assert built == {"url": server.url, "timeout_s": 2.5}
-    assert parse_args([]).sglang_request_timeout == 600
+    assert parse_args([]).sglang_request_timeout == 3600
 
 
 @pytest.mark.parametrize("argv, message", [

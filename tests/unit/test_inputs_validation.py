@@ -12,7 +12,8 @@ import os
 
 import pytest
 
-from miles.config import ArgumentError, Environment, parse_args, validate_args
+from miles.config import ArgumentError, parse_args
+from miles.preflight import Environment, validate_args
 
 LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 100, "intermediate_size": 128}
@@ -213,7 +214,7 @@ def test_a_model_type_transformers_does_not_build_is_refused_naming_it(tmp_path)
 
 
 def test_the_megatron_backend_names_the_model_types_it_builds(tmp_path):
-    from miles.backends.megatron_backend.architecture import SUPPORTED_MODEL_TYPES
+    from miles.backends.megatron_backend.families import SUPPORTED_MODEL_TYPES
 
     folder = model_folder(tmp_path, {**LLAMA, "model_type": "gemma"})
     message = error(tmp_path, "--hf-checkpoint", folder, "--train-backend", "megatron")
@@ -230,21 +231,21 @@ def test_qwen3_5_moe_on_gpus_says_how_to_install_its_kernels(tmp_path, caplog):
     assert message == ("--hf-checkpoint is a qwen3_5_moe_text model, whose Gated DeltaNet layers megatron-core builds "
                        "with flash-linear-attention's kernels, and the fla module is not installed. Fix: pip install "
                        "flash-linear-attention==0.6.0 fla-core==0.6.0 (the extra: pip install 'miles[fla]').")
-    with caplog.at_level(logging.WARNING, logger="miles.config.model_checks"):
+    with caplog.at_level(logging.WARNING, logger="miles.preflight.model_checks"):
         validate(tmp_path, "--hf-checkpoint", folder, **cuda)
     warned = [r.getMessage() for r in caplog.records if "flash-linear-attention" in r.getMessage()]
     assert warned == ["--hf-checkpoint is a qwen3_5_moe_text model and flash-linear-attention (module fla) is not "
                       "installed: transformers runs its Gated DeltaNet layers as a slow torch loop on the GPU; pip "
                       "install flash-linear-attention==0.6.0 fla-core==0.6.0 (the extra: pip install 'miles[fla]')"]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="miles.config.model_checks"):  # a dry run starts no backend
+    with caplog.at_level(logging.WARNING, logger="miles.preflight.model_checks"):  # a dry run starts no backend
         validate(tmp_path, "--hf-checkpoint", folder, "--train-backend", "megatron", "--dry-run", **cuda)
     assert [r.getMessage() for r in caplog.records] == [
         "--hf-checkpoint is a qwen3_5_moe_text model and flash-linear-attention (module fla) is not installed: "
         "--train-backend megatron cannot build its Gated DeltaNet layers; pip install flash-linear-attention==0.6.0 "
         "fla-core==0.6.0 (the extra: pip install 'miles[fla]')"]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="miles.config.model_checks"):
+    with caplog.at_level(logging.WARNING, logger="miles.preflight.model_checks"):
         validate(tmp_path, "--hf-checkpoint", folder, has_module=lambda m: m == "fla", **cuda)
         validate(tmp_path, "--hf-checkpoint", folder)  # no CUDA: nothing to say
     assert not caplog.records

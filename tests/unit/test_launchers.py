@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from miles.config import ArgumentError, Environment, build_parser, validate_args
+from miles.config import ArgumentError, build_parser
+from miles.preflight import Environment, validate_args
 from miles.sizing.cli import build_parser as plan_parser
 from miles.sizing.cli import main as plan_main
 from miles.sizing.presets import GLM5_744B, QWEN3_30B_A3B
@@ -221,7 +222,8 @@ def faithful_tools(tmp_path, launcher: str) -> dict:
     judge.write_text(f"""import os, sys
 sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]
 from test_launchers import MODEL_CONFIGS, gpu_machine
-from miles.config import ArgumentError, build_parser, validate_args
+from miles.config import ArgumentError, build_parser
+from miles.preflight import validate_args
 
 def judge(argv):
     parser = build_parser(prog="miles train")

@@ -81,7 +81,7 @@ def test_the_driver_reads_the_backend_registry_without_importing_torch_or_the_st
         loaded = _modules_after(statement)
         assert "torch" not in loaded, f"`{statement}` imports torch"
         assert "miles_plugins.optimizers.nvme_stream" not in loaded, f"`{statement}` imports the store"
-        assert "miles.backends.base" not in loaded, f"`{statement}` imports the backend template"
+        assert "miles.backends.rank" not in loaded, f"`{statement}` imports the train rank"
 
 
 def test_every_train_backend_choice_names_a_registered_backend():
@@ -94,8 +94,8 @@ def test_every_train_backend_choice_names_a_registered_backend():
 
 
 def test_the_registry_resolves_to_the_torch_trainer():
-    from miles.backends.base import TrainBackend, resolve_backend
+    from miles.backends.rank import TrainRank, resolve_backend
     from miles.config.backends import BACKENDS
 
     cls = resolve_backend(BACKENDS["torch"])
-    assert issubclass(cls, TrainBackend) and cls.__name__ == "TorchTrainer"
+    assert issubclass(cls, TrainRank) and cls.__name__ == "TorchTrainer"

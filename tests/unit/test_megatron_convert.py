@@ -11,15 +11,15 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from miles.backends.megatron_backend.architecture import UnsupportedModelError, describe  # noqa: E402
+from miles.backends.megatron_backend.families import UnsupportedModelError, describe  # noqa: E402
 from miles.backends.megatron_backend.convert import (  # noqa: E402
     ConversionError,
     experts_to_global,
     hf_moe_layout,
     hf_to_megatron,
     megatron_to_hf,
-    qkv_to_megatron,
 )
+from miles.backends.megatron_backend.weight_rules import qkv_to_megatron  # noqa: E402
 from miles.backends.megatron_backend.model import gpt_model_kwargs, transformer_config_from_hf  # noqa: E402
 
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

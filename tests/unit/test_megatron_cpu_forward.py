@@ -57,7 +57,7 @@ def _grad_norm(params) -> float:
     return math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in params if p.grad is not None))
 
 
-def _compare(preset: str, overrides: dict) -> dict:
+def _compare(preset: str, overrides: dict, grouped_experts: bool = False) -> dict:
     import torch
 
     from miles.backends.megatron_backend.convert import hf_moe_layout, hf_to_megatron, megatron_to_hf
@@ -65,9 +65,9 @@ def _compare(preset: str, overrides: dict) -> dict:
     from miles.rl.loss import token_logprobs
 
     hf_model = _hf_model(preset, overrides)
-    gpt, _, uses_te = build_gpt_model(hf_model.config, params_dtype=torch.float32)
+    gpt, _, uses_te = build_gpt_model(hf_model.config, params_dtype=torch.float32, grouped_experts=grouped_experts)
     hf_state = hf_model.state_dict()
-    mcore = hf_to_megatron(hf_state, hf_model.config, fused_norms=uses_te)
+    mcore = hf_to_megatron(hf_state, hf_model.config, fused_norms=uses_te, grouped_experts=grouped_experts)
     built = {k: tuple(v.shape) for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
     converted = {k: tuple(v.shape) for k, v in mcore.items()}
     wrong = sorted(k for k in set(built) | set(converted) if built.get(k) != converted.get(k))
@@ -88,8 +88,8 @@ def _compare(preset: str, overrides: dict) -> dict:
             "grad_norms": (_grad_norm(gpt.parameters()), _grad_norm(hf_model.parameters()))}
 
 
-def _child(repo: str, megatron_path: str, port: int, results) -> dict:
-    sys.path[:0] = [megatron_path, repo]
+def _child(repo: str, megatron_path: str, port: int, results, cases: dict) -> dict:
+    sys.path[:0] = [megatron_path, repo, os.path.dirname(os.path.abspath(__file__))]
     import torch
     from megatron.core import parallel_state
 
@@ -97,21 +97,27 @@ def _child(repo: str, megatron_path: str, port: int, results) -> dict:
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     out = {}
-    for case, (preset, overrides) in CASES.items():
+    for case, (preset, overrides) in cases.items():
         progress(results, "forward", case)
         out[case] = _compare(preset, overrides)
     return out
 
 
-@pytest.fixture(scope="module")
-def compared(megatron_cpu):
+def compare_with_transformers(megatron_path: str, cases: dict) -> dict:
+    """Each case ``name: (preset, config overrides)`` built by megatron-core and by transformers in one spawned
+    process (one world of 1 rank over gloo): ``name -> _compare``'s result."""
     from miles.weights import free_port
 
     repo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = start(ctx, results, (_child, (repo, megatron_cpu, free_port(), results)))
+    procs = start(ctx, results, (_child, (repo, megatron_path, free_port(), results, cases)))
     return collect(procs, results, TIMEOUT)[0]
+
+
+@pytest.fixture(scope="module")
+def compared(megatron_cpu):
+    return compare_with_transformers(megatron_cpu, CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from miles.backends.megatron_backend.machine import runs_without_cuda
-from miles.config import Environment, parse_args, validate_args
+from miles.config import parse_args
+from miles.preflight import Environment, validate_args
 from miles.config.errors import ArgumentError
 
 MEGATRON_TP2 = ["--train-backend", "megatron", "--num-train-ranks", "2", "--tensor-model-parallel-size", "2",
@@ -87,6 +88,6 @@ def test_a_train_rank_without_cuda_refuses_released_megatron_core(make_config, m
     if refused:
         with pytest.raises(RuntimeError, match="needs CUDA: megatron-core.* assumes a CUDA device.*--train-backend "
                                                "torch"):
-            rank.check_config()
+            rank.engine.check_config()
     else:
-        rank.check_config()
+        rank.engine.check_config()

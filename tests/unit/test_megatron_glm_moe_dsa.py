@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from miles.backends.megatron_backend.architecture import UnsupportedModelError, describe  # noqa: E402
+from miles.backends.megatron_backend.families import UnsupportedModelError, describe  # noqa: E402
 from miles.backends.megatron_backend.convert import (  # noqa: E402
     experts_to_global,
     hf_moe_layout,
@@ -18,7 +18,7 @@ from miles.backends.megatron_backend.convert import (  # noqa: E402
     iter_megatron_to_hf,
     megatron_to_hf,
 )
-from miles.backends.megatron_backend.families.glm_moe_dsa import INDEXER_K_NORM_EPS  # noqa: E402
+from miles.backends.megatron_backend.pieces.dsa import INDEXER_K_NORM_EPS  # noqa: E402
 from miles.backends.megatron_backend.model import transformer_config_from_hf  # noqa: E402
 from miles.models import RANDOM_MODEL_PRESETS  # noqa: E402
 from miles.sizing.model_params import model_tensors  # noqa: E402
@@ -81,14 +81,14 @@ def expected_megatron_shapes(c) -> dict[str, tuple[int, ...]]:
 def test_describe_reads_glm5():
     config, _ = tiny_glm()
     arch = describe(config)
-    mla = arch.mla_dsa
+    mla, dsa = arch.mla, arch.dsa
     assert arch.moe_layers == (False, True, True, True) and arch.num_experts == 4 and arch.moe_topk == 2
     assert arch.shared_expert_ffn_hidden_size == 32 and arch.router_expert_bias
     assert arch.router_score_function == "sigmoid" and arch.router_topk_scaling_factor == 2.5
     assert arch.router_num_groups is None and arch.num_query_groups == 4 and not arch.tied_embeddings
-    assert mla.indexer_layers == (True, True, False, True)
-    assert (mla.index_topk_freq, mla.index_skip_topk_offset) == (2, 2)
-    assert mla.mtp_layers == 1 and mla.qk_head_dim == 12
+    assert dsa.indexer_layers == (True, True, False, True)
+    assert (dsa.index_topk_freq, dsa.index_skip_topk_offset) == (2, 2)
+    assert arch.mtp_layers == 1 and mla.qk_head_dim == 12
 
 
 @pytest.mark.parametrize("freq,offset", [(1, 0), (2, 1), (2, 2), (3, 2), (4, 1)])
@@ -98,10 +98,10 @@ def test_the_indexer_schedule_is_megatrons_rule(freq, offset):
     config = transformers.GlmMoeDsaConfig(**{**TINY, "num_hidden_layers": 9, "index_topk_freq": freq,
                                              "index_skip_topk_offset": offset})
     assert config.indexer_types[0] == "full", "transformers runs no first layer without its own indexer"
-    mla = describe(config).mla_dsa
-    off = max(mla.index_skip_topk_offset, 1)
-    megatron = tuple(max(n - off, 0) % mla.index_topk_freq == 0 for n in range(1, 10))
-    assert megatron == mla.indexer_layers == tuple(t == "full" for t in config.indexer_types)
+    dsa = describe(config).dsa
+    off = max(dsa.index_skip_topk_offset, 1)
+    megatron = tuple(max(n - off, 0) % dsa.index_topk_freq == 0 for n in range(1, 10))
+    assert megatron == dsa.indexer_layers == tuple(t == "full" for t in config.indexer_types)
 
 
 def test_every_weight_converts_to_megatron_names_and_back_exactly():
@@ -189,7 +189,7 @@ def test_random_model_presets_are_glm5():
     for name in ("glm5-tiny", "glm5-2b"):
         spec = {k: v for k, v in RANDOM_MODEL_PRESETS[name].items() if k != "model_type"}
         arch = describe(transformers.GlmMoeDsaConfig(vocab_size=100, **spec))
-        assert arch.mla_dsa is not None and arch.router_expert_bias
+        assert arch.mla is not None and arch.dsa is not None and arch.router_expert_bias
 
 
 def _transformers_numel(config_dict: dict) -> int:
@@ -258,17 +258,17 @@ def test_tp_shards_split_mla_by_heads_keep_the_indexer_whole_and_gather_back_exa
     from miles.backends.megatron_backend.tp_shards import split_kind, tp_gather, tp_shard
 
     config, hf = tiny_glm()
-    full = hf_to_megatron(hf, config)
+    full, rules = hf_to_megatron(hf, config), describe(config).tp_rules
     a, idx = "decoder.layers.0.self_attention.", "decoder.layers.0.self_attention.core_attention.indexer."
-    assert {split_kind(a + p + ".weight") for p in ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
-                                                      "linear_kv_up_proj")} == {"column"}
-    assert {split_kind(k) for k in full if ".indexer." in k} == {"replicated"}
-    shards = [tp_shard(full, tp_rank=r, tp=2, vocab_size=config.vocab_size) for r in range(2)]
+    assert {split_kind(a + p + ".weight", rules) for p in ("linear_q_down_proj", "linear_q_up_proj",
+                                                             "linear_kv_down_proj", "linear_kv_up_proj")} == {"column"}
+    assert {split_kind(k, rules) for k in full if ".indexer." in k} == {"replicated"}
+    shards = [tp_shard(full, tp_rank=r, tp=2, vocab_size=config.vocab_size, rules=rules) for r in range(2)]
     qk = config.qk_nope_head_dim + config.qk_rope_head_dim
     for r, shard in enumerate(shards):  # rank r: heads 2r, 2r + 1 of the 4
         assert torch.equal(shard[a + "linear_q_up_proj.weight"], full[a + "linear_q_up_proj.weight"][2 * r * qk:
                                                                                                     2 * (r + 1) * qk])
         assert torch.equal(shard[idx + "linear_wq_b.weight"], full[idx + "linear_wq_b.weight"])
     for r in range(2):
-        gathered = tp_gather(shards, tp_rank=r, vocab_size=config.vocab_size)
+        gathered = tp_gather(shards, tp_rank=r, vocab_size=config.vocab_size, rules=rules)
         assert set(gathered) == set(full) and all(torch.equal(gathered[k], full[k]) for k in full)

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from miles.backends.megatron_backend.architecture import UnsupportedModelError, describe  # noqa: E402
+from miles.backends.megatron_backend.families import UnsupportedModelError, describe  # noqa: E402
 from miles.backends.megatron_backend.convert import (  # noqa: E402
     experts_to_global, hf_moe_layout, hf_to_megatron, megatron_to_hf)
-from miles.backends.megatron_backend.families.qwen3_5_moe import gated_qkv_to_megatron  # noqa: E402
+from miles.backends.megatron_backend.families.qwen3_5_moe.weights import gated_qkv_to_megatron  # noqa: E402
 from miles.backends.megatron_backend.model import gpt_model_kwargs, transformer_config_from_hf  # noqa: E402
 from miles.models import RANDOM_MODEL_PRESETS, build_tiny_tokenizer, check_hf_config, write_random_model  # noqa: E402
 from miles.sizing.model_params import VOCAB_PAD_MULTIPLE, model_tensors  # noqa: E402
@@ -172,7 +172,7 @@ def test_tensor_parallel_ranks_hold_megatron_s_gated_deltanet_slices_and_gather_
     config, hf = tiny()
     arch = describe(config)
     full = hf_to_megatron(hf, config)
-    shards = [tp_shard(full, tp_rank=r, tp=2, vocab_size=96, sections=arch.tp_row_sections) for r in range(2)]
+    shards = [tp_shard(full, tp_rank=r, tp=2, vocab_size=96, rules=arch.tp_rules) for r in range(2)]
     attn, a = "model.layers.2.linear_attn.", "decoder.layers.2.self_attention."
     kd, vd = 2 * 6, 4 * 10
     q, k, v = torch.split(hf[attn + "in_proj_qkv.weight"], [kd, kd, vd])
@@ -189,11 +189,11 @@ def test_tensor_parallel_ranks_hold_megatron_s_gated_deltanet_slices_and_gather_
         assert torch.equal(shard[a + "out_norm.weight"], hf[attn + "norm.weight"])
         assert torch.equal(shard["decoder.layers.2.mlp.shared_experts.gate_weight"],
                            hf["model.layers.2.mlp.shared_expert_gate.weight"])
-    gathered = tp_gather(shards, tp_rank=1, vocab_size=96, sections=arch.tp_row_sections)
+    gathered = tp_gather(shards, tp_rank=1, vocab_size=96, rules=arch.tp_rules)
     assert set(gathered) == set(full) and all(torch.equal(gathered[n], full[n]) for n in full)
     back = megatron_to_hf(gathered, config, hf_moe_layout=hf_moe_layout(hf))
     assert set(back) == set(hf) and all(torch.equal(back[n], hf[n]) for n in hf)
-    with pytest.raises(KeyError, match="row sections"):
+    with pytest.raises(KeyError, match="no tensor-parallel rule .*in_proj"):  # the family's rules are needed
         tp_shard(full, tp_rank=0, tp=2, vocab_size=96)
 
 
@@ -230,7 +230,7 @@ def test_transformer_config_keywords():
     (False, "3.6.0", False, True),
 ])
 def test_fla_gated_backward_is_trusted_where_fla_trusts_it(hopper, triton, tilelang, exact):
-    from miles.backends.megatron_backend.families.qwen3_5_moe_layers import fla_gated_backward_is_exact
+    from miles.backends.megatron_backend.families.qwen3_5_moe.layers import fla_gated_backward_is_exact
 
     assert fla_gated_backward_is_exact(hopper=hopper, triton_version=triton, tilelang=tilelang) is exact
 

@@ -9,9 +9,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from miles.backends.megatron_backend.architecture import describe  # noqa: E402
-from miles.backends.megatron_backend.convert import (hf_moe_layout, hf_to_megatron, megatron_to_hf,  # noqa: E402
-                                                     qkv_to_megatron)
+from miles.backends.megatron_backend.families import describe  # noqa: E402
+from miles.backends.megatron_backend.convert import hf_moe_layout, hf_to_megatron, megatron_to_hf  # noqa: E402
+from miles.backends.megatron_backend.weight_rules import qkv_to_megatron  # noqa: E402
 from miles.backends.megatron_backend.tp_shards import (padded_vocab_size, pp_stage, pp_unstage,  # noqa: E402
                                                        split_kind, tp_gather, tp_shard)
 from miles.parallel.layout import ParallelLayout, stage_layers  # noqa: E402

@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from miles.config import ArgumentError, parse_args, validate_args
+from miles.config import ArgumentError, parse_args
+from miles.preflight import validate_args
 from miles.metrics import MetricsSink
 
 

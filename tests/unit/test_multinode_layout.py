@@ -5,8 +5,9 @@ import os
 
 import pytest
 
-from miles.config import Environment, parse_args, validate_args
-from miles.config.disk_budget import model_tensors_of_run
+from miles.config import parse_args
+from miles.preflight import Environment, validate_args
+from miles.preflight.disk_budget import model_tensors_of_run
 from miles.ray import layout, node_disk
 
 # the root's parent /scratch exists on the pretended machine (validation refuses a root whose parent is missing)

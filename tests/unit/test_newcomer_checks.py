@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from miles.config import ArgumentError, Environment, parse_args, validate_args
+from miles.config import ArgumentError, parse_args
+from miles.preflight import Environment, validate_args
 
 GIB = 1 << 30
 STREAM = ["--stream-optimizer-state-to-disk", "--offload-train-target=disk"]

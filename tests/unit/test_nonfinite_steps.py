@@ -27,8 +27,8 @@ def _samples(logprob=-4.0):
 
 def _state(trainer):
     """Weights, fp32 masters and resident moments, cloned."""
-    tensors = [v.detach().clone() for v in trainer.model.state_dict().values()]
-    opt = trainer.optimizer
+    tensors = [v.detach().clone() for v in trainer.engine.model.state_dict().values()]
+    opt = trainer.engine.optimizer
     tensors += [s.master.detach().clone() for s in opt.shards if s.master.untyped_storage().nbytes()]
     tensors += [v.detach().clone() for st in opt.inner.state.values() for v in st.values() if torch.is_tensor(v)]
     return tensors
@@ -58,20 +58,20 @@ def test_non_finite_grads_leave_weights_and_state_untouched(tmp_path, trainers, 
     before = _state(t)
     files = _bucket_files(t, tmp_path) if stream else None
 
-    good_logprobs = t.logprobs
-    t.logprobs = lambda batch, temperature: good_logprobs(batch, temperature) * float("nan")
+    good_logprobs = t.engine.logprobs
+    t.engine.logprobs = lambda batch, temperature: good_logprobs(batch, temperature) * float("nan")
     m = t.train(1, samples, adv)
-    t.logprobs = good_logprobs
+    t.engine.logprobs = good_logprobs
 
     assert m["step_skipped"] == "non-finite gradients" and math.isnan(m["grad_norm"])
     assert _same(_state(t), before), "a skipped step changed weights or optimizer state"
-    assert all(p.grad is None for p in t.model.parameters()), "the poisoned grads are dropped"
+    assert all(p.grad is None for p in t.engine.model.parameters()), "the poisoned grads are dropped"
     if stream:
         assert _bucket_files(t, tmp_path) == files, "a skipped step changed the streamed state's files"
         assert m["stream_bytes_read"] == 0 and m["stream_bytes_written"] == 0
     after = t.train(2, samples, adv)
     assert after["step_skipped"] is None and math.isfinite(after["grad_norm"])
-    assert all(torch.isfinite(p).all() for p in t.model.parameters())
+    assert all(torch.isfinite(p).all() for p in t.engine.model.parameters())
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("-inf"), 1e30])
@@ -91,9 +91,9 @@ def test_token_outside_the_vocabulary_is_not_trained_on(tmp_path, trainers):
     t = _trainer(trainers, tmp_path, stream=False)
     samples, adv = _samples()
     before = _state(t)
-    samples[1].response_ids[0] = t.vocab_size()
+    samples[1].response_ids[0] = t.engine.vocab_size()
     m = t.train(0, samples, adv)
-    assert f"response_ids[0] = {t.vocab_size()} is not a token id" in m["step_skipped"]
+    assert f"response_ids[0] = {t.engine.vocab_size()} is not a token id" in m["step_skipped"]
     assert _same(_state(t), before)
 
 
@@ -161,13 +161,13 @@ def test_the_rollout_line_says_the_step_was_skipped():
 
 def _infinite_lr(trainer):
     """What --lr inf did before validation refused it: the next applied step turns every weight into NaN."""
-    for group in trainer.optimizer.param_groups:
+    for group in trainer.engine.optimizer.param_groups:
         group["lr"] = float("inf")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["resident", "streamed"])
 def test_a_step_that_leaves_non_finite_weights_reaches_no_checkpoint_or_engine(tmp_path, trainers, stream):
-    from miles.backends.base import NonFiniteWeightsError
+    from miles.backends.rank import NonFiniteWeightsError
 
     t = _trainer(trainers, tmp_path, stream)
     samples, adv = _samples()
@@ -175,7 +175,7 @@ def test_a_step_that_leaves_non_finite_weights_reaches_no_checkpoint_or_engine(t
     _infinite_lr(t)
     m = t.train(1, samples, adv)
     assert m["step_skipped"] is None and m["weights_finite"] is False
-    assert not all(torch.isfinite(p).all() for p in t.model.parameters()), "the injected step did poison"
+    assert not all(torch.isfinite(p).all() for p in t.engine.model.parameters()), "the injected step did poison"
     with pytest.raises(NonFiniteWeightsError, match=r"rank 0: rollout 1's optimizer step left non-finite weights; "
                                                     r"refusing to save them"):
         t.save(str(tmp_path / "ckpt" / "iter_2"))
@@ -187,16 +187,16 @@ def test_a_step_that_leaves_non_finite_weights_reaches_no_checkpoint_or_engine(t
 
 
 def test_the_weight_check_covers_every_trained_weight_in_slices(monkeypatch):
-    from miles.backends import base
+    from miles.backends import engine
 
-    monkeypatch.setattr(base, "_FINITE_CHECK_ELEMENTS", 3)  # slices of 3: the bad element sits in a later one
+    monkeypatch.setattr(engine, "_FINITE_CHECK_ELEMENTS", 3)  # slices of 3: the bad element sits in a later one
     weights = [torch.zeros(2, 4), torch.zeros(7)]
-    assert base.tensors_finite(weights, torch.device("cpu"))
+    assert engine.tensors_finite(weights, torch.device("cpu"))
     for value in (float("nan"), float("inf"), float("-inf")):
         weights[1][5] = value
-        assert not base.tensors_finite(weights, torch.device("cpu")), value
+        assert not engine.tensors_finite(weights, torch.device("cpu")), value
         weights[1][5] = 0.0
-    assert base.tensors_finite([], torch.device("cpu"))
+    assert engine.tensors_finite([], torch.device("cpu"))
 
 
 def _loop_after(records, latest=None, loaded=None, save=None, load=None, lr=1e-2):
@@ -293,7 +293,7 @@ def test_a_checkpoint_holding_non_finite_weights_is_refused_at_load(tmp_path, tr
     old.save(good)
     checkpoint.write_meta(good, next_rollout_id=1, data_state={}, world_size=1)
     with torch.no_grad():
-        next(old.model.parameters()).view(-1)[3] = bad
+        next(old.engine.model.parameters()).view(-1)[3] = bad
     base = checkpoint.prepare(str(tmp_path / "ckpt"), 2)
     old.save(base)  # this trainer never saw the step that made the value, so it saves it
     checkpoint.write_meta(base, next_rollout_id=2, data_state={}, world_size=1)

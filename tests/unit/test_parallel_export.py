@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from miles.backends.megatron_backend.architecture import describe  # noqa: E402
+from miles.backends.megatron_backend.families import describe  # noqa: E402
 from miles.backends.megatron_backend.convert import hf_to_megatron, hf_moe_layout, iter_megatron_to_hf  # noqa: E402
 from miles.backends.megatron_backend.parallel_export import iter_stage_hf, stage_parts  # noqa: E402
 from miles.backends.megatron_backend.tp_shards import pp_stage, tp_shard  # noqa: E402

@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from miles.config import ArgumentError, Environment, parse_args, validate_args
+from miles.config import ArgumentError, parse_args
+from miles.preflight import Environment, validate_args
 from miles.sizing.presets import GLM5_744B
 from pretend_machine import pretend_file
 

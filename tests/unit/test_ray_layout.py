@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from miles.config import Environment, RunPaths, parse_args, validate_args
+from miles.config import RunPaths, parse_args
+from miles.preflight import Environment, validate_args
 from miles.config.paths import default_root, rank_dir_name
 from miles.ray import layout
 

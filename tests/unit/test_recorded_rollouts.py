@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from miles.config import ArgumentError, parse_args, validate_args
+from miles.config import ArgumentError, parse_args
+from miles.preflight import validate_args
 from miles.config.paths import rollout_data_path
 from miles.rollout.recorded import ReplayShape, RolloutDataError, write_rollout
 from miles.rollout.types import Sample

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from miles.config import parse_args, validate_args
+from miles.config import parse_args
+from miles.preflight import validate_args
 from miles.rollout.recorded import write_rollout
 from miles.rollout.types import Sample
 

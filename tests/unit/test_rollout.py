@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from miles.config import Environment, parse_args, validate_args
+from miles.config import parse_args
+from miles.preflight import Environment, validate_args
 from miles.models import load_policy
 from miles.rl import collate_samples, encode_prompts, forward_logprobs
 from miles.rollout import Sample, SamplingParams

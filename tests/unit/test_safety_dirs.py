@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from miles.config import ArgumentError, Environment, parse_args, validate_args
+from miles.config import ArgumentError, parse_args
+from miles.preflight import Environment, validate_args
 from miles_plugins.optimizers.nvme_stream import StoreConfigError, stream_optimizer_state
 from miles_plugins.host import ownership
 from miles_plugins.host.ownership import CREATED_FILE, LOCK_FILE, DirectoryLock, make_directory

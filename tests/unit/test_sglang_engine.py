@@ -27,8 +27,9 @@ def _load_fake():  # by path, under the name the stand-in sglang package imports
 
 fake_sglang = _load_fake()
 
-from miles.config import Environment, parse_args, validate_args  # noqa: E402
-from miles.config.validation import ArgumentError  # noqa: E402
+from miles.config import parse_args  # noqa: E402
+from miles.preflight import Environment, validate_args  # noqa: E402
+from miles.preflight.validation import ArgumentError  # noqa: E402
 from miles.rollout import RolloutEngine, SamplingParams  # noqa: E402
 
 STREAM = ["--colocate", "--stream-optimizer-state-to-disk", "--offload-train-target", "disk"]

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from miles.backends.base import settle_store_for_sleep
+from miles.backends.sleep import settle_store_for_sleep
 from miles.metrics import format_rollout_line, rollout_record
 
 
@@ -75,7 +75,7 @@ def test_megatron_store_set_settles_every_store(flush, call):
 
 def test_stream_metrics_sum_the_stores_of_a_rank():
     """One function gives both backends their stream_* metrics: sums over the stores, the largest peak."""
-    from miles.backends.base import stream_step_metrics
+    from miles.backends.step import stream_step_metrics
 
     def store(read, peak, ram):
         last = SimpleNamespace(bytes_read=read, bytes_written=2 * read, wall_seconds=1.0, io_seconds=0.5,

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from miles.backends.torch_backend.trainer import TorchTrainer
-from miles.config import parse_args, validate_args
+from miles.config import parse_args
+from miles.preflight import validate_args
 from miles.offload.plan import EngineNeeds
 from miles.rollout.types import Sample
 
@@ -45,7 +46,7 @@ def _trainer(tmp_path, name, *extra):
 
 
 def _weights(t):
-    return {k: v.detach().clone() for k, v in t.model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in t.engine.model.state_dict().items()}
 
 
 def _same(a, b):
@@ -85,14 +86,14 @@ def test_weights_come_back_from_the_masters_and_train_as_offload_all(tmp_path, t
     assert t.store.mains_in_host_ram
     samples, adv = _samples()
     t.train(0, samples, adv)
-    storages = {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in t.model.parameters()}
+    storages = {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in t.engine.model.parameters()}
     s = t.sleep(HUGE)
-    assert all(p.untyped_storage().nbytes() == 0 for p in t.model.parameters())  # released, no copy
+    assert all(p.untyped_storage().nbytes() == 0 for p in t.engine.model.parameters())  # released, no copy
     assert s["released_for_masters_bytes"] == sum(storages.values()) > 0
     assert s["to_disk_bytes"] < s["released_for_masters_bytes"]  # only buffers had nowhere else to go
     w = t.wake()
     assert w["rebuilt_from_masters_bytes"] == s["released_for_masters_bytes"]
-    assert {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in t.model.parameters()} == storages
+    assert {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in t.engine.model.parameters()} == storages
     t.shutdown()
     trainers.remove(t)
 
@@ -122,7 +123,7 @@ def test_resident_state_and_room_to_spare(tmp_path, trainers):
     assert sleeps[0]["to_disk_bytes"] > 0 and wakes[0]["from_disk_bytes"] == sleeps[0]["to_disk_bytes"]
     _, sleeps, wakes = _run(t, EngineNeeds(kv_bytes=0), rollouts=1)  # the engine needs nothing: nothing moves
     assert sleeps[0]["moved_bytes"] == 0 and wakes[0]["moved_bytes"] == 0 and sleeps[0]["kept_bytes"] > 0
-    assert all(p.untyped_storage().nbytes() > 0 for p in t.model.parameters())
+    assert all(p.untyped_storage().nbytes() > 0 for p in t.engine.model.parameters())
 
 
 def _engine_holding(trainer, version):
@@ -131,10 +132,10 @@ def _engine_holding(trainer, version):
 
     from miles.rollout.embedded import EmbeddedRolloutEngine
 
-    engine = EmbeddedRolloutEngine(model=copy.deepcopy(trainer.model), tokenizer=trainer.tokenizer, device="cpu",
+    engine = EmbeddedRolloutEngine(model=copy.deepcopy(trainer.engine.model), tokenizer=trainer.engine.tokenizer, device="cpu",
                                    backup="cpu")
     engine.begin_weight_update(version)
-    engine.update_weights_from_tensor(list(trainer.hf_weights()), load_format=None)
+    engine.update_weights_from_tensor(list(trainer.engine.hf_weights()), load_format=None)
     engine.end_weight_update(version)
     return engine
 
@@ -155,10 +156,10 @@ def test_weights_come_back_from_the_engine_copy(tmp_path, trainers):
         losses.append(t.train(i, samples, adv)["loss"])
         engine = _engine_holding(t, i + 1)
         before = _weights(t)
-        weight_bytes = {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in t.model.parameters()}
+        weight_bytes = {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in t.engine.model.parameters()}
         s = t.sleep(copy_at_wake)
         assert s["released_for_engine_bytes"] == sum(weight_bytes.values()) > 0  # freed without a copy
-        assert all(p.untyped_storage().nbytes() == 0 for p in t.model.parameters())
+        assert all(p.untyped_storage().nbytes() == 0 for p in t.engine.model.parameters())
         w = t.wake(engine.share_weights())
         assert w["rebuilt_from_engine_bytes"] == s["released_for_engine_bytes"]
         assert _same(_weights(t), before)

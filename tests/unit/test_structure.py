@@ -9,11 +9,13 @@
 3. The framework (miles/) imports from miles_plugins only the store's public API (nvme_stream's
    ``__all__``), the named set FRAMEWORK_MAY_IMPORT (architecture.md: "What the framework uses of the store")
    and the host services (miles_plugins/host/), which import neither the store nor the framework.
-4. The training backends are one template: base.TrainBackend runs the train call, sleep/wake, checkpoints
-   and shutdown; a backend fills in its own hooks only, shares no code with the other by copy, and a
-   chain of stores is wrapped by one class.
+4. The training backends are compute engines under one train rank: rank.TrainRank runs init, the train call,
+   sleep/wake, checkpoints, the weight handoff and shutdown and hands the loss in; a backend's engine computes
+   only, shares no code with the other by copy, and a chain of stores is wrapped by one class.
 5. No import cycles in miles/ (function-level and `if TYPE_CHECKING:` imports included) and no environment
    variable written that nothing reads.
+6. The store and the framework are layers (LAYERS, lowest first; architecture.md, "The packages"): no import,
+   at any level of a module, runs from a lower layer up to a higher one.
 ROOTS lists the directories checked: the store and the whole framework.
 """
 
@@ -257,12 +259,13 @@ def test_the_framework_set_is_written_down_in_the_architecture_page():
         "\n".join(missing)
 
 
-# ---- the training backends: one template -----------------------------------------------------------------
+# ---- the training backends: engines under one train rank ---------------------------------------------------
 BACKENDS_DIR = REPO / "miles/backends"
-TRAINERS = {"TorchTrainer": BACKENDS_DIR / "torch_backend/trainer.py",
-            "MegatronTrainer": BACKENDS_DIR / "megatron_backend/trainer.py"}
-# What base.TrainBackend runs for every backend; a backend overriding one of them forks the template.
-TEMPLATE_METHODS = {"init", "train", "sleep", "wake", "save", "finish_save", "load", "shutdown", "info"}
+ENGINES = {"TorchEngine": BACKENDS_DIR / "torch_backend/trainer.py",
+           "MegatronEngine": BACKENDS_DIR / "megatron_backend/trainer.py"}
+RANKS = {"TorchTrainer": "TorchEngine", "MegatronTrainer": "MegatronEngine"}  # each backend's rank: its engine
+# What rank.TrainRank runs for every backend; an engine or a backend's rank defining one of them forks it.
+RANK_METHODS = {"init", "train", "sleep", "wake", "save", "finish_save", "load", "shutdown", "info", "push_weights"}
 
 
 def _class_methods(path: pathlib.Path, cls: str) -> set[str]:
@@ -272,10 +275,24 @@ def _class_methods(path: pathlib.Path, cls: str) -> set[str]:
     raise AssertionError(f"{path} defines no class {cls}")
 
 
-def test_backends_fill_in_hooks_and_leave_the_template_to_the_base():
-    forked = {cls: sorted(_class_methods(path, cls) & TEMPLATE_METHODS) for cls, path in TRAINERS.items()}
-    assert not any(forked.values()), f"backends override template methods of base.TrainBackend: {forked}"
-    assert TEMPLATE_METHODS <= _class_methods(BACKENDS_DIR / "base.py", "TrainBackend")
+def _class_body(path: pathlib.Path, cls: str) -> list[str]:
+    """The statements of class ``cls`` other than its docstring, as source."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            body = node.body[1:] if ast.get_docstring(node) else node.body
+            return [ast.unparse(n) for n in body]
+    raise AssertionError(f"{path} defines no class {cls}")
+
+
+def test_backends_are_engines_under_the_one_train_rank():
+    forked = {cls: sorted(_class_methods(path, cls) & RANK_METHODS) for cls, path in ENGINES.items()}
+    assert not any(forked.values()), f"engines define what rank.TrainRank runs: {forked}"
+    assert RANK_METHODS <= _class_methods(BACKENDS_DIR / "rank.py", "TrainRank")
+    for rank, engine in RANKS.items():  # a backend's rank only names its engine
+        assert _class_body(ENGINES[engine], rank) == [f"engine_type = {engine}"], f"{rank} does more than name it"
+    loss_importers = [str(path.relative_to(REPO)) for path in sorted(BACKENDS_DIR.rglob("*.py"))
+                      if "policy_gradient_loss" in path.read_text() and path.name != "step.py"]
+    assert not loss_importers, f"the rank hands the loss in (backends/step.py); these use their own: {loss_importers}"
 
 
 def test_no_backend_imports_another_backend():
@@ -287,7 +304,7 @@ def test_no_backend_imports_another_backend():
                 other = node.module.split(".")[2]
                 if other.endswith("_backend") and other != own:
                     wrong.append(f"{path.relative_to(REPO)}:{node.lineno} imports {node.module}")
-    assert not wrong, "shared backend code belongs in miles/backends/ (base.py, store_setup.py):\n" + "\n".join(wrong)
+    assert not wrong, "shared backend code belongs in miles/backends/ (engine.py, rank.py):\n" + "\n".join(wrong)
 
 
 def _code_lines(path: pathlib.Path) -> list[str]:
@@ -311,10 +328,10 @@ def _code_lines(path: pathlib.Path) -> list[str]:
 
 
 def test_the_two_trainers_share_no_six_line_block():
-    first, second = (_code_lines(path) for path in TRAINERS.values())
+    first, second = (_code_lines(path) for path in ENGINES.values())
     runs = {tuple(first[i:i + 6]) for i in range(len(first) - 5)}
     shared = [second[i:i + 6] for i in range(len(second) - 5) if tuple(second[i:i + 6]) in runs]
-    assert not shared, "the trainers repeat each other (move it into base.TrainBackend):\n" + \
+    assert not shared, "the engines repeat each other (move it into engine.TrainEngine):\n" + \
         "\n---\n".join("\n".join(block) for block in shared[:3])
 
 
@@ -344,10 +361,10 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skipped
 
 
-def _miles_imports(typing_imports: bool = False) -> dict[str, set[str]]:
-    """{module of miles/: modules of miles/ it imports}, function-level imports included, and the
+def _miles_imports(typing_imports: bool = False, roots: tuple[str, ...] = ("miles",)) -> dict[str, set[str]]:
+    """{module of ``roots``: modules of ``roots`` it imports}, function-level imports included, and the
     ``if TYPE_CHECKING:`` ones when ``typing_imports``."""
-    modules = {_module_name(p): p for p in _python_files(["miles"])}
+    modules = {_module_name(p): p for p in _python_files(roots)}
     graph = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(), str(path))
@@ -413,13 +430,52 @@ def test_miles_has_no_import_cycles():
         ", ".join(f"{m} -> {sorted(graph[m] & set(cycle))}" for m in cycle) for cycle in cycles)
 
 
-def test_miles_config_and_models_do_not_import_each_other():
-    graph = _miles_imports()
-    config = {m for m in graph if m == "miles.config" or m.startswith("miles.config.")}
-    config_uses_models = sorted(m for m in config if "miles.models" in graph[m])
-    models_uses_config = sorted(graph["miles.models"] & config)
-    assert not (config_uses_models and models_uses_config), \
-        f"import cycle: {config_uses_models} import miles.models, which imports {models_uses_config}"
+# The layers of the store and the framework, lowest first. A module belongs to the layer of the longest name
+# here that is the module or a package holding it, and imports only from its own layer and those below.
+# A module no name places falls to the bottom with the package roots: it may import nothing until it is placed.
+LAYERS = (
+    ("miles", "miles_plugins.host"),  # the package roots (empty) and the host services both sides use
+    ("miles_plugins",),  # the store
+    ("miles.arg_parser", "miles.parallel"),  # argparse with suggestions; Megatron's layout arithmetic
+    ("miles.config",),  # the run's configuration: flags, RunConfig, defaults, paths, the backends table, errors
+    ("miles.untrusted_json", "miles.logging_setup", "miles.progress", "miles.process_memory", "miles.sizing"),
+    ("miles.models", "miles.checkpoint", "miles.rl", "miles.offload", "miles.routing"),
+    ("miles.weights", "miles.rollout"),
+    ("miles.backends",),
+    ("miles.preflight",),  # validation against the model, the machine and the disks: validate_args
+    ("miles.ray",),
+    ("miles.run_lifecycle", "miles.metrics"),
+    ("miles.train", "miles.bench"),
+    ("miles.cli",),
+)
+
+
+def layer_of(module: str, layers=LAYERS) -> int:
+    placed = [(len(name), index) for index, names in enumerate(layers) for name in names
+              if module == name or module.startswith(name + ".")]
+    return max(placed)[1] if placed else 0
+
+
+def arrows_back_up(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    """Each import from a lower layer to a higher one, as ``importer (layer) -> imported (layer)``."""
+    return [f"{module} ({layer_of(module, layers)}) -> {target} ({layer_of(target, layers)})"
+            for module in sorted(graph) for target in sorted(graph[module])
+            if layer_of(target, layers) > layer_of(module, layers)]
+
+
+def test_arrows_back_up_finds_an_import_of_a_higher_layer():
+    layers = (("a",), ("b", "c.low"), ("c",))
+    graph = {"a.x": {"b"}, "b": {"c.low.y", "c.z"}, "c.z": {"a.x"}, "c.low.y": set()}
+    assert arrows_back_up(graph, layers) == ["a.x (0) -> b (1)", "b (1) -> c.z (2)"]
+    assert layer_of("unplaced.module", layers) == 0
+
+
+def test_no_import_runs_back_up_the_layers():
+    """Counting function-level and ``if TYPE_CHECKING:`` imports: a lower layer that needs a higher one's code
+    takes the code down (or the check up into the layer that owns what it checks)."""
+    arrows = arrows_back_up(_miles_imports(typing_imports=True, roots=tuple(ROOTS)))
+    assert not arrows, f"{len(arrows)} import(s) run back up LAYERS (move the code, or place a new module in " \
+                       "LAYERS):\n" + "\n".join(arrows)
 
 
 def _environment_names(tree: ast.AST) -> tuple[set[str], set[str]]:

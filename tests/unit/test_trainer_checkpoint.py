@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from miles.backends.torch_backend.trainer import TorchTrainer
-from miles.config import parse_args, validate_args
+from miles.config import parse_args
+from miles.preflight import validate_args
 from miles.rollout.types import Sample
 
 
@@ -38,11 +39,11 @@ def _samples():
 
 
 def _params(trainer):
-    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in trainer.engine.model.state_dict().items()}
 
 
 def _opt_state(trainer):
-    opt = trainer.optimizer
+    opt = trainer.engine.optimizer
     masters = [s.master.detach().clone() for s in opt.shards]
     moments = [v.detach().clone() for st in opt.inner.state.values() for v in st.values() if torch.is_tensor(v)]
     return masters + moments
@@ -85,8 +86,8 @@ def test_sleep_wake_is_transparent_to_training(tmp_path, trainers, target):
         before_p, before_o = _params(t), _opt_state(t)
         s = t.sleep()
         assert s["bytes"] > 0 and not s["skipped"]
-        assert all(p.untyped_storage().nbytes() == 0 for p in t.model.parameters())
-        assert all(sh.master.untyped_storage().nbytes() == 0 for sh in t.optimizer.shards)  # resident state too
+        assert all(p.untyped_storage().nbytes() == 0 for p in t.engine.model.parameters())
+        assert all(sh.master.untyped_storage().nbytes() == 0 for sh in t.engine.optimizer.shards)  # resident state too
         assert t.sleep()["skipped"]
         if target == "disk":
             assert os.path.getsize(os.path.join(rank_dir, "offload.bin")) == s["bytes"]
@@ -150,7 +151,7 @@ def test_load_without_optimizer_and_bad_world_size(tmp_path, trainers):
         b.load(base, load_optimizer=True)
     info = b.load(base, load_optimizer=False)  # --no-load-optim: weights only, masters follow the weights
     assert info["optimizer"] == "skipped" and _same(_params(b), saved)
-    assert all(torch.equal(s.master, s.model_view.float()) for s in b.optimizer.shards)
+    assert all(torch.equal(s.master, s.model_view.float()) for s in b.engine.optimizer.shards)
 
 
 def test_resolve_without_checkpoint(tmp_path):
@@ -237,7 +238,7 @@ def test_streamed_device_budget_reaches_the_store(tmp_path, trainers):
 
 
 def test_store_config_leaves_defaults_to_the_store(tmp_path):
-    from miles.backends.base import store_config
+    from miles.config import store_config
 
     cfg = _args(tmp_path, "--stream-optimizer-state-to-disk", "--offload-train-target=disk")
     sc = store_config(cfg, rank=0, ranks_on_node=1)
@@ -250,16 +251,16 @@ def test_store_config_leaves_defaults_to_the_store(tmp_path):
 
 def test_eps_clip_zero_reaches_the_loss(tmp_path, trainers, monkeypatch):
     """A validated --eps-clip 0 is 0 in the loss (it used to become 0.2 through `x or 0.2`)."""
-    import miles.rl.loss as loss
+    from miles.backends import step  # the rank's loss, handed to the engine
 
     seen = []
-    real = loss.policy_gradient_loss
+    real = step.policy_gradient_loss
 
     def spy(*a, **k):
         seen.append(k["eps_clip"])
         return real(*a, **k)
 
-    monkeypatch.setattr(loss, "policy_gradient_loss", spy)
+    monkeypatch.setattr(step, "policy_gradient_loss", spy)
     t = TorchTrainer(_args(tmp_path, "--eps-clip", "0", "--rollout-temperature", "0.5"), rank=0, world_size=1)
     trainers.append(t)
     t.init(_rendezvous())
@@ -269,7 +270,7 @@ def test_eps_clip_zero_reaches_the_loss(tmp_path, trainers, monkeypatch):
 
 
 def test_store_gets_its_own_chunk_flag(tmp_path):
-    from miles.backends.base import store_config
+    from miles.config import store_config
 
     cfg = _args(tmp_path, "--stream-optimizer-state-to-disk", "--offload-train-target=disk",
                 "--stream-optimizer-state-chunk-mb", "8", "--offload-train-disk-chunk-mb", "32",

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from miles.config import ArgumentError, ClusterConfig, Environment, parse_args, validate_args
-from miles.config.disk_budget import SMOLLM2_PARAMS, disk_budget, model_tensors_of_run, ranks_on_driver_node
-from miles.config.resource_checks import driver_node_slots
+from miles.config import ArgumentError, ClusterConfig, parse_args
+from miles.preflight import Environment, validate_args
+from miles.preflight.disk_budget import SMOLLM2_PARAMS, disk_budget, model_tensors_of_run, ranks_on_driver_node
+from miles.preflight.resource_checks import driver_node_slots
 
 GIB = 2**30
 P = SMOLLM2_PARAMS

@@ -8,8 +8,9 @@ import os
 
 import pytest
 
-from miles.config import ArgumentError, Environment, parse_args, validate_args
-from miles.config.disk_budget import SMOLLM2_PARAMS, disk_budget, model_tensors_of_run, streamed_state_bytes
+from miles.config import ArgumentError, parse_args
+from miles.preflight import Environment, validate_args
+from miles.preflight.disk_budget import SMOLLM2_PARAMS, disk_budget, model_tensors_of_run, streamed_state_bytes
 
 DEMO = ["--stream-optimizer-state-to-disk", "--offload-train-target=disk"]
 GIB = 2**30

@@ -263,7 +263,7 @@ def test_the_first_steps_disk_writes_are_its_own(tmp_path):
 def test_a_store_knob_given_at_its_default_value_is_used_as_given(make_config):
     """'Let the store choose' is None, not 'the flag equals its default': passing the default explicitly
     fixes the bucket size; not passing it leaves the store to fit it."""
-    from miles.backends.base import store_config
+    from miles.config import store_config
     from miles_plugins.optimizers.nvme_stream import DEFAULT_BUCKET_NUMEL
 
     stream = ("--tiny-model", "--stream-optimizer-state-to-disk", "--offload-train-target=disk")

@@ -1,10 +1,13 @@
 """The megatron training backend: megatron-core GPTModel + DDP + DistributedOptimizer (CUDA; machine.py).
 
-    architecture.py   what a transformers config means for Megatron (pure; rejects what cannot be built)
+    architecture.py   Architecture: what a transformers config means for Megatron, as plain values
+    families/         one folder per model family (gpt: Llama/Qwen2/Qwen3/Qwen3-MoE/Mixtral, qwen3_5_moe,
+                      glm_moe_dsa, ...) behind the registry in families/__init__.py (keyed by model_type):
+                      how it reads its config, its megatron config and layer spec, its weight rules
+    pieces/           layer pieces families compose: MLA, DSA's indexer, Gated DeltaNet, the sigmoid router
+    weight_rules.py   HF <-> Megatron name rules and the GPT layer's (fused QKV, SwiGLU fc1, norms, experts)
     model.py          TransformerConfig / GPTModel kwargs from an HF config (pure) and the builder
-    convert.py        HF <-> Megatron state dicts (pure: fused QKV, SwiGLU fc1, norms, experts, EP)
-    families/         GLM-5 (glm_moe_dsa*.py) and Qwen3.5-MoE (qwen3_5_moe*.py): config, weight layout, and
-                      (in *_layers.py, GPU) the layer spec built without Transformer Engine
+    convert.py        HF <-> Megatron state dicts by the family's rules (pure: HF expert layouts, EP)
     sdpa_attention.py the local spec's core attention as one scaled_dot_product_attention call
     logprobs.py       GPTModel's output processor: token log-probs, the output layer run chunk by chunk
     tp_shards.py      Megatron's TP/ETP/PP cuts of a state dict and their gathers (pure)

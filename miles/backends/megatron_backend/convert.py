@@ -7,25 +7,14 @@ Pure functions on dicts of tensors (no megatron import), so every layout rule is
     full = experts_to_global(rank_state, hf_config, ep_rank, ep_size)   # before megatron_to_hf with EP > 1
 
 Megatron names are those of the bare ``GPTModel`` (no ``module.`` prefixes of the DDP / Float16Module
-wrappers). Layouts that differ from HF:
-
-- ``linear_qkv`` is interleaved per query group: for each of the ``num_query_groups`` groups, the
-  group's ``heads_per_group`` query heads, then its key head, then its value head (rows of
-  ``head_dim`` each). The bias (Qwen2) follows the same row order.
-- ``linear_fc1`` is ``cat(gate_proj, up_proj)`` along the output rows (SwiGLU).
-- Norms: the local layer spec has ``input_layernorm`` / ``pre_mlp_layernorm``; Transformer Engine's
-  spec fuses them into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``
-  (``fused_norms=True``), except before an MoE block, which keeps ``pre_mlp_layernorm``.
-- Experts (SequentialMLP, no grouped GEMM) are ``mlp.experts.local_experts.{i}``: with expert
-  parallelism each rank holds experts ``ep_rank * E/ep_size + i``. :func:`megatron_to_hf` takes
-  globally numbered experts: at EP 1 that is any rank's state, with EP > 1 the union of the ranks'
-  states after :func:`experts_to_global`.
-- Qwen3.5-MoE (``families/qwen3_5_moe.py``): its layers' own rules (Gated DeltaNet ``in_proj`` = HF's four
-  input projections concatenated; gated ``linear_qkv``; the shared expert and its gate), then the
-  router and routed experts below.
-- Tied embeddings: Megatron has no ``output_layer.weight``; :func:`megatron_to_hf` returns
-  ``lm_head.weight`` as the same tensor as ``model.embed_tokens.weight`` (the HF model's state dict
-  has both keys).
+wrappers). Each layer's rules are its family's (``families/``, from the pieces of ``weight_rules.py``, which
+says how Megatron's layouts differ from HF's). Routed experts are megatron's SequentialMLP's
+``mlp.experts.local_experts.{i}``, or, when the backend builds them grouped (``--moe-grouped-gemm``),
+``mlp.experts.linear_fc1/2.weight`` with every local expert on the leading axis (``pieces/grouped_experts.py``):
+with expert parallelism each rank holds experts ``ep_rank * E/ep_size + i``. :func:`megatron_to_hf` takes
+globally numbered experts: at EP 1 that is any rank's state, with EP > 1 :func:`join_experts` of the ranks'.
+Tied embeddings: Megatron has no ``output_layer.weight``; :func:`megatron_to_hf` returns ``lm_head.weight`` as the
+same tensor as ``model.embed_tokens.weight`` (the HF model's state dict has both keys).
 
 HF expert layouts: transformers >= 5 stacks experts (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``,
 ``mlp.experts.down_proj`` ``[E, H, I]``, router ``mlp.gate.weight``); 4.x has one module per expert
@@ -37,15 +26,17 @@ HF expert layouts: transformers >= 5 stacks experts (``mlp.experts.gate_up_proj`
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from .architecture import Architecture, describe
-from .families import glm_moe_dsa, qwen3_5_moe
+from .architecture import Architecture
+from .families import describe, family_of
+from .pieces.grouped_experts import grouped_expert_rules, hf_names_of_experts, is_grouped_expert, join_expert_ranks
+from .weight_rules import Rule, canonical_expert, canonical_router
 
-__all__ = ["hf_to_megatron", "megatron_to_hf", "iter_megatron_to_hf", "experts_to_global", "hf_moe_layout", "HF_MOE_LAYOUTS",
+__all__ = ["hf_to_megatron", "megatron_to_hf", "iter_megatron_to_hf", "experts_to_global", "join_experts",
+           "hf_moe_layout", "HF_MOE_LAYOUTS",
            "ConversionError", "part_to_hf", "EMBEDDING", "HEAD"]
 
 HF_MOE_LAYOUTS = ("fused", "per_expert")
@@ -59,140 +50,15 @@ class ConversionError(KeyError):
         return str(self.args[0])
 
 
-# ---- the two fused layouts ------------------------------------------------------------------------
-def qkv_to_megatron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Architecture) -> torch.Tensor:
-    """HF q/k/v projections (weights ``[out, in]`` or biases ``[out]``) -> Megatron's grouped ``linear_qkv``."""
-    g, d = arch.num_query_groups, arch.head_dim
-    rest = q.shape[1:]
-    parts = (q.reshape(g, arch.heads_per_group * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest))
-    return torch.cat(parts, dim=1).reshape(-1, *rest)
-
-
-def qkv_to_hf(qkv: torch.Tensor, arch: Architecture) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`qkv_to_megatron`."""
-    g, d = arch.num_query_groups, arch.head_dim
-    rest = qkv.shape[1:]
-    q, k, v = torch.split(qkv.reshape(g, (arch.heads_per_group + 2) * d, *rest), [arch.heads_per_group * d, d, d],
-                          dim=1)
-    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
-
-
-def _identity(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return tensors[0]
-
-
-def _single(tensor: torch.Tensor) -> list[torch.Tensor]:
-    return [tensor]
-
-
-def _cat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(tensors, dim=0)
-
-
-def _halves(tensor: torch.Tensor) -> list[torch.Tensor]:
-    return list(torch.chunk(tensor, 2, dim=0))
-
-
-@dataclass(frozen=True)
-class _Rule:
-    """HF tensors ``hf`` (in the order ``merge`` takes them) <-> the Megatron tensor ``mcore``."""
-
-    hf: tuple[str, ...]
-    mcore: str
-    merge: Callable[[list[torch.Tensor]], torch.Tensor] = _identity
-    split: Callable[[torch.Tensor], list[torch.Tensor]] = _single
-
-
-# ---- the name tables ------------------------------------------------------------------------------
-def _canonical_expert(layer: int, expert: int, proj: str) -> str:
-    """The per-expert HF name used inside this module (Qwen3-MoE 4.x spelling) for every layout."""
-    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
-
-
-def _canonical_router(layer: int) -> str:
-    return f"model.layers.{layer}.mlp.gate.weight"
-
-
-def _attention_rules(arch: Architecture, i: int, fused_norms: bool) -> list[_Rule]:
-    hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
-    if arch.mla_dsa is not None:  # GLM-5: its own names, all unchanged layouts; the input norm is never fused
-        return [_Rule((hf + "input_layernorm.weight",), mc + "input_layernorm.weight"),
-                *(_Rule((h,), m) for h, m in glm_moe_dsa.attention_names(arch.mla_dsa, i))]
-    attn = hf + "self_attn."
-    qkv = lambda ts: qkv_to_megatron(*ts, arch)  # noqa: E731
-    unqkv = lambda t: list(qkv_to_hf(t, arch))  # noqa: E731
-    rules = [
-        _Rule((hf + "input_layernorm.weight",),
-              mc + ("self_attention.linear_qkv.layer_norm_weight" if fused_norms else "input_layernorm.weight")),
-        _Rule(tuple(f"{attn}{p}_proj.weight" for p in "qkv"), mc + "self_attention.linear_qkv.weight", qkv, unqkv),
-        _Rule((attn + "o_proj.weight",), mc + "self_attention.linear_proj.weight"),
-    ]
-    if arch.qkv_bias:
-        rules.append(_Rule(tuple(f"{attn}{p}_proj.bias" for p in "qkv"), mc + "self_attention.linear_qkv.bias",
-                           qkv, unqkv))
-    if arch.qk_norm:
-        rules += [_Rule((attn + "q_norm.weight",), mc + "self_attention.q_layernorm.weight"),
-                  _Rule((attn + "k_norm.weight",), mc + "self_attention.k_layernorm.weight")]
-    return rules
-
-
-def _layer_rules(arch: Architecture, i: int, fused_norms: bool) -> list[_Rule]:
-    if arch.linear_attention is not None:  # Qwen3.5's hybrid layers: families/qwen3_5_moe.py
-        if fused_norms:
-            raise ValueError(f"{arch.model_type} is built with its own layer spec, whose norms are never fused "
-                             "into the linear layers: convert with fused_norms=False")
-        return [_Rule(*rule) for rule in qwen3_5_moe.layer_rules(arch, i)] + _routed_expert_rules(arch, i)
-    hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
-    rules = _attention_rules(arch, i, fused_norms)
-    fused_norms = fused_norms and arch.mla_dsa is None  # the DSA spec keeps every norm separate
-    moe = arch.is_moe_layer(i)
-    pre_mlp = "mlp.linear_fc1.layer_norm_weight" if fused_norms and not moe else "pre_mlp_layernorm.weight"
-    rules.append(_Rule((hf + "post_attention_layernorm.weight",), mc + pre_mlp))
-    if not moe:
-        return rules + [
-            _Rule((hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), mc + "mlp.linear_fc1.weight",
-                  _cat_rows, _halves),
-            _Rule((hf + "mlp.down_proj.weight",), mc + "mlp.linear_fc2.weight"),
-        ]
-    if arch.router_expert_bias:  # DeepSeek-V3 / GLM-5 name; an fp32 buffer on both sides
-        rules.append(_Rule((hf + "mlp.gate.e_score_correction_bias",), mc + "mlp.router.expert_bias"))
-    if arch.shared_expert_ffn_hidden_size:  # DeepSeek-V3 / GLM-5 names: one SwiGLU for all shared experts
-        shared = hf + "mlp.shared_experts."
-        rules += [_Rule((shared + "gate_proj.weight", shared + "up_proj.weight"),
-                        mc + "mlp.shared_experts.linear_fc1.weight", _cat_rows, _halves),
-                  _Rule((shared + "down_proj.weight",), mc + "mlp.shared_experts.linear_fc2.weight")]
-    return rules + _routed_expert_rules(arch, i)
-
-
-def _routed_expert_rules(arch: Architecture, i: int) -> list[_Rule]:
-    """MoE layer ``i``'s router and routed experts (globally numbered)."""
-    mc = f"decoder.layers.{i}."
-    rules = [_Rule((_canonical_router(i),), mc + "mlp.router.weight")]
-    for e in range(arch.num_experts):
-        expert = f"{mc}mlp.experts.local_experts.{e}."
-        rules += [
-            _Rule((_canonical_expert(i, e, "gate_proj"), _canonical_expert(i, e, "up_proj")),
-                  expert + "linear_fc1.weight", _cat_rows, _halves),
-            _Rule((_canonical_expert(i, e, "down_proj"),), expert + "linear_fc2.weight"),
-        ]
-    return rules
-
-
-def _rules(arch: Architecture, fused_norms: bool) -> list[_Rule]:
-    rules = [_Rule(("model.embed_tokens.weight",), "embedding.word_embeddings.weight")]
+def _rules(arch: Architecture, fused_norms: bool, grouped: bool) -> list[Rule]:
+    rules = _part_rules(arch, EMBEDDING, fused_norms, grouped)
     for i in range(arch.num_layers):
-        rules += _layer_rules(arch, i, fused_norms)
-    rules.append(_Rule(("model.norm.weight",), "decoder.final_layernorm.weight"))
-    if not arch.tied_embeddings:
-        rules.append(_Rule(("lm_head.weight",), "output_layer.weight"))
-    return rules
+        rules += _part_rules(arch, i, fused_norms, grouped)
+    return rules + _part_rules(arch, HEAD, fused_norms, grouped)
 
 
 # ---- HF expert layouts <-> the canonical per-expert names -----------------------------------------
-_MIXTRAL_4X = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _FUSED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
-_MIXTRAL_EXPERT = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
-_MIXTRAL_ROUTER = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight$")
 
 
 def hf_moe_layout(hf_state: dict[str, torch.Tensor]) -> Optional[str]:
@@ -210,24 +76,41 @@ def _installed_moe_layout() -> str:
     return "fused" if int(transformers.__version__.split(".")[0]) >= 5 else "per_expert"
 
 
-def _hf_to_canonical(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _per_expert_renamer(arch: Architecture) -> Callable[[str], Optional[str]]:
+    """The canonical name of a per-expert weight or router in the family's own 4.x spelling (None for others)."""
+    legacy = family_of(arch.model_type).hf_per_expert_names
+    if legacy is None:
+        return lambda key: None
+    block = re.escape(legacy.module)
+    expert = re.compile(rf"model\.layers\.(\d+)\.{block}\.experts\.(\d+)\.(\w+)\.weight$")
+    router = re.compile(rf"model\.layers\.(\d+)\.{block}\.gate\.weight$")
+    projections = {name: proj for proj, name in legacy.projections.items()}
+
+    def rename(key: str) -> Optional[str]:
+        if (m := expert.match(key)) and m.group(3) in projections:
+            return canonical_expert(int(m.group(1)), int(m.group(2)), projections[m.group(3)])
+        if m := router.match(key):
+            return canonical_router(int(m.group(1)))
+        return None
+
+    return rename
+
+
+def _hf_to_canonical(hf_state: dict[str, torch.Tensor], arch: Architecture) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
+    legacy_name = _per_expert_renamer(arch)
     for key, t in hf_state.items():
         if m := _FUSED_EXPERTS.match(key):
             layer, which = int(m.group(1)), m.group(2)
             for e in range(t.shape[0]):
                 if which == "down_proj":
-                    out[_canonical_expert(layer, e, "down_proj")] = t[e]
+                    out[canonical_expert(layer, e, "down_proj")] = t[e]
                 else:
                     gate, up = torch.chunk(t[e], 2, dim=0)
-                    out[_canonical_expert(layer, e, "gate_proj")] = gate
-                    out[_canonical_expert(layer, e, "up_proj")] = up
-        elif m := _MIXTRAL_EXPERT.match(key):
-            out[_canonical_expert(int(m.group(1)), int(m.group(2)), _MIXTRAL_4X[m.group(3)])] = t
-        elif m := _MIXTRAL_ROUTER.match(key):
-            out[_canonical_router(int(m.group(1)))] = t
+                    out[canonical_expert(layer, e, "gate_proj")] = gate
+                    out[canonical_expert(layer, e, "up_proj")] = up
         else:
-            out[key] = t
+            out[legacy_name(key) or key] = t
     return out
 
 
@@ -238,17 +121,18 @@ def _canonical_to_hf(state: dict[str, torch.Tensor], arch: Architecture, layout:
         raise ValueError(f"hf_moe_layout must be one of {HF_MOE_LAYOUTS}, got {layout!r}")
     out = dict(state)
     for i in (i for i in (range(arch.num_layers) if layers is None else layers) if arch.is_moe_layer(i)):
-        names = {proj: [_canonical_expert(i, e, proj) for e in range(arch.num_experts)]
+        names = {proj: [canonical_expert(i, e, proj) for e in range(arch.num_experts)]
                  for proj in ("gate_proj", "up_proj", "down_proj")}
+        legacy = family_of(arch.model_type).hf_per_expert_names
         if layout == "fused":
             experts = f"model.layers.{i}.mlp.experts."
             out[experts + "gate_up_proj"] = torch.stack(
                 [torch.cat([out.pop(g), out.pop(u)], dim=0) for g, u in zip(names["gate_proj"], names["up_proj"])])
             out[experts + "down_proj"] = torch.stack([out.pop(d) for d in names["down_proj"]])
-        elif arch.model_type == "mixtral":
-            block = f"model.layers.{i}.block_sparse_moe."
-            out[block + "gate.weight"] = out.pop(_canonical_router(i))
-            for w, proj in _MIXTRAL_4X.items():
+        elif legacy is not None:
+            block = f"model.layers.{i}.{legacy.module}."
+            out[block + "gate.weight"] = out.pop(canonical_router(i))
+            for proj, w in legacy.projections.items():
                 for e, name in enumerate(names[proj]):
                     out[f"{block}experts.{e}.{w}.weight"] = out.pop(name)
     return out
@@ -258,15 +142,21 @@ def _canonical_to_hf(state: dict[str, torch.Tensor], arch: Architecture, layout:
 EMBEDDING, HEAD = "embedding", "head"  # the parts around the decoder layers (which are numbered)
 
 
-def _part_rules(arch: Architecture, part: "int | str", fused_norms: bool) -> list[_Rule]:
+def _holds_grouped_experts(mcore_state: dict[str, torch.Tensor]) -> bool:
+    """Whether a Megatron state dict's routed experts are grouped (its names say: ``pieces/grouped_experts.py``)."""
+    return any(is_grouped_expert(name) for name in mcore_state)
+
+
+def _part_rules(arch: Architecture, part: "int | str", fused_norms: bool, grouped: bool) -> list[Rule]:
     if part == EMBEDDING:
-        return [_Rule(("model.embed_tokens.weight",), "embedding.word_embeddings.weight")]
+        return [Rule(("model.embed_tokens.weight",), "embedding.word_embeddings.weight")]
     if part == HEAD:
-        tail = [_Rule(("model.norm.weight",), "decoder.final_layernorm.weight")]
+        tail = [Rule(("model.norm.weight",), "decoder.final_layernorm.weight")]
         if not arch.tied_embeddings:
-            tail.append(_Rule(("lm_head.weight",), "output_layer.weight"))
+            tail.append(Rule(("lm_head.weight",), "output_layer.weight"))
         return tail
-    return _layer_rules(arch, part, fused_norms)
+    rules = family_of(arch.model_type).layer_rules(arch, part, fused_norms)
+    return grouped_expert_rules(rules) if grouped else rules
 
 
 def part_to_hf(part: "int | str", mcore_state: dict[str, torch.Tensor], hf_config: Any, *, fused_norms: bool = False,
@@ -276,7 +166,7 @@ def part_to_hf(part: "int | str", mcore_state: dict[str, torch.Tensor], hf_confi
     of that part in ``mcore_state`` (other keys are ignored). Views where the split rules allow."""
     arch = describe(hf_config)
     out = {}
-    for rule in _part_rules(arch, part, fused_norms):
+    for rule in _part_rules(arch, part, fused_norms, _holds_grouped_experts(mcore_state)):
         if rule.mcore not in mcore_state:
             raise ConversionError(f"the Megatron state of part {part!r} lacks {rule.mcore!r}")
         out.update(zip(rule.hf, rule.split(mcore_state[rule.mcore])))
@@ -311,18 +201,36 @@ def _renumber_experts(state: dict[str, Any], offset: int) -> dict[str, Any]:
 
 def experts_to_global(mcore_state: dict[str, torch.Tensor], hf_config: Any, ep_rank: int,
                       ep_size: int) -> dict[str, torch.Tensor]:
-    """One expert-parallel rank's state with its ``local_experts.{i}`` renumbered to global expert ids."""
+    """One expert-parallel rank's state with its ``local_experts.{i}`` renumbered to global expert ids (grouped
+    experts hold every rank's only together: :func:`join_experts`)."""
+    grouped = [k for k in mcore_state if is_grouped_expert(k)]
+    if grouped:
+        raise ValueError(f"{grouped[:2]} hold this rank's experts on their leading axis, which one rank's state "
+                         "cannot number globally: join every rank's with join_experts")
     return _renumber_experts(mcore_state, _local_experts(describe(hf_config), ep_rank, ep_size).start)
 
 
+def join_experts(rank_states: Sequence[dict[str, torch.Tensor]], hf_config: Any) -> dict[str, torch.Tensor]:
+    """Every expert-parallel rank's expert tensors (``rank_states[r]``: rank r's, the same keys on each) as one
+    state of globally numbered experts: per-expert tensors renumbered, grouped ones joined on their expert axis."""
+    out: dict[str, torch.Tensor] = {}
+    for rank, state in enumerate(rank_states):
+        out.update(experts_to_global({k: v for k, v in state.items() if not is_grouped_expert(k)}, hf_config, rank,
+                                     len(rank_states)))
+    for key in filter(is_grouped_expert, rank_states[0]):
+        out[key] = join_expert_ranks([state[key] for state in rank_states])
+    return out
+
+
 def hf_to_megatron(hf_state: dict[str, torch.Tensor], hf_config: Any, *, fused_norms: bool = False,
-                   ep_rank: int = 0, ep_size: int = 1) -> dict[str, torch.Tensor]:
-    """The Megatron state dict of expert-parallel rank ``ep_rank`` (all dense weights, its own experts)."""
+                   ep_rank: int = 0, ep_size: int = 1, grouped_experts: bool = False) -> dict[str, torch.Tensor]:
+    """The Megatron state dict of expert-parallel rank ``ep_rank`` (all dense weights, its own experts; grouped as
+    ``build_gpt_model``'s ``grouped_experts`` builds them)."""
     arch = describe(hf_config)
     local = _local_experts(arch, ep_rank, ep_size)
-    state = _hf_to_canonical(hf_state)
+    state = _hf_to_canonical(hf_state, arch)
     out, used = {}, set()
-    for rule in _rules(arch, fused_norms):
+    for rule in _rules(arch, fused_norms, grouped_experts):
         missing = [k for k in rule.hf if k not in state]
         if missing:
             raise ConversionError(f"the HF state dict lacks {missing} (needed for Megatron's {rule.mcore}); "
@@ -331,7 +239,8 @@ def hf_to_megatron(hf_state: dict[str, torch.Tensor], hf_config: Any, *, fused_n
         m = _LOCAL_EXPERT.match(rule.mcore)
         if m and int(m.group(2)) not in local:
             continue  # another expert-parallel rank's expert
-        out[rule.mcore] = rule.merge([state[k] for k in rule.hf])
+        names = hf_names_of_experts(rule, local, arch.num_experts) if is_grouped_expert(rule.mcore) else rule.hf
+        out[rule.mcore] = rule.merge([state[k] for k in names])
     ignorable = {"lm_head.weight"} if arch.tied_embeddings else set()
     unused = sorted(set(state) - used - ignorable)
     if unused:
@@ -364,31 +273,32 @@ def iter_megatron_to_hf(mcore_state: dict[str, torch.Tensor], hf_config: Any, *,
     if arch.num_experts is not None and layout not in HF_MOE_LAYOUTS:
         raise ValueError(f"hf_moe_layout must be one of {HF_MOE_LAYOUTS}, got {layout!r}")
     used: set[str] = set()
+    grouped = _holds_grouped_experts(mcore_state)
 
-    def convert(rules: list[_Rule], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def convert(rules: list[Rule], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
         for rule in rules:
             if rule.mcore not in state:
                 raise ConversionError(f"the Megatron state dict lacks {rule.mcore!r}; with expert parallelism, "
-                                      "gather every rank's experts through experts_to_global first")
+                                      "join every rank's experts through join_experts first")
             used.add(rule.mcore)
             out.update(zip(rule.hf, rule.split(state[rule.mcore])))
         return out
 
-    embedding = convert(_part_rules(arch, EMBEDDING, fused_norms), mcore_state)
+    embedding = convert(_part_rules(arch, EMBEDDING, fused_norms, grouped), mcore_state)
     yield from embedding.items()
     for i in range(arch.num_layers):
         state = mcore_state
         if layer_experts is not None and arch.is_moe_layer(i):
-            prefix = f"decoder.layers.{i}.mlp.experts.local_experts."
+            prefix = f"decoder.layers.{i}.mlp.experts."  # the routed experts, per expert or grouped
             local = {k: v for k, v in mcore_state.items() if k.startswith(prefix)}
             state = {**{k: v for k, v in mcore_state.items() if not k.startswith(prefix)}, **layer_experts(i, local)}
             used.update(local)
-        layer = convert(_part_rules(arch, i, fused_norms), state)
+        layer = convert(_part_rules(arch, i, fused_norms, grouped), state)
         if arch.is_moe_layer(i):
             layer = _canonical_to_hf(layer, arch, layout, layers=(i,))
         yield from layer.items()
-    yield from convert(_part_rules(arch, HEAD, fused_norms), mcore_state).items()
+    yield from convert(_part_rules(arch, HEAD, fused_norms, grouped), mcore_state).items()
     if arch.tied_embeddings:
         yield "lm_head.weight", embedding["model.embed_tokens.weight"]
     unused = sorted(k for k in set(mcore_state) - used if not k.endswith(_EXTRA_STATE))

@@ -13,17 +13,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .convert import experts_to_global
+from .convert import join_experts
 
 
 def gather_layer_experts(local: dict[str, torch.Tensor], *, hf_config: Any, ep_size: int,
                          group=None) -> dict[str, torch.Tensor]:
-    """``local``: this rank's expert tensors of one layer (``...local_experts.{i}...``, the same keys and
-    shapes on every rank). Returns every rank's, renumbered to global expert ids. A collective of ``group``."""
+    """``local``: this rank's expert tensors of one layer (``...mlp.experts...``, the same keys and shapes on every
+    rank). Returns every rank's, globally numbered (``convert.join_experts``). A collective of ``group``."""
     full: dict[str, torch.Tensor] = {}
     for key in sorted(local):  # the same order on every rank
         parts = [torch.empty_like(local[key]) for _ in range(ep_size)]
         dist.all_gather(parts, local[key].contiguous(), group=group)
-        for rank, part in enumerate(parts):
-            full.update(experts_to_global({key: part}, hf_config, rank, ep_size))
+        full.update(join_experts([{key: part} for part in parts], hf_config))
     return full

@@ -1,19 +1,17 @@
 """megatron-core GPTModel from a transformers config (any TP/PP/EP/ETP layout of miles/parallel/layout.py).
 
 :func:`transformer_config_from_hf` and :func:`gpt_model_kwargs` return plain values (tested on CPU);
-:func:`build_gpt_model` imports megatron-core and builds the model. The layer spec is Transformer
+:func:`build_gpt_model` imports megatron-core and builds the model. What differs by model is the family's
+(``families/``): its config fields, its config class and its layer spec. The GPT family's spec is Transformer
 Engine's when ``transformer_engine`` imports, else the local spec (torch RMSNorm) with torch's fused
-scaled_dot_product_attention in place of its unfused attention;
-``uses_te_spec`` says which, because the weight layout of the norms differs (see ``convert.py``). Under
-sequence parallelism the local spec's norms are ``sequence_parallel_norm``'s (megatron's torch norm refuses it).
-Qwen3.5-MoE always gets its own spec (``families/qwen3_5_moe_layers.py``), never TE's; GLM-5 (multi-latent
-attention + DSA) always gets ``families/glm_moe_dsa_layers.py``'s spec (no Transformer Engine).
+scaled_dot_product_attention in place of its unfused attention; ``uses_te_spec`` says which, because the weight
+layout of the norms differs (see ``weight_rules.py``). Under sequence parallelism the local spec's norms are
+``sequence_parallel_norm``'s (megatron's torch norm refuses it).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
+import logging
 from typing import Any, Optional
 
 import torch
@@ -21,15 +19,17 @@ import torch.nn.functional as F
 
 from miles.parallel.layout import ParallelLayout
 
-from .architecture import UnsupportedModelError, describe
-from .families import qwen3_5_moe
-from .families.glm_moe_dsa import log_left_out_mtp, mla_dsa_config_kwargs
-from .sdpa_attention import SDPACoreAttention, with_core_attention
+from .architecture import UnsupportedModelError
+from .families import describe, family_of
+from .families.family import BlockOptions
+from .pieces.grouped_experts_layers import with_grouped_experts
 from .sequence_parallel_norm import SequenceParallelRMSNorm, with_norm
 from .tp_shards import padded_vocab_size
 
-__all__ = ["transformer_config_from_hf", "gpt_model_kwargs", "te_available", "build_gpt_model",
-           "native_fp32_param_names", "ROUTER_BIAS_UPDATE_RATE"]
+__all__ = ["transformer_config_from_hf", "gpt_model_kwargs", "build_gpt_model", "native_fp32_param_names",
+           "ROUTER_BIAS_UPDATE_RATE"]
+
+logger = logging.getLogger(__name__)
 
 # The aux-loss-free balancing step of a router's expert bias per optimizer step (DeepSeek-V3's gamma,
 # megatron-core's default): bias += rate * sign(mean load - expert load), after each applied step.
@@ -37,6 +37,7 @@ ROUTER_BIAS_UPDATE_RATE = 1e-3
 
 
 def transformer_config_from_hf(hf_config: Any, *, params_dtype: torch.dtype, expert_model_parallel_size: int = 1,
+                               grouped_experts: bool = False,
                                perform_initialization: bool = False, layout: Optional[ParallelLayout] = None,
                                sequence_parallel: bool = False) -> dict[str, Any]:
     """Keyword arguments of megatron-core's ``TransformerConfig`` for ``hf_config``.
@@ -85,11 +86,8 @@ def transformer_config_from_hf(hf_config: Any, *, params_dtype: torch.dtype, exp
         moe_token_dispatcher_type="alltoall",
     )
     if arch.num_experts is not None:
-        kwargs.update(_moe_kwargs(arch, expert_model_parallel_size))
-    if arch.linear_attention is not None:  # Qwen3.5's Gated DeltaNet layers, gated attention, shared expert
-        kwargs.update(qwen3_5_moe.transformer_config_kwargs(arch))
-    if arch.mla_dsa is not None:
-        kwargs.update(mla_dsa_config_kwargs(arch.mla_dsa, arch.rope_theta))
+        kwargs.update(_moe_kwargs(arch, expert_model_parallel_size, grouped_experts))
+    kwargs.update(family_of(arch.model_type).config_kwargs(arch))
     return kwargs
 
 
@@ -107,7 +105,7 @@ def _parallel_kwargs(layout: Optional[ParallelLayout], params_dtype: torch.dtype
     return kwargs
 
 
-def _moe_kwargs(arch, expert_model_parallel_size: int) -> dict[str, Any]:
+def _moe_kwargs(arch, expert_model_parallel_size: int, grouped_experts: bool) -> dict[str, Any]:
     """The MoE part of :func:`transformer_config_from_hf`: HF's router and experts as megatron-core's."""
     if arch.moe_topk == 1 and arch.moe_renormalize:
         raise UnsupportedModelError("top-1 routing with renormalized probabilities (weight 1.0 per token) has no "
@@ -135,7 +133,8 @@ def _moe_kwargs(arch, expert_model_parallel_size: int) -> dict[str, Any]:
         # HF's forward adds no load-balancing loss unless output_router_logits; RL follows the policy's loss.
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
-        moe_grouped_gemm=False,  # SequentialMLP: one module per expert (convert.py's layout)
+        # build_gpt_model gives the experts grouped linears (pieces/grouped_experts_layers.py) by this field
+        moe_grouped_gemm=grouped_experts,
         expert_model_parallel_size=expert_model_parallel_size,
     )
 
@@ -151,32 +150,14 @@ def gpt_model_kwargs(hf_config: Any, tensor_model_parallel_size: int = 1) -> dic
 
 
 def native_fp32_param_names(gpt, hf_config: Any) -> list[str]:
-    """The GPTModel parameters that train in fp32 whatever the model's dtype (Qwen3.5's ``A_log``, as
-    transformers computes with ``A_log.float()``); the trainer restores them to fp32 after the bf16 cast."""
-    suffixes = qwen3_5_moe.NATIVE_FP32_PARAMS if describe(hf_config).linear_attention is not None else ()
+    """The GPTModel parameters that train in fp32 whatever the model's dtype (the family's: Qwen3.5's ``A_log``,
+    as transformers computes with ``A_log.float()``); the trainer restores them to fp32 after the bf16 cast."""
+    suffixes = family_of(describe(hf_config).model_type).native_fp32_params
     return [name for name, _ in gpt.named_parameters() if name.endswith(suffixes)] if suffixes else []
 
 
-def te_available() -> bool:
-    try:
-        return importlib.util.find_spec("transformer_engine") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _this_stage(spec: Any, config: Any, pp_rank: int) -> Any:
-    """A block spec of every decoder layer cut to pipeline stage ``pp_rank``'s (as megatron's own
-    ``get_gpt_decoder_block_spec`` cuts its spec: ``TransformerBlock`` builds every layer spec it is given)."""
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
-    count = get_num_layers_to_build(config, pp_rank=pp_rank)
-    return dataclasses.replace(spec, layer_specs=spec.layer_specs[offset:offset + count])
-
-
 def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype, expert_model_parallel_size: int = 1,
-                    use_te: bool | None = None, fused_attention: bool = True,
+                    grouped_experts: bool = False, use_te: bool | None = None, fused_attention: bool = True,
                     layout: Optional[ParallelLayout] = None, sequence_parallel: bool = False, pp_rank: int = 0):
     """``(GPTModel, TransformerConfig, uses_te_spec)`` on the current CUDA device (the CPU without one), weights
     uninitialized: this rank's pipeline stage (``pp_rank`` of ``layout``; the embedding on the first, the output
@@ -185,39 +166,28 @@ def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype, expert_model_p
     Needs megatron-core and ``parallel_state.initialize_model_parallel`` to have run (the MoE layers
     read the expert-parallel group). The local spec's attention is torch's scaled_dot_product_attention
     (:mod:`.sdpa_attention`); ``fused_attention=False`` keeps megatron's unfused DotProductAttention (the
-    GPU test compares the two).
+    GPU test compares the two). ``grouped_experts`` (``--moe-grouped-gemm``): every family's routed experts run as
+    one grouped GEMM per projection (``pieces/grouped_experts_layers.py``), else as megatron's SequentialMLP.
     """
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs = transformer_config_from_hf(hf_config, params_dtype=params_dtype,
                                         expert_model_parallel_size=expert_model_parallel_size, layout=layout,
-                                        sequence_parallel=sequence_parallel)
+                                        sequence_parallel=sequence_parallel, grouped_experts=grouped_experts)
     kwargs["use_cpu_initialization"] = not torch.cuda.is_available()  # else megatron allocates on the CUDA device
     arch = describe(hf_config)
+    family = family_of(arch.model_type)
     pp = layout.pp if layout else 1
     stage = dict(pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
                  **gpt_model_kwargs(hf_config, layout.tp if layout else 1))
-    if arch.mla_dsa is not None:  # GLM-5: megatron's DSA, built without Transformer Engine
-        from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-        from .families.glm_moe_dsa_layers import dsa_decoder_block_spec
-
-        config = MLATransformerConfig(**kwargs)
-        log_left_out_mtp(arch.mla_dsa)
-        use_te, spec = False, _this_stage(dsa_decoder_block_spec(config), config, pp_rank)
-    elif arch.linear_attention is not None:  # Qwen3.5: its own spec, never TE's
-        from .families import qwen3_5_moe_layers
-
-        config = TransformerConfig(**{**kwargs, **qwen3_5_moe_layers.gated_delta_rule_kwargs()})  # its kernels win
-        use_te, spec = False, _this_stage(qwen3_5_moe_layers.block_spec(config), config, pp_rank)
-    else:  # megatron's block spec is this stage's already  # the block spec places MoE and dense layers by config.moe_layer_freq and picks the final norm
-        use_te = te_available() if use_te is None else use_te
-        config = TransformerConfig(**kwargs)
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
-        if not use_te and fused_attention:
-            spec = with_core_attention(spec, SDPACoreAttention)
+    if arch.mtp_layers:
+        logger.info("%s: the checkpoint's %d multi-token-prediction layer(s) are not built nor trained: "
+                    "transformers drops them on load, so neither the trained policy nor its HF export holds them",
+                    arch.model_type, arch.mtp_layers)
+    config = family.transformer_config(kwargs)
+    spec, use_te = family.block_spec(config, BlockOptions(pp_rank=pp_rank, use_te=use_te,
+                                                          fused_attention=fused_attention))
+    spec = with_grouped_experts(spec, config)
     if not use_te and sequence_parallel:  # megatron's torch norm (no apex) refuses sequence parallelism
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 

@@ -14,7 +14,7 @@ Under pipeline parallelism each stage holds its layers; ``iter_hf`` hands every 
 to the other stages (``broadcast_share``), so every rank feeds its engine the whole model, and pipeline.py runs
 Megatron's schedule. Checked with the ranks sharing one GPU (tests/gpu/test_parallel_megatron_gpu.py), not yet
 across GPUs: validation asks for --experimental-model-parallel to train TP/PP > 1
-(miles/config/parallel_checks.py).
+(miles/preflight/parallel_checks.py).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class ModelParallelRank:
         """This rank's tensors of the full Megatron state (experts already this EP rank's)."""
         staged = pp_stage(full, self.stages(arch.num_layers), self.pp_rank, tied_embeddings=arch.tied_embeddings)
         return tp_shard(staged, tp_rank=self.tp_rank, tp=self.layout.tp, etp_rank=self.etp_rank, etp=self.layout.etp,
-                        vocab_size=self.vocab_size, sections=arch.tp_row_sections)
+                        vocab_size=self.vocab_size, rules=arch.tp_rules)
 
     def logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
         """Target log-probs from this rank's vocabulary slice ``logits [B, T, V_local]`` (fp32)."""

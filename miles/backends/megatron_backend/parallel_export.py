@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from .architecture import describe
+from .families import describe
 from .convert import EMBEDDING, HEAD, LayerExperts, part_to_hf
 from .tp_shards import tp_gather
 
@@ -55,9 +55,9 @@ def _part_hf(local: dict[str, torch.Tensor], part, *, stage: int, stages: Sequen
     experts this rank's expert-parallel rank holds, before ``layer_experts`` gathers them over EP)."""
     arch = describe(hf_config)
     full = tp_gather(gather(_local_part(local, part, stages[stage])), tp_rank=tp_rank, etp=etp,
-                     vocab_size=arch.vocab_size, sections=arch.tp_row_sections)
+                     vocab_size=arch.vocab_size, rules=arch.tp_rules)
     if layer_experts is not None and isinstance(part, int) and arch.is_moe_layer(part):
-        prefix = f"decoder.layers.{part}.mlp.experts.local_experts."
+        prefix = f"decoder.layers.{part}.mlp.experts."  # the routed experts, per expert or grouped
         experts = {k: v for k, v in full.items() if k.startswith(prefix)}
         full = {**{k: v for k, v in full.items() if not k.startswith(prefix)}, **layer_experts(part, experts)}
     tied_copy = full.pop("output_layer.weight", None) if arch.tied_embeddings and part == HEAD else None

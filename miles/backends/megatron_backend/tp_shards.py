@@ -1,8 +1,8 @@
 """Megatron state dicts cut into tensor- and pipeline-parallel shards, and gathered back (pure, CPU-testable).
 
-    cut = dict(vocab_size=arch.vocab_size, sections=arch.tp_row_sections)
-    shard = tp_shard(full_mcore_state, tp_rank=1, tp=2, etp_rank=0, etp=1, **cut)
-    full = tp_gather([shard_0, shard_1], tp_rank=0, etp=1, **cut)  # == the full state
+    shard = tp_shard(full_mcore_state, tp_rank=1, tp=2, etp_rank=0, etp=1, vocab_size=arch.vocab_size,
+                     rules=arch.tp_rules)
+    full = tp_gather([shard_0, shard_1], tp_rank=0, etp=1, vocab_size=arch.vocab_size, rules=arch.tp_rules)
     stage = pp_stage(full_mcore_state, stage_layers(arch.num_layers, layout), stage=2, tied_embeddings=False)
     full = pp_unstage([stage_0, ..., stage_3], stages, tied_embeddings=False)
 
@@ -11,23 +11,21 @@ rank, so ETP cuts the experts a rank holds). How megatron-core 0.19 splits each 
 
 - column-parallel (output rows split over TP): ``linear_qkv`` (weight and bias) -- its rows are grouped per
   query group, so a contiguous cut gives each rank whole groups (the layout check makes groups divide by
-  TP); multi-latent attention's (GLM-5) up projections (rows head by head: whole heads per rank) and its
-  down projections (megatron's local MLA builds them column-parallel and gathers the latent); the Gated
-  DeltaNet's (Qwen3.5) per-head ``dt_bias`` and ``A_log``;
+  TP);
 - sectioned column-parallel: ``linear_fc1`` of a SwiGLU MLP is ``[gate; up]`` and each rank holds
-  ``[gate_r; up_r]``: gate and up are cut each, not the fused rows; so are the sections of the Gated DeltaNet's
-  ``in_proj`` (``[q; k; v; z; beta; alpha]``) and of its depthwise ``conv1d`` (``[q; k; v]``), whose full row
-  counts come from the model (``sections``; megatron splits the projection's output by the local ones);
-- row-parallel (input columns split): ``linear_proj``, ``linear_fc2``, the Gated DeltaNet's ``out_proj``;
+  ``[gate_r; up_r]``: gate and up are cut each, not the fused rows;
+- row-parallel (input columns split): ``linear_proj``, ``linear_fc2``;
 - vocab-parallel: ``embedding.word_embeddings`` and ``output_layer`` rows, after padding the vocabulary to a
   multiple of 128 x TP (Megatron-LM's ``--make-vocab-size-divisible-by 128``). At TP 1 the backend builds the
   HF vocabulary unpadded (as before TP existed): :func:`padded_vocab_size` says which. Padding rows are
   zero; the vocab-parallel log-softmax masks their logits;
-- replicated: norms (``*layernorm*``, ``layer_norm_weight``), q/k norms and the Gated DeltaNet's output norm
-  (per head dim), the MoE router, the shared expert's gate, the sparse-attention indexer (its projections are
-  duplicated on every rank);
+- replicated: norms (``*layernorm*``, ``layer_norm_weight``), q/k norms, the MoE router and its expert bias;
+- a family's own tensors by its :class:`TpRules` (``Architecture.tp_rules``): more names of each kind, and the
+  row sections of tensors whose fused rows are cut section by section (a Gated DeltaNet's ``in_proj``: megatron
+  splits the projection's output by the local sections);
 - routed experts (``mlp.experts.local_experts.{i}``) the same rules over the expert-tensor-parallel group
-  (ETP), not TP.
+  (ETP), not TP; grouped experts (``mlp.experts.linear_fc1/2.weight``, every local expert on the leading axis:
+  ``pieces/grouped_experts.py``) cut each expert's slice as that rule says.
 Pipeline stages hold their decoder layers renumbered from 0 (``decoder.layers.{local}``); the first stage the
 embedding, the last the final norm and the output layer. With tied embeddings and PP > 1 the last stage holds
 ``output_layer.weight`` too (Megatron keeps a copy there and all-reduces its grad with the first stage's).
@@ -36,25 +34,63 @@ embedding, the last the final norm and the output layer. With tied embeddings an
 from __future__ import annotations
 
 import re
-from typing import Mapping, Optional, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
 
 import torch
 
-__all__ = ["VOCAB_DIVISIBLE_BY", "padded_vocab_size", "split_kind", "tp_shard", "tp_gather", "pp_stage",
+__all__ = ["VOCAB_DIVISIBLE_BY", "TpRules", "padded_vocab_size", "split_kind", "tp_shard", "tp_gather", "pp_stage",
            "pp_unstage"]
 
 VOCAB_DIVISIBLE_BY = 128  # Megatron-LM's --make-vocab-size-divisible-by default (times TP)
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-_COLUMN = re.compile(r"(linear_qkv\.(weight|bias)|linear_(q|kv)_(down|up)_proj\.weight"
-                     r"|self_attention\.(dt_bias|A_log))$")
-_SWIGLU = re.compile(r"linear_fc1\.weight$")
-_SECTIONS = re.compile(r"self_attention\.(in_proj|conv1d)\.(weight|bias)$")  # group 1: the key of ``sections``
-_ROW = re.compile(r"(linear_proj|linear_fc2|self_attention\.out_proj)\.weight$")
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
-_REPLICATED = re.compile(r"(layernorm\.weight|layernorm\.bias|layer_norm_weight|layer_norm_bias|router\.weight"
-                         r"|router\.expert_bias|\.indexer\..*|self_attention\.out_norm\.weight"
-                         r"|shared_experts\.gate_weight)$")
+# The GPT layer's tensors, by how they split (name suffixes, regular expressions)
+_GPT_KINDS = {"swiglu": (r"linear_fc1\.weight",), "column": (r"linear_qkv\.(weight|bias)",),
+              "row": (r"linear_proj\.weight", r"linear_fc2\.weight"),
+              "replicated": (r"layernorm\.(weight|bias)", r"layer_norm_(weight|bias)", r"router\.weight",
+                             r"router\.expert_bias")}
+
+
+@dataclass(frozen=True)
+class TpRules:
+    """How a family's own tensors split over tensor parallelism, beyond the GPT layer's: name suffixes (regular
+    expressions) per kind, and ``sections``: ``(name, rows)`` pairs, a sectioned tensor's name without its
+    ``.weight``/``.bias`` and its full row sections, each cut over TP (``("self_attention.in_proj", (q, k, v, z,
+    beta, alpha))``)."""
+
+    column: tuple[str, ...] = ()
+    row: tuple[str, ...] = ()
+    replicated: tuple[str, ...] = ()
+    sections: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    def section_rows(self, name: str) -> tuple[int, ...]:
+        base = name.rsplit(".", 1)[0]
+        return next(rows for key, rows in self.sections if base.endswith(key))
+
+    def joined(self, *others: "TpRules") -> "TpRules":
+        """The rules of this and ``others`` together (a family composing pieces)."""
+        every = (self, *others)
+        return TpRules(column=sum((r.column for r in every), ()), row=sum((r.row for r in every), ()),
+                       replicated=sum((r.replicated for r in every), ()), sections=sum((r.sections for r in every), ()))
+
+
+@lru_cache(maxsize=64)
+def _kinds(rules: TpRules) -> tuple[tuple[str, "re.Pattern[str]"], ...]:
+    """(kind, pattern) in the order a name is matched: the sectioned ones before their column kin."""
+    def pattern(*suffixes: str) -> "re.Pattern[str]":
+        return re.compile("(" + "|".join(suffixes) + ")$") if suffixes else re.compile(r"(?!)")
+
+    sectioned = tuple(re.escape(name) + r"\.(weight|bias)" for name, _ in rules.sections)
+    return (("swiglu", pattern(*_GPT_KINDS["swiglu"])), ("sections", pattern(*sectioned)),
+            ("column", pattern(*_GPT_KINDS["column"], *rules.column)),
+            ("row", pattern(*_GPT_KINDS["row"], *rules.row)),
+            ("replicated", pattern(*_GPT_KINDS["replicated"], *rules.replicated)))
+
+
+GPT_RULES = TpRules()
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -66,15 +102,14 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def split_kind(name: str) -> str:
+def split_kind(name: str, rules: TpRules = GPT_RULES) -> str:
     """How Megatron splits the tensor ``name`` over its tensor-parallel group: ``column``, ``swiglu`` (column,
     gate and up cut each), ``sections`` (column, each of the model's row sections cut), ``row``, ``vocab`` or
     ``replicated``. A name no rule knows is an error: a tensor
     silently replicated where Megatron splits it would train a wrong model."""
     if name in _VOCAB:
         return "vocab"
-    for kind, pattern in (("swiglu", _SWIGLU), ("sections", _SECTIONS), ("column", _COLUMN), ("row", _ROW),
-                          ("replicated", _REPLICATED)):
+    for kind, pattern in _kinds(rules):
         if pattern.search(name):
             return kind
     raise KeyError(f"no tensor-parallel rule for Megatron tensor {name!r}")
@@ -84,59 +119,64 @@ def _is_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-def _section_rows(name: str, kind: str, full_rows: int,
-                  sections: Optional[Mapping[str, Sequence[int]]]) -> list[int]:
+def _lead(name: str) -> int:
+    """Leading axes before a tensor's rows: 1 for a routed-expert tensor not numbered per expert (grouped experts
+    hold every local expert on axis 0), else 0."""
+    return int(_is_expert(name) and ".local_experts." not in name)
+
+
+def _section_rows(name: str, kind: str, full_rows: int, rules: TpRules) -> list[int]:
     """The full tensor's row sections that are cut each (``swiglu``: gate and up; ``sections``: the model's);
     [] for the other kinds."""
     if kind not in ("swiglu", "sections"):
         return []
     if kind == "swiglu":
         return [full_rows // 2] * 2
-    key = _SECTIONS.search(name).group(1)
-    if key not in (sections or {}):
-        raise KeyError(f"{name}: its row sections ({key!r}) were not given: pass the model's (Architecture."
-                       "tp_row_sections)")
-    rows = [int(r) for r in sections[key]]
+    rows = [int(r) for r in rules.section_rows(name)]
     if sum(rows) != full_rows:
         raise ValueError(f"{name}: {full_rows} rows, and its sections {rows} sum to {sum(rows)}")
     return rows
 
 
-def _cut(tensor: torch.Tensor, kind: str, rank: int, size: int, padded_rows: int,
-         rows: Sequence[int]) -> torch.Tensor:
+def _cut(tensor: torch.Tensor, kind: str, rank: int, size: int, padded_rows: int, rows: Sequence[int],
+         lead: int) -> torch.Tensor:
+    """Rank ``rank``'s part of ``tensor``, its rows on axis ``lead`` (its columns the next)."""
     if size == 1 and kind != "vocab":
         return tensor
     if kind == "replicated":
         return tensor
     if kind == "column":
-        return torch.chunk(tensor, size, dim=0)[rank]
+        return torch.chunk(tensor, size, dim=lead)[rank]
     if kind == "row":
-        return torch.chunk(tensor, size, dim=1)[rank]
+        return torch.chunk(tensor, size, dim=lead + 1)[rank]
     if kind in ("swiglu", "sections"):
-        return torch.cat([torch.chunk(part, size, dim=0)[rank] for part in torch.split(tensor, list(rows), dim=0)])
+        return torch.cat([torch.chunk(part, size, dim=lead)[rank]
+                          for part in torch.split(tensor, list(rows), dim=lead)], dim=lead)
     vocab_rows = padded_rows // size
     padded = torch.zeros(padded_rows, *tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
     padded[:tensor.shape[0]] = tensor
     return padded[rank * vocab_rows:(rank + 1) * vocab_rows].clone()
 
 
-def _join(shards: Sequence[torch.Tensor], kind: str, vocab_size: int, rows: Sequence[int]) -> torch.Tensor:
+def _join(shards: Sequence[torch.Tensor], kind: str, vocab_size: int, rows: Sequence[int],
+          lead: int) -> torch.Tensor:
+    """Inverse of :func:`_cut`."""
     if kind == "replicated":
         return shards[0]
     if len(shards) == 1 and kind != "vocab":
         return shards[0]
     if kind == "column":
-        return torch.cat(list(shards), dim=0)
+        return torch.cat(list(shards), dim=lead)
     if kind == "row":
-        return torch.cat(list(shards), dim=1)
+        return torch.cat(list(shards), dim=lead + 1)
     if kind in ("swiglu", "sections"):
         local = [r // len(shards) for r in rows]
-        pieces = [torch.split(s, local, dim=0) for s in shards]
-        return torch.cat([p[i] for i in range(len(local)) for p in pieces], dim=0)
+        pieces = [torch.split(s, local, dim=lead) for s in shards]
+        return torch.cat([p[i] for i in range(len(local)) for p in pieces], dim=lead)
     return torch.cat(list(shards), dim=0)[:vocab_size]
 
 
-def _check_divides(name: str, tensor: torch.Tensor, kind: str, size: int, rows: Sequence[int]) -> None:
+def _check_divides(name: str, tensor: torch.Tensor, kind: str, size: int, rows: Sequence[int], lead: int) -> None:
     if kind in ("swiglu", "sections"):
         bad = [r for r in rows if r % size]
         if bad:
@@ -144,30 +184,30 @@ def _check_divides(name: str, tensor: torch.Tensor, kind: str, size: int, rows: 
                              "ranks")
         return
     dim = {"column": 0, "row": 1}.get(kind)
-    if dim is not None and tensor.shape[dim] % size:
-        raise ValueError(f"{name}: {tensor.shape[dim]} {'rows' if dim == 0 else 'columns'} do not split over "
-                         f"{size} tensor-parallel ranks")
+    if dim is not None and tensor.shape[lead + dim] % size:
+        raise ValueError(f"{name}: {tensor.shape[lead + dim]} {'rows' if dim == 0 else 'columns'} do not split "
+                         f"over {size} tensor-parallel ranks")
 
 
 def tp_shard(state: dict[str, torch.Tensor], *, tp_rank: int, tp: int, etp_rank: int = 0, etp: int = 1,
-             vocab_size: int, sections: Optional[Mapping[str, Sequence[int]]] = None) -> dict[str, torch.Tensor]:
+             vocab_size: int, rules: TpRules = GPT_RULES) -> dict[str, torch.Tensor]:
     """The tensors tensor-parallel rank ``tp_rank`` (and expert-tensor-parallel rank ``etp_rank``) holds.
-    ``sections``: the full row counts of the sectioned tensors (``{"in_proj": [...], "conv1d": [...]}`` of a Gated
-    DeltaNet; ``Architecture.tp_row_sections``)."""
+    ``rules``: how the model's own tensors split (``Architecture.tp_rules``)."""
     if not (0 <= tp_rank < tp and 0 <= etp_rank < etp):
         raise ValueError(f"tp_rank {tp_rank} / etp_rank {etp_rank} outside TP {tp} / ETP {etp}")
     out = {}
     for name, tensor in state.items():
-        kind = split_kind(name)
+        kind = split_kind(name, rules)
         rank, size = (etp_rank, etp) if _is_expert(name) else (tp_rank, tp)
-        rows = _section_rows(name, kind, tensor.shape[0], sections)
-        _check_divides(name, tensor, kind, size, rows)
-        out[name] = _cut(tensor, kind, rank, size, padded_vocab_size(vocab_size, tp), rows)
+        lead = _lead(name)
+        rows = _section_rows(name, kind, tensor.shape[lead], rules)
+        _check_divides(name, tensor, kind, size, rows, lead)
+        out[name] = _cut(tensor, kind, rank, size, padded_vocab_size(vocab_size, tp), rows, lead)
     return out
 
 
 def tp_gather(shards: Sequence[dict[str, torch.Tensor]], *, tp_rank: int, etp: int = 1, vocab_size: int,
-              sections: Optional[Mapping[str, Sequence[int]]] = None) -> dict[str, torch.Tensor]:
+              rules: TpRules = GPT_RULES) -> dict[str, torch.Tensor]:
     """Inverse of :func:`tp_shard`, as TP rank ``tp_rank`` of the group sees it: ``shards[r]`` is TP rank r's
     state. The dense tensors join over every rank; a routed expert's over ``tp_rank``'s expert-tensor-parallel
     group only, the ``etp`` ranks ``(tp_rank // etp) * etp ..`` (ranks number ETP fastest, then EP, and ETP
@@ -175,9 +215,11 @@ def tp_gather(shards: Sequence[dict[str, torch.Tensor]], *, tp_rank: int, etp: i
     first = (tp_rank // etp) * etp
     out = {}
     for name in shards[0]:
-        kind = split_kind(name)
+        kind = split_kind(name, rules)
         parts = [s[name] for s in (shards[first:first + etp] if _is_expert(name) else shards)]
-        out[name] = _join(parts, kind, vocab_size, _section_rows(name, kind, parts[0].shape[0] * len(parts), sections))
+        lead = _lead(name)
+        rows = _section_rows(name, kind, parts[0].shape[lead] * len(parts), rules)
+        out[name] = _join(parts, kind, vocab_size, rows, lead)
     return out
 
 

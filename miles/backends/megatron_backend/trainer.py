@@ -1,4 +1,5 @@
-"""The megatron training backend: one :class:`MegatronTrainer` per train actor (data-parallel rank).
+"""The megatron training backend: one :class:`MegatronTrainer` per train actor (data-parallel rank), the
+train rank (:class:`miles.backends.rank.TrainRank`) over a :class:`MegatronEngine`, which only computes.
 
 megatron-core GPTModel (expert parallelism; tensor and pipeline parallelism through model_parallel.py and
 pipeline.py, which train only with --experimental-model-parallel until run on GPUs) built from the policy's
@@ -6,9 +7,9 @@ transformers config and loaded with its weights, wrapped bf16 (Float16Module) in
 DistributedDataParallel, stepped by its DistributedOptimizer (a ChainedOptimizer of dense + expert
 members for MoE). With ``--stream-optimizer-state-to-disk`` the store is bound to that optimizer.
 
-Same contract and semantics as the torch backend (:class:`miles.backends.base.TrainBackend`): the
-GRPO loss of ``miles.rl.loss`` on the token grid of ``collate_samples``, the token mean over the whole
-rollout, constant lr, no weight decay on biases and norms, global-norm gradient clipping.
+Same contract and semantics as the torch backend (:class:`miles.backends.engine.TrainEngine`): the loss
+the rank hands in (the GRPO loss of ``miles.rl.loss``) on the token grid of ``collate_samples``, the token
+mean over the whole rollout, constant lr, no weight decay on biases and norms, global-norm gradient clipping.
 
 Collectives: ``init``, ``train``, ``save`` and ``load`` run on every rank; with expert parallelism > 1
 ``hf_weights`` (the weight handoff, ``export_weights``) is one too (each rank holds only its experts), so
@@ -25,10 +26,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from miles.backends.base import TrainBackend, tensors_finite
+from miles.backends.engine import LossFunction, TrainEngine, tensors_finite
+from miles.backends.rank import TrainRank
 from miles.models import load_policy
 
-from .architecture import describe
+from .families import describe
 from .checkpoint_views import HFModelView, ResidentOptimizerState
 from .convert import hf_moe_layout, hf_to_megatron, iter_megatron_to_hf
 from .expert_gather import gather_layer_experts
@@ -52,8 +54,8 @@ def _installed_megatron_version() -> Optional[str]:
         return None
 
 
-class MegatronTrainer(TrainBackend):
-    """One data-parallel rank of the megatron backend: the hooks of :class:`TrainBackend`."""
+class MegatronEngine(TrainEngine):
+    """The compute of one data-parallel rank of the megatron backend (:class:`TrainEngine`)."""
 
     def __init__(self, config, **placement):
         super().__init__(config, **placement)
@@ -69,10 +71,11 @@ class MegatronTrainer(TrainBackend):
         self.parallel: Optional[ModelParallelRank] = None  # this rank's TP/PP place (model_parallel.py)
         self._model_view: Optional[HFModelView] = None
         self.router_bias_update_rate: Optional[float] = None  # set for routers with an expert bias (router_bias.py)
+        self.route_replays: dict = {}  # under R3: this stage's router replays by MoE layer (route_replay.py)
 
     # ---- setup --------------------------------------------------------------------------------
     def check_config(self) -> None:
-        # the flags are validation's (miles.config.validation); what only this process can see is its own GPU
+        # the flags are validation's (miles.preflight.validation); what only this process can see is its own GPU
         if not torch.cuda.is_available():
             version = _installed_megatron_version()
             if not runs_without_cuda(version):
@@ -140,11 +143,17 @@ class MegatronTrainer(TrainBackend):
         self.gpt, tconfig, self.uses_te_spec = build_gpt_model(
             self.hf_config, params_dtype=dtype, expert_model_parallel_size=self.ep_size,
             layout=self.config.parallel_layout, sequence_parallel=self.config.training.sequence_parallel,
-            pp_rank=self.parallel.pp_rank)
+            pp_rank=self.parallel.pp_rank, grouped_experts=self.config.training.moe_grouped_gemm)
         if tconfig.moe_router_enable_expert_bias:
             self.router_bias_update_rate = tconfig.moe_router_bias_update_rate
         self.gpt.to(self.device)
         routers_to_fp32(self.gpt)  # routers with an expert bias train in fp32 (router_bias.py)
+        if self.config.training.use_rollout_routing_replay:
+            from miles.routing.routers import moe_decoder_layers_of_config
+
+            from .route_replay import install
+
+            self.route_replays = install(self.gpt, moe_decoder_layers_of_config(self.hf_config.to_dict()))
         self._load_hf_state(hf_state)  # before DDP: its param buffer takes the values over
         to_bf16 = lambda: Float16Module(tconfig, self.gpt)  # noqa: E731
         module = self.gpt if dtype == torch.float32 else keep_routers_fp32(self.gpt, to_bf16)
@@ -182,7 +191,7 @@ class MegatronTrainer(TrainBackend):
     def _megatron_state(self, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF-layout weights as this rank's Megatron state dict: its experts, and its stage, TP and ETP shard."""
         mcore = hf_to_megatron(hf_state, self.hf_config, fused_norms=self.uses_te_spec, ep_rank=self.ep_rank,
-                               ep_size=self.ep_size)
+                               ep_size=self.ep_size, grouped_experts=self.config.training.moe_grouped_gemm)
         if self.parallel.sharded:
             arch = describe(self.hf_config)
             mcore = self.parallel.shard(mcore, arch)
@@ -226,6 +235,18 @@ class MegatronTrainer(TrainBackend):
         return self.ddp(input_ids, position_ids, None, output_processor=output_logprobs,
                         output_processor_context=LogprobRequest(input_ids[:, 1:], temperature))
 
+    def route_replay(self, routes, batch):
+        """The routers on ``routes`` through megatron-core's RouterReplay (route_replay.py), in the token order
+        of :meth:`logprobs`' forward: ``[B, L]``, padded to a multiple of TP under sequence parallelism."""
+        from .route_replay import MegatronRouteReplay
+
+        tp, sequence_parallel = self.parallel.layout.tp, self.config.training.sequence_parallel
+        length = batch["input_ids"].shape[1]
+        padded = length + (-length) % tp if sequence_parallel else length  # as _tp_logits' pad_sequence
+        return MegatronRouteReplay(self.route_replays, routes, batch["attention_mask"], padded_length=padded, tp=tp,
+                                   tp_rank=self.parallel.tp_rank, sequence_parallel=sequence_parallel,
+                                   tp_group=self.parallel.tp_group)
+
     def _tp_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """The vocab-parallel logits of ``input_ids``; with sequence parallelism the sequence is right-padded to
         a multiple of TP (causal: the padding changes no earlier position) and cut back."""
@@ -240,13 +261,16 @@ class MegatronTrainer(TrainBackend):
         if self.router_bias_update_rate is not None:  # a skipped step's token counts must not reach the bias
             clear_router_token_counts(self.gpt)
 
-    def policy_gradient(self, samples: list, advantages: list[float], **loss: Any) -> list[float]:
+    def forward_backward(self, samples: list, advantages: list[float], micro_batches: list,
+                         loss: LossFunction) -> list[float]:
         if self.parallel.layout.pp == 1:
-            return super().policy_gradient(samples, advantages, **loss)
+            return super().forward_backward(samples, advantages, micro_batches, loss)
         from .pipeline import pipeline_policy_gradient
 
-        return pipeline_policy_gradient(self.ddp, self.parallel, samples, advantages,
-                                        sequence_parallel=self.config.training.sequence_parallel, **loss)
+        return pipeline_policy_gradient(self.ddp, self.parallel, samples, advantages, micro_batches, loss,
+                                        sequence_parallel=self.config.training.sequence_parallel,
+                                        pad_id=self.tokenizer.pad_token_id, device=self.device,
+                                        route_replay=self.route_replay if loss.routing_replay else None)
 
     def finish_backward(self) -> None:
         if self.parallel.sharded:  # + sequence-parallel norm grads over TP, tied embedding grads over PP
@@ -337,14 +361,14 @@ class MegatronTrainer(TrainBackend):
                 tensors += [v for v in state.values() if torch.is_tensor(v)]
         return tensors
 
-    def weights_from_engine(self) -> int:
+    def weights_from_engine(self, engine_weights: list) -> int:
         """The bf16 params <- the engine's HF-layout copy through the inverse of the handoff's conversion
         (convert.hf_to_megatron; this rank's experts and shard); the native-fp32 params are not rebuilt from
         it (the plan keeps or writes them out)."""
-        from miles.backends.planned_sleep import copy_from_engine, engine_weights_or_fail
+        from miles.backends.planned_sleep import copy_from_engine
         from miles.weights.readback import open_named_tensors
 
-        mcore = self._megatron_state(dict(open_named_tensors(engine_weights_or_fail(self))))
+        mcore = self._megatron_state(dict(open_named_tensors(engine_weights)))
         targets = {k: v for k, v in self.gpt.state_dict().items()
                    if torch.is_tensor(v) and not k.endswith(_EXTRA_STATE) and v.dtype in _LOW_PRECISION}
         nbytes = copy_from_engine(mcore.items(), targets)
@@ -391,3 +415,9 @@ class MegatronTrainer(TrainBackend):
             pass
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class MegatronTrainer(TrainRank):
+    """One data-parallel rank of the megatron backend: the train rank over a :class:`MegatronEngine`."""
+
+    engine_type = MegatronEngine

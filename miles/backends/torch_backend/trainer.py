@@ -1,6 +1,7 @@
 """The torch training backend: a transformers causal LM, data parallel over torch.distributed.
 
-One :class:`TorchTrainer` lives in each train actor (one per data-parallel rank). Every rank holds the
+One :class:`TorchTrainer` lives in each train actor (one per data-parallel rank): the train rank
+(:class:`miles.backends.rank.TrainRank`) over a :class:`TorchEngine`, which only computes. Every rank holds the
 full model; the fp32 masters and Adam moments are sharded ZeRO-1 style by
 :class:`ShardedMixedPrecisionAdam`, and with ``--stream-optimizer-state-to-disk`` that state lives in
 bucket files under the rank's directory and streams through ``optimizer.step()``.
@@ -20,18 +21,20 @@ import math
 import torch
 import torch.distributed as dist
 
-from miles.backends.base import TrainBackend, tensors_finite
+from miles.backends.engine import TrainEngine, tensors_finite
+from miles.backends.rank import TrainRank
 from miles.models import load_policy
 from miles.offload import make_resizable
 from miles.rl.loss import forward_logprobs
+from miles.routing.replay import RouteReplay
 
 from .sharded_optimizer import ShardedMixedPrecisionAdam
 
 logger = logging.getLogger(__name__)
 
 
-class TorchTrainer(TrainBackend):
-    """One data-parallel rank of the torch backend: the hooks of :class:`TrainBackend`."""
+class TorchEngine(TrainEngine):
+    """The compute of one data-parallel rank of the torch backend (:class:`TrainEngine`)."""
 
     def __init__(self, config, **placement):
         super().__init__(config, **placement)
@@ -56,7 +59,7 @@ class TorchTrainer(TrainBackend):
         except Exception:
             pass
 
-        model, self.tokenizer, description = load_policy(self.config)
+        model, self.tokenizer, description = load_policy(self.config, device=self.device)  # MoE experts: per device
         model = model.to(device=self.device, dtype=self.dtype)
         make_resizable(model)  # sleep resizes storages; mmap'ed checkpoint tensors cannot be resized
         model.train()
@@ -97,6 +100,10 @@ class TorchTrainer(TrainBackend):
     # ---- training -----------------------------------------------------------------------------
     def logprobs(self, batch, temperature):
         return forward_logprobs(self.model, batch["input_ids"], batch["attention_mask"], temperature)
+
+    def route_replay(self, routes, batch):
+        """The transformers model's routers forced to ``routes`` (:class:`miles.routing.replay.RouteReplay`)."""
+        return RouteReplay(self.model, routes, batch["attention_mask"], force=True)
 
     def vocab_size(self) -> int:
         return self.model.get_input_embeddings().num_embeddings
@@ -182,15 +189,15 @@ class TorchTrainer(TrainBackend):
             specs.append(("optimizer_state", OPTIMIZER_STATE, state, {}))
         return make_groups(specs)
 
-    def weights_from_engine(self) -> int:
+    def weights_from_engine(self, engine_weights: list) -> int:
         """The trainable weights <- the engine's copy, by name (the handoff hands the state dict's names
         over as they are)."""
-        from miles.backends.planned_sleep import copy_from_engine, engine_weights_or_fail
+        from miles.backends.planned_sleep import copy_from_engine
         from miles.weights.readback import open_named_tensors
 
         trainable = {id(p) for p in self.model.parameters() if p.requires_grad}
         targets = {n: p.detach() for n, p in self.model.named_parameters() if id(p) in trainable}
-        return copy_from_engine(open_named_tensors(engine_weights_or_fail(self)), targets)
+        return copy_from_engine(open_named_tensors(engine_weights), targets)
 
     def weights_from_masters(self) -> int:
         """Weights <- the store's masters cast (this rank's shard), then every rank's shards all-gathered:
@@ -198,6 +205,12 @@ class TorchTrainer(TrainBackend):
         read = self.store.publish_mains()
         self.optimizer.gather_params()
         return read
+
+
+class TorchTrainer(TrainRank):
+    """One data-parallel rank of the torch backend: the train rank over a :class:`TorchEngine`."""
+
+    engine_type = TorchEngine
 
 
 class _DataParallelSGD:

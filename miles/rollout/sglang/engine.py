@@ -25,20 +25,28 @@ What the client adds to sglang, which checks less than the contract promises:
   seed of sample ``k`` = ``seed * 65537 + k`` as sglang's ``sampling_seed`` when the call has a seed;
   ``meta_info.output_token_logprobs`` (``(logprob, token_id, text)`` triples) become the samples'
   ``response_logprobs``.
+- Under ``--use-rollout-routing-replay`` (R3) the engine runs with sglang's ``enable_return_routed_experts`` (a
+  server at ``--sglang-url`` must have been started with ``--enable-return-routed-experts``), each generate asks
+  for ``return_routed_experts``, and ``meta_info.routed_experts`` becomes each sample's routes
+  (:mod:`miles.rollout.sglang.routes`); an answer without them fails the call, naming the server flag.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 from typing import Any, Optional, Sequence, Union
 
 from miles.rollout.contract import (FLATTENED_BUCKET, KV_CACHE, LOAD_FORMATS, SGLANG_FLATTENED_BUCKET, WEIGHTS,
                                     check_memory_tags)
 from miles.rollout.engine_state import EngineState, check_prompts
 from miles.rollout.sglang import needs_weight_session, parse_server_args, parse_version
+from miles.rollout.sglang.routes import RoutedExpertsLayout
 from miles.rollout.sglang.transport import HttpSglang, InProcessSglang, SglangCallError
 from miles.rollout.types import Sample, SamplingParams
+from miles.routing.routes import Routes, RoutesError
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +60,9 @@ _DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 def server_args(config, model_path: str, engine_id: int) -> dict[str, Any]:
     """``sglang.Engine``'s keywords for this run: the model folder, ``--sglang-tp-size``,
-    ``--sglang-mem-fraction-static``, the memory saver under ``--colocate``, the engine's seed and dtype, then
-    the ``--sglang-server-arg`` pass-through (which may not override these)."""
+    ``--sglang-mem-fraction-static``, the memory saver under ``--colocate``, the engine's seed and dtype, the
+    routed experts' capture under ``--use-rollout-routing-replay``, then the ``--sglang-server-arg`` pass-through
+    (which may not override these)."""
     rollout = config.rollout
     args: dict[str, Any] = {"model_path": model_path, "tp_size": rollout.sglang_tp_size,
                             "enable_memory_saver": bool(config.cluster.colocate), "base_gpu_id": 0,
@@ -61,6 +70,8 @@ def server_args(config, model_path: str, engine_id: int) -> dict[str, Any]:
                             "skip_server_warmup": True}
     if rollout.sglang_mem_fraction_static is not None:
         args["mem_fraction_static"] = rollout.sglang_mem_fraction_static
+    if config.training.use_rollout_routing_replay:
+        args["enable_return_routed_experts"] = True
     args.update(parse_server_args(rollout.sglang_server_arg))
     return args
 
@@ -102,8 +113,19 @@ def _finish_reason(index: int, meta: dict) -> str:
     return kind
 
 
+def _routes(index: int, meta: dict, route_layout: RoutedExpertsLayout, sequence_tokens: int) -> Routes:
+    if "routed_experts" not in meta:
+        raise _bad_output(index, "meta_info has no routed_experts: start the sglang server with "
+                                 "--enable-return-routed-experts (an in-process engine gets it from "
+                                 "--use-rollout-routing-replay)")
+    try:
+        return route_layout.routes(meta["routed_experts"], sequence_tokens)
+    except RoutesError as e:
+        raise _bad_output(index, str(e)) from None
+
+
 def _sample(index: int, prompt_index: int, prompt: list[int], out: Any, return_logprob: bool,
-            weight_version: int) -> Sample:
+            weight_version: int, route_layout: Optional[RoutedExpertsLayout] = None) -> Sample:
     if not isinstance(out, dict) or not isinstance(out.get("meta_info"), dict):
         raise _bad_output(index, f"expected a dict with a meta_info dict; got {_shape(out)}")
     meta = out["meta_info"]
@@ -125,21 +147,24 @@ def _sample(index: int, prompt_index: int, prompt: list[int], out: Any, return_l
                                      f"output_token_logprobs {logprob_ids[:8]}...")
     if not isinstance(ids, list):
         raise _bad_output(index, "no output_ids (and no log-probs to take the token ids from)")
+    routes = _routes(index, meta, route_layout, len(prompt) + len(ids)) if route_layout is not None else None
     return Sample(index=index, prompt_index=prompt_index, prompt_ids=list(prompt), response_ids=[int(t) for t in ids],
                   response_logprobs=logprobs, response_text=str(out.get("text") or ""),
-                  finish_reason=_finish_reason(index, meta), weight_version=weight_version)
+                  finish_reason=_finish_reason(index, meta), weight_version=weight_version, routes=routes)
 
 
 def samples_from_outputs(outputs: Any, prompts: list[list[int]], n: int, return_logprob: bool,
-                         weight_version: int) -> list[Sample]:
-    """The contract's samples from sglang's answer to a batch of ``len(prompts) * n`` requests, prompt-major."""
+                         weight_version: int, route_layout: Optional[RoutedExpertsLayout] = None) -> list[Sample]:
+    """The contract's samples from sglang's answer to a batch of ``len(prompts) * n`` requests, prompt-major;
+    with ``route_layout`` (R3) each carries its routes from ``meta_info["routed_experts"]``."""
     expected = len(prompts) * n
     if isinstance(outputs, dict) and expected == 1:
         outputs = [outputs]  # sglang answers a batch of one with a bare dict
     if not isinstance(outputs, list) or len(outputs) != expected:
         got = len(outputs) if isinstance(outputs, list) else type(outputs).__name__
         raise SglangCallError("generate", f"expected {expected} outputs ({len(prompts)} prompts x n={n}), got {got}")
-    return [_sample(k, k // n, prompts[k // n], out, return_logprob, weight_version) for k, out in enumerate(outputs)]
+    return [_sample(k, k // n, prompts[k // n], out, return_logprob, weight_version, route_layout)
+            for k, out in enumerate(outputs)]
 
 
 def _result_view(result: Any) -> Any:
@@ -155,12 +180,14 @@ class SglangRolloutEngine:
 
     ``tp_size`` must be the engine's tensor-parallel size (checked against the transport's); ``payloads``
     builds the payloads of ``(name, tensor)`` pairs (default: sglang's own classes, imported at the first such
-    update)."""
+    update); ``route_layout`` (R3): each generate asks for the routed experts and the samples carry them."""
 
     weight_payload = SGLANG_FLATTENED_BUCKET
 
-    def __init__(self, transport: Any, *, tp_size: int, engine_id: int = 0, payloads: Any = None):
+    def __init__(self, transport: Any, *, tp_size: int, engine_id: int = 0, payloads: Any = None,
+                 route_layout: Optional[RoutedExpertsLayout] = None):
         self.transport = transport
+        self.route_layout = route_layout
         self.version = parse_version(transport.version)
         if transport.tp_size != tp_size:
             raise ValueError(f"{transport.where} runs with tp_size {transport.tp_size!r}, and --sglang-tp-size is "
@@ -182,9 +209,13 @@ class SglangRolloutEngine:
         """A client of engine ``engine_id``'s server (the ``engine_id``-th ``--sglang-url``), or an in-process
         ``sglang.Engine`` of the policy's folder."""
         rollout = config.rollout
+        route_layout = None
+        if config.training.use_rollout_routing_replay:  # validation: an --hf-checkpoint MoE policy
+            with open(os.path.join(config.model.hf_checkpoint, "config.json")) as f:
+                route_layout = RoutedExpertsLayout.of_config(json.load(f))
         if rollout.sglang_url:
             return cls(HttpSglang(rollout.sglang_url[engine_id], timeout_s=rollout.sglang_request_timeout),
-                       tp_size=rollout.sglang_tp_size, engine_id=engine_id)
+                       tp_size=rollout.sglang_tp_size, engine_id=engine_id, route_layout=route_layout)
         from miles.models import resolve_policy_source
 
         source = resolve_policy_source(config)
@@ -192,7 +223,7 @@ class SglangRolloutEngine:
             raise ValueError(f"--rollout-engine sglang loads the model from a HuggingFace folder, and the policy is "
                              f"{source.description}: pass --hf-checkpoint DIR")
         transport = InProcessSglang(server_args(config, source.path, engine_id))
-        return cls(transport, tp_size=rollout.sglang_tp_size, engine_id=engine_id)
+        return cls(transport, tp_size=rollout.sglang_tp_size, engine_id=engine_id, route_layout=route_layout)
 
     # ---------------------------------------------------------------------------------- info
 
@@ -225,9 +256,12 @@ class SglangRolloutEngine:
         requests = [ids for ids in prompts for _ in range(sp.n)]
         body = {"input_ids": requests, "sampling_params": [sglang_sampling_params(sp, k) for k in range(len(requests))],
                 "return_logprob": bool(return_logprob)}
+        if self.route_layout is not None:
+            body["return_routed_experts"] = True
         with self._state.generating_call():
             outputs = self._request("generate", body)
-        return samples_from_outputs(outputs, prompts, sp.n, bool(return_logprob), self.weight_version)
+        return samples_from_outputs(outputs, prompts, sp.n, bool(return_logprob), self.weight_version,
+                                    self.route_layout)
 
     def flush_cache(self) -> None:
         """sglang's radix cache: prompt prefixes computed with the weights of their time."""

@@ -9,13 +9,17 @@ HTTP uses only the standard library (``http.client``): each call ends by the dea
 ``--sglang-request-timeout`` (connect, send and the whole answer), and a redirect is an error naming where it
 points, never followed. An answer is untrusted: its size is bounded before it is read (by what the call asked
 for: :func:`answer_limit`; a ``Content-Length`` above it is refused unread, and reading stops past it), and its
-JSON's nesting before it is parsed (:mod:`miles.untrusted_json`).
+JSON's nesting before it is parsed (:mod:`miles.untrusted_json`). A read that changes nothing on the server
+(``health``, ``server_info``: HTTP GET) is tried again, :data:`READ_RETRIES` times with a doubling pause, when the
+server cannot be reached (it may be restarting); a call that changes the server's state is never repeated, and
+no call is tried again past its deadline.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
@@ -24,7 +28,9 @@ from typing import Any, Optional
 
 from miles.untrusted_json import UntrustedJSONError, parse_bounded
 
-__all__ = ["SglangCallError", "raise_for_failure", "InProcessSglang", "HttpSglang", "MAX_RESPONSE_BYTES",
+logger = logging.getLogger(__name__)
+
+__all__ = ["SglangCallError", "SglangUnreachableError", "raise_for_failure", "InProcessSglang", "HttpSglang", "MAX_RESPONSE_BYTES",
            "answer_limit"]
 
 # A generate answer of a large batch with log-probs is tens of MiB; more than this is not an sglang answer.
@@ -37,7 +43,15 @@ _ANSWER_BYTES_PER_REQUEST = 64 * 1024
 _ANSWER_BYTES_PER_TOKEN = 512
 _MAX_ANSWER_DEPTH = 16  # sglang's answers nest 5 deep (a list of outputs, meta_info, log-prob triples)
 _MESSAGE_CHARS = 2000
+_SERVER_WHERE = "sglang server "  # how HttpSglang's errors name the server: "sglang server http://HOST:PORT"
+# What of an error answer is read: enough for its JSON to parse around a long message, which is then cut to
+# _MESSAGE_CHARS; a body cut here is shown as the text it is.
+_ERROR_BODY_BYTES = 64 * 1024
 _READ_CHUNK = 1024 * 1024
+# A read is tried this many more times when the server cannot be reached, first after READ_RETRY_PAUSE_S, each
+# pause twice the last (1 + 2 + 4 s): long enough for a dropped connection, short of hiding a server that is down.
+READ_RETRIES = 3
+READ_RETRY_PAUSE_S = 1.0
 
 
 class SglangCallError(RuntimeError):
@@ -46,7 +60,22 @@ class SglangCallError(RuntimeError):
     def __init__(self, call: str, message: str, where: str = "sglang"):
         self.call = call
         self.message = message
+        self.where = where
         super().__init__(f"{where}: {call} failed: {message}")
+
+    def __reduce__(self):  # rebuilt from its parts where Ray hands it to the driver (args hold only the line)
+        return type(self), (self.call, self.message, self.where)
+
+    @property
+    def from_server(self) -> bool:
+        """The call went to a server over HTTP (:class:`HttpSglang`), whose own log holds the rest; not to an
+        in-process engine, whose traceback is the place to look."""
+        return self.where.startswith(_SERVER_WHERE)
+
+
+class SglangUnreachableError(SglangCallError):
+    """The server did not answer at all: no connection, or the connection broke before the whole answer came
+    (the server stopped or restarted). The one failure a read is tried again for."""
 
 
 def _short(text: Any) -> str:
@@ -122,7 +151,7 @@ class HttpSglang:
         from miles.rollout.sglang import check_url
 
         self.url = check_url(url)
-        self.where = f"sglang server {self.url}"
+        self.where = f"{_SERVER_WHERE}{self.url}"
         self.timeout_s = timeout_s
         info = self._server_info()
         if "version" not in info or "tp_size" not in info:
@@ -134,11 +163,11 @@ class HttpSglang:
 
     def _server_info(self) -> dict:
         try:
-            info = self._send("server_info", None)
+            info = self._read("server_info")
         except SglangCallError as e:
             if "HTTP 404" not in e.message:
                 raise
-            info = self._send("get_server_info", None)  # the older spelling
+            info = self._read("get_server_info")  # the older spelling
         if not isinstance(info, dict):
             raise SglangCallError("server_info", f"expected a JSON object, got {type(info).__name__}", self.where)
         return info
@@ -152,7 +181,7 @@ class HttpSglang:
                                   "redirects are not followed; pass the server's own address as --sglang-url",
                                   self.where)
         if status >= 400:
-            text = raw[:_MESSAGE_CHARS * 4].decode(errors="replace")
+            text = raw.decode(errors="replace")
             raise SglangCallError(endpoint, f"HTTP {status}: {_short(_error_text(text))}", self.where)
         text = raw.strip()
         if not text:
@@ -164,6 +193,23 @@ class HttpSglang:
                 raise SglangCallError(endpoint, f"the answer is not JSON miles reads: {e}", self.where) from None
             return raw.decode(errors="replace")  # flush_cache answers in plain text
 
+    def _read(self, endpoint: str) -> Any:
+        """A GET, tried again (:data:`READ_RETRIES` times, pausing 1, 2, 4 s) while the server cannot be
+        reached; SglangUnreachableError saying how many tries over how long when it never answers."""
+        pause, waited = READ_RETRY_PAUSE_S, 0.0
+        for attempt in range(READ_RETRIES + 1):
+            try:
+                return self._send(endpoint, None)
+            except SglangUnreachableError as e:
+                if attempt == READ_RETRIES:
+                    raise SglangUnreachableError(endpoint, f"{e.message} ({READ_RETRIES + 1} tries over "
+                                                 f"{waited:g} s of pauses)", self.where) from None
+                logger.warning("%s: %s unanswered (%s); trying again in %g s (%d of %d)", self.where, endpoint,
+                               e.message, pause, attempt + 1, READ_RETRIES)
+                time.sleep(pause)
+                waited += pause
+                pause *= 2
+
     def request(self, endpoint: str, body: Optional[dict] = None) -> Any:
         return raise_for_failure(endpoint, self._send(endpoint, body if body is not None else {}), self.where)
 
@@ -171,7 +217,7 @@ class HttpSglang:
         if self.closed:
             return False
         try:
-            self._send("health", None)
+            self._read("health")
         except SglangCallError:
             return False
         return True
@@ -205,6 +251,7 @@ def _exchange(url: str, endpoint: str, data: Optional[bytes], timeout_s: float, 
     timer = threading.Timer(timeout_s, cut_at_deadline)
     timer.daemon = True
     timer.start()
+    sent = False
     try:
         connection.connect()
         connected.append(connection.sock)
@@ -212,23 +259,12 @@ def _exchange(url: str, endpoint: str, data: Optional[bytes], timeout_s: float, 
             raise TimeoutError("connected after the deadline")
         headers = {"Content-Type": "application/json"} if data is not None else {}
         connection.request("GET" if data is None else "POST", f"/{endpoint}", body=data, headers=headers)
-        response = connection.getresponse()
-        status, location = response.status, response.getheader("Location", "")
-        if status >= 300:
-            limit = _MESSAGE_CHARS * 4  # what of an error's body is shown
-        else:
-            _check_declared_length(response.getheader("Content-Length"), limit, endpoint, where)
-        body = bytearray()
-        while len(body) <= limit:
-            chunk = response.read(min(_READ_CHUNK, limit + 1 - len(body)))
-            if not chunk:
-                break
-            body += chunk
+        sent = True
+        status, location, body, limit = _read_answer(connection.getresponse(), limit, endpoint, where)
     except (OSError, http.client.HTTPException) as e:
         if cut.is_set() or time.monotonic() >= deadline:  # the connect's own timeout ends at the deadline too
             raise _past_deadline(endpoint, timeout_s, where) from None
-        raise SglangCallError(endpoint, f"cannot reach the server ({type(e).__name__}: {_short(e)}); is it running "
-                              f"at {url}?", where) from None
+        raise _unreachable(e, sent, url, endpoint, where) from None
     finally:
         timer.cancel()
         connection.close()
@@ -240,6 +276,34 @@ def _exchange(url: str, endpoint: str, data: Optional[bytes], timeout_s: float, 
         else:
             raise _too_large(endpoint, f"more than {limit:,} bytes", limit, where)
     return status, location, bytes(body)
+
+
+def _read_answer(response: http.client.HTTPResponse, limit: int, endpoint: str,
+                 where: str) -> tuple[int, str, bytearray, int]:
+    """``(status, Location header, body, its limit)``: an error's body is bounded by ``_ERROR_BODY_BYTES``, an
+    answer's by ``limit`` (refused unread when its Content-Length says more); one byte past the limit is read so
+    the caller sees it was passed."""
+    status, location = response.status, response.getheader("Location", "")
+    if status >= 300:
+        limit = _ERROR_BODY_BYTES
+    else:
+        _check_declared_length(response.getheader("Content-Length"), limit, endpoint, where)
+    body = bytearray()
+    while len(body) <= limit:
+        chunk = response.read(min(_READ_CHUNK, limit + 1 - len(body)))
+        if not chunk:
+            break
+        body += chunk
+    return status, location, body, limit
+
+
+def _unreachable(e: Exception, sent: bool, url: str, endpoint: str, where: str) -> "SglangUnreachableError":
+    if sent:  # the request went out: the server may have acted on it before it went away
+        return SglangUnreachableError(endpoint, f"the server dropped the connection before answering in full "
+                                      f"({type(e).__name__}: {_short(e)}); did it stop or restart? Check its log",
+                                      where)
+    return SglangUnreachableError(endpoint, f"cannot reach the server ({type(e).__name__}: {_short(e)}); is it "
+                                  f"running at {url}?", where)
 
 
 def _check_declared_length(declared: Optional[str], limit: int, endpoint: str, where: str) -> None:

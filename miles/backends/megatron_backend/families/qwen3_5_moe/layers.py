@@ -1,4 +1,4 @@
-"""The megatron-core layer spec of Qwen3.5-MoE (``qwen3_5_moe.py`` says what it must compute), without
+"""The megatron-core layer spec of Qwen3.5-MoE (``__init__.py`` says what it must compute), without
 Transformer Engine.
 
 megatron-core 0.19.2's own hybrid spec (``get_transformer_block_with_experimental_attention_variant_spec``)
@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 from packaging.version import Version
+
+from ..family import BlockOptions, stage_of
 
 __all__ = ["ZeroCenteredRMSNorm", "GatedDeltaNetOutputNorm", "block_spec", "fla_gated_backward_is_exact",
            "gated_delta_rule_kwargs"]
@@ -95,8 +97,9 @@ class GatedDeltaNetOutputNorm(torch.nn.Module):
         return self.weight * _rms_normalized(x, self.eps).to(x.dtype)
 
 
-def block_spec(config: Any):
-    """``TransformerBlockSubmodules`` for a ``TransformerConfig`` made from a Qwen3.5-MoE config."""
+def block_spec(config: Any, options: BlockOptions) -> tuple[Any, bool]:
+    """``TransformerBlockSubmodules`` of stage ``options.pp_rank`` for a ``TransformerConfig`` made from a
+    Qwen3.5-MoE config, and False: never Transformer Engine's."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -118,4 +121,5 @@ def block_spec(config: Any):
             sharded_state_dict_keys_map={}))  # the local spec's map is for norms fused into linears: none here
         for linear in config.linear_attention_freq
     ]
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=ZeroCenteredRMSNorm)
+    block = TransformerBlockSubmodules(layer_specs=layers, layer_norm=ZeroCenteredRMSNorm)
+    return stage_of(block, config, options.pp_rank), False

@@ -12,9 +12,9 @@ import logging
 import os
 from typing import Any
 
-from miles.config.environment import Environment
 from miles.config.errors import ArgumentError
 from miles.config.run_config import RunConfig
+from miles.preflight.environment import Environment
 
 __all__ = ["check_model_folder", "LINEAR_ATTENTION_INSTALL"]
 
@@ -56,10 +56,10 @@ def check_model_folder(d: RunConfig, env: Environment) -> None:
 
 
 def _check_model_type(config_path: str, model_type: str, backend: str) -> None:
-    """The megatron backend builds the families of its architecture table; the torch backend any causal LM
-    transformers builds (its AutoModelForCausalLM table)."""
+    """The megatron backend builds the families of its registry (its ``families`` package); the torch backend
+    any causal LM transformers builds (its AutoModelForCausalLM table)."""
     if backend == "megatron":
-        from miles.backends.megatron_backend.architecture import SUPPORTED_MODEL_TYPES
+        from miles.backends.megatron_backend.families import SUPPORTED_MODEL_TYPES
 
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ArgumentError(f"--hf-checkpoint {config_path}: model_type {model_type[:80]!r} is not built by "
@@ -83,11 +83,12 @@ def _check_model_type(config_path: str, model_type: str, backend: str) -> None:
 def _check_linear_attention_kernels(config: dict[str, Any], backend: str, dry_run: bool, env: Environment) -> None:
     """Qwen3.5-MoE's Gated DeltaNet layers on GPUs: megatron-core's need flash-linear-attention (module ``fla``;
     a dry run, which starts no backend, only says so), transformers' run a slow torch loop without it."""
-    from miles.backends.megatron_backend.families.qwen3_5_moe_config import MODEL_TYPES
+    from miles.backends.megatron_backend.families import LINEAR_ATTENTION_MODEL_TYPES
 
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    model_type = config["model_type"] if config["model_type"] in MODEL_TYPES else text.get("model_type")
-    if model_type not in MODEL_TYPES or not env.cuda_available() or env.has_module("fla"):
+    model_type = (config["model_type"] if config["model_type"] in LINEAR_ATTENTION_MODEL_TYPES
+                  else text.get("model_type"))
+    if model_type not in LINEAR_ATTENTION_MODEL_TYPES or not env.cuda_available() or env.has_module("fla"):
         return
     if backend == "megatron" and not dry_run:
         raise ArgumentError(f"--hf-checkpoint is a {model_type} model, whose Gated DeltaNet layers megatron-core "

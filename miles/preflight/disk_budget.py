@@ -3,7 +3,7 @@
 One model, `miles plan`'s (:mod:`miles.sizing.estimate`): :func:`rank_disk_need` is what one train rank
 writes to its node's disk for this run's layout (TP, PP, DP and EP; the rank of the largest stage), from the
 stores the run will build (:mod:`miles_plugins.optimizers.streaming.footprint`). Two callers:
-:func:`miles.config.validation.validate_args`, before Ray starts, for the ranks that land on the driver's
+:func:`miles.preflight.validation.validate_args`, before Ray starts, for the ranks that land on the driver's
 filesystem (:func:`disk_budget`, with the checkpoint where ``--save`` lives), and :mod:`miles.ray.node_disk`,
 once Ray has placed the ranks, for every node.
 

@@ -11,12 +11,12 @@ resolved, or raises exactly one :class:`ArgumentError` naming the conflicting fl
 starts nothing and creates nothing (writability is probed with an anonymous temporary file).
 
 Besides flag combinations (the rules here) it rejects, before any actor starts (the disk and machine
-checks live in :mod:`miles.config.resource_checks`, the probes in :mod:`miles.config.environment`):
+checks live in :mod:`miles.preflight.resource_checks`, the probes in :mod:`miles.preflight.environment`):
 
 - a ``--hf-checkpoint`` folder whose config.json (read bounded) is not a JSON object with a ``model_type`` the
   backend builds and the model's sizes as integers in range (each family's rules: a MoE's top-k, a Gated
   DeltaNet's heads), whose tokenizer files are missing or not loadable, or whose weights hold an integer
-  parameter (:mod:`miles.config.model_checks`): transformers would otherwise allocate its default sizes, fail
+  parameter (:mod:`miles.preflight.model_checks`): transformers would otherwise allocate its default sizes, fail
   in an actor, or train integers cast to floats;
 - a flag that would change nothing in the chosen configuration, naming what would make it count
   (:mod:`miles.config.effective_flags`; "given" means "differs from the parser default");
@@ -30,7 +30,7 @@ checks live in :mod:`miles.config.resource_checks`, the probes in :mod:`miles.co
   and removes (``trainer/``, ``optimizer_state/``, ``rollout/`` under the root, and the root itself when
   it does not exist yet): it would be deleted with them;
 - a filesystem with less free space than the run will write there, computed from the model size
-  (:mod:`miles.config.disk_budget`: streamed state, trainer offload, and the
+  (:mod:`miles.preflight.disk_budget`: streamed state, trainer offload, and the
   checkpoint copy when ``--save`` is on the same filesystem). When the run joins an existing cluster
   (``RAY_ADDRESS``), the root's filesystem is the driver's node's disk only: it must hold what the ranks
   that can land on that node write; every node's disk is checked once Ray has placed the ranks
@@ -64,14 +64,14 @@ import os
 
 from miles.config.arguments import CONFIG_GROUPS, STREAM_FLAG, ModelConfig, flag_name, range_problem
 from miles.config.effective_flags import first_ineffective_flag, is_given
-from miles.config.environment import Environment
 from miles.config.errors import ArgumentError
-from miles.config.model_checks import check_model_folder
-from miles.config.parallel_checks import check_parallel
 from miles.config.paths import ROLLOUT_ID_PLACEHOLDER, RunPaths, default_root, new_run_id, rollout_data_path
-from miles.config.resource_checks import (check_disk, check_fits_this_machine, check_outputs_outside_scratch,
-                                          check_root_is_the_runs_own)
 from miles.config.run_config import STORE_FIELD_FLAGS, RunConfig, field_value, store_config
+from miles.preflight.environment import Environment
+from miles.preflight.model_checks import check_model_folder
+from miles.preflight.parallel_checks import check_parallel
+from miles.preflight.resource_checks import (check_disk, check_fits_this_machine, check_outputs_outside_scratch,
+                                             check_root_is_the_runs_own)
 from miles_plugins.optimizers.streaming.errors import StoreConfigError
 
 # ArgumentError and Environment are re-exported: validate_args raises the one and takes the other
@@ -162,6 +162,39 @@ def _check_batching(d: RunConfig) -> None:
             "--use-dynamic-batch-size needs --max-tokens-per-gpu: the token budget is what fills each micro-batch.",
             ("--use-dynamic-batch-size", "--max-tokens-per-gpu"),
             "add --max-tokens-per-gpu N (e.g. 16384), or drop --use-dynamic-batch-size.")
+
+
+def _check_importance_sampling(d: RunConfig) -> None:
+    training = d.training
+    if training.tis_clip_low >= training.tis_clip:
+        raise ArgumentError(
+            f"--tis-clip-low ({training.tis_clip_low}) must be below --tis-clip ({training.tis_clip}): they bound "
+            "each token's importance weight from below and above.", ("--tis-clip-low", "--tis-clip"),
+            "lower --tis-clip-low or raise --tis-clip (upstream's defaults: 0 and 2).")
+
+
+def _check_routing_replay(d: RunConfig, env: Environment) -> None:
+    """--use-rollout-routing-replay: a policy with MoE routers miles records and replays (read from the
+    ``--hf-checkpoint`` config.json, which _check_model has checked; the default models are dense). Both engines
+    record routes (sglang through its routed-experts capture); both backends replay them at every layout."""
+    if not d.training.use_rollout_routing_replay:
+        return
+    flag = "--use-rollout-routing-replay"
+    if not d.model.hf_checkpoint:
+        raise ArgumentError(f"{flag} needs a mixture-of-experts policy; the default model is dense.", (flag,),
+                            "pass --hf-checkpoint with a MoE model (e.g. Qwen3-30B-A3B), or drop the flag.")
+    from miles.routing.routers import route_shape_of_config
+    from miles.routing.routes import UnsupportedRouterError
+
+    config = env.read_json(os.path.join(d.model.hf_checkpoint, "config.json"))
+    try:
+        shape = route_shape_of_config(config)
+    except UnsupportedRouterError as e:
+        raise ArgumentError(f"{flag}: {e}.", (flag, "--hf-checkpoint"), "drop the flag for this model.") from None
+    if shape is None:
+        raise ArgumentError(f"{flag}: --hf-checkpoint {d.model.hf_checkpoint} (model_type "
+                            f"{config.get('model_type')!r}) has no MoE layer: there are no routes to replay.",
+                            (flag, "--hf-checkpoint"), "drop the flag for dense models.")
 
 
 def _check_flags_take_effect(d: RunConfig, env: Environment) -> None:
@@ -470,6 +503,8 @@ def validate_args(args: argparse.Namespace, env: Environment | None = None) -> R
     _check_model(draft, env)
     _check_streaming(draft)
     _check_batching(draft)
+    _check_importance_sampling(draft)
+    _check_routing_replay(draft, env)
     _check_flags_take_effect(draft, env)
     _check_backend(draft, env)
     _check_rollout(draft, env)

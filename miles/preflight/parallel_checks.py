@@ -8,11 +8,11 @@ flags, the values and the fix.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
-from miles.config.environment import Environment
 from miles.config.errors import ArgumentError
 from miles.config.run_config import RunConfig
+from miles.preflight.environment import Environment
 from miles.parallel.layout import (DEFAULT_EXPERT_TENSOR_PARALLEL_SIZE, EP_FLAG, FIRST_STAGE_FLAG, LAST_STAGE_FLAG,
                                    PP_FLAG, SP_FLAG, TP_FLAG, ETP_FLAG, LayoutError, check_layout)
 

@@ -1,17 +1,17 @@
 """Where a ``miles train`` run writes, and what this machine must hold: the checks of validation that look
-at disks and host resources (through the :class:`~miles.config.environment.Environment`, never directly).
+at disks and host resources (through the :class:`~miles.preflight.environment.Environment`, never directly).
 
 - every directory the run writes is a writable directory, or can be created as one below an existing
   parent (one rule for --offload-train-disk-dir, --save, the metrics file's folder, --tensorboard-dir: the run
   creates the directory a flag names, never its missing parents, and logs each it creates: RunConfig.creates);
-- each filesystem has the free space the run will write there (:mod:`miles.config.disk_budget`; joining a
+- each filesystem has the free space the run will write there (:mod:`miles.preflight.disk_budget`; joining a
   cluster, the driver node's share only: :mod:`miles.ray.node_disk` checks every node once Ray placed the ranks);
 - the root is the run's own (not ``/``, a system directory or the home directory), and no output lies in
   a directory the run removes when it ends;
 - the placement group fits this machine's CPUs when the run starts its own Ray, colocated engines fit
   the train ranks, and the train ranks' host tiers fit the memory available here.
 
-:func:`miles.config.validation.validate_args` calls them once the arguments are resolved (absolute
+:func:`miles.preflight.validation.validate_args` calls them once the arguments are resolved (absolute
 paths, ``offload_train`` set): the resolved :class:`~miles.config.run_config.RunConfig`; each raises one :class:`~miles.config.errors.ArgumentError`.
 """
 
@@ -21,11 +21,11 @@ import logging
 import os
 from typing import Optional
 
-from miles.config.disk_budget import GIB, disk_budget, model_tensors_of_run, ranks_on_driver_node
 from miles.config.arguments import ClusterConfig
-from miles.config.environment import Environment
 from miles.config.errors import ArgumentError
 from miles.config.run_config import RunConfig, field_value
+from miles.preflight.disk_budget import GIB, disk_budget, model_tensors_of_run, ranks_on_driver_node
+from miles.preflight.environment import Environment
 from miles_plugins.optimizers.streaming.config import HOST_CACHE_AUTO
 from miles_plugins.host.ownership import path_within, system_directory_reason
 from miles_plugins.optimizers.streaming.units import MiB
@@ -138,7 +138,7 @@ def _check_output_directories(cfg: RunConfig, env: Environment,
 
 def check_disk(cfg: RunConfig, env: Environment, metrics_is_default: bool) -> tuple[str, ...]:
     """Every directory the run writes is usable, and its filesystem holds what the run will write there
-    (:mod:`miles.config.disk_budget`); ``a`` is resolved (absolute paths, offload_train set). Returns the
+    (:mod:`miles.preflight.disk_budget`); ``a`` is resolved (absolute paths, offload_train set). Returns the
     directories the run will create (:attr:`~miles.config.run_config.RunConfig.creates`)."""
     root, save, creates = _check_output_directories(cfg, env, metrics_is_default)
 

@@ -1,7 +1,7 @@
 """What ``miles train``'s validation may look at besides the arguments: this machine and its files.
 
 :class:`Environment` holds probes (callables, so that probing is lazy: CUDA is probed only when a rule
-needs it) and a few values; :func:`miles.config.validation.validate_args` asks it, never the machine
+needs it) and a few values; :func:`miles.preflight.validation.validate_args` asks it, never the machine
 directly, so a test passes a fixed one and validation stays a pure function of (arguments, environment).
 """
 
