@@ -15,7 +15,7 @@ from typing import Any, Optional
 from .errors import UnsupportedModelError
 from .tp_shards import GPT_RULES, TpRules
 
-__all__ = ["Architecture", "UnsupportedModelError", "rope_theta", "require_silu", "reject"]
+__all__ = ["Architecture", "UnsupportedModelError", "rope_settings", "theta_of", "rope_theta", "require_silu", "reject"]
 
 
 @dataclass(frozen=True)
@@ -66,18 +66,27 @@ class Architecture:
         return bool(self.moe_layers) and self.moe_layers[layer]
 
 
-def rope_theta(hf_config: Any) -> float:
-    """transformers >= 5 keeps rope settings in ``rope_parameters``; 4.x in ``rope_theta``/``rope_scaling``."""
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    scaling = getattr(hf_config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise UnsupportedModelError(f"rope type {rope_type!r} is not supported by the Megatron backend (only the "
-                                    "default rotary embedding); use a config without rope scaling")
+def rope_settings(hf_config: Any) -> tuple[str, dict[str, Any]]:
+    """``(rope_type, parameters)``: transformers >= 5 keeps rope settings in ``rope_parameters``, 4.x in
+    ``rope_theta``/``rope_scaling`` (merged, the former winning)."""
+    params = {**(getattr(hf_config, "rope_scaling", None) or {}), **(getattr(hf_config, "rope_parameters", None) or {})}
+    return params.get("rope_type") or params.get("type") or "default", params
+
+
+def theta_of(hf_config: Any, params: dict[str, Any]) -> float:
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
     if theta is None:
         raise UnsupportedModelError("the config has no rope_theta (neither rope_parameters['rope_theta'] nor rope_theta)")
     return float(theta)
+
+
+def rope_theta(hf_config: Any) -> float:
+    """The theta of the default rotary embedding (any other rope type is refused)."""
+    rope_type, params = rope_settings(hf_config)
+    if rope_type != "default":
+        raise UnsupportedModelError(f"rope type {rope_type!r} is not supported by the Megatron backend (only the "
+                                    "default rotary embedding); use a config without rope scaling")
+    return theta_of(hf_config, params)
 
 
 def require_silu(hf_config: Any) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..architecture import rope_theta
+from ..architecture import rope_settings, theta_of
 from ..errors import UnsupportedModelError
 from ..tp_shards import TpRules
 from ..weight_rules import Rule, layer_prefixes
@@ -76,16 +76,13 @@ def read_mla(hf_config: Any) -> Mla:
 def read_mla_rope(hf_config: Any) -> tuple[float, Optional[Yarn]]:
     """``(rope_theta, yarn)`` of an MLA config: the default rotary embedding (yarn None) or YaRN as transformers
     computes it; raises :class:`UnsupportedModelError` for what megatron's MLA cannot reproduce exactly."""
-    params = {**(getattr(hf_config, "rope_scaling", None) or {}), **(getattr(hf_config, "rope_parameters", None) or {})}
-    rope_type = params.get("rope_type") or params.get("type") or "default"
+    rope_type, params = rope_settings(hf_config)
     if rope_type == "default":
-        return rope_theta(hf_config), None
+        return theta_of(hf_config, params), None
     if rope_type != "yarn":
         raise UnsupportedModelError(f"rope type {rope_type!r} is not supported by the Megatron backend's multi-latent "
                                     "attention (the default rotary embedding or YaRN); use a config with either")
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    if theta is None:
-        raise UnsupportedModelError("the config has no rope_theta (neither rope_parameters['rope_theta'] nor rope_theta)")
+    theta = theta_of(hf_config, params)
     fixed = {"attention_factor": None, "partial_rotary_factor": 1.0, "truncate": True}
     for field, megatrons in fixed.items():
         if params.get(field, megatrons) != megatrons:
