@@ -9,16 +9,19 @@ greedy tokens and the same recorded routes (routing replay hooks the routers, wh
 """
 
 import copy
-import functools
 import logging
+import os
+import sys
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tiny_models import TOKENIZER, tiny_model  # noqa: E402
+
 from miles.models import (  # noqa: E402
-    build_tiny_tokenizer,
     experts_implementation,
     load_policy,
     random_model_config,
@@ -29,23 +32,15 @@ from miles.rollout.types import SamplingParams  # noqa: E402
 from miles.sizing.model_params import VOCAB_PAD_MULTIPLE, model_tensors  # noqa: E402
 from miles.sizing.presets import PRESETS, QWEN3_30B_A3B, RANDOM_MODEL_PRESETS  # noqa: E402
 
-TOKENIZER = build_tiny_tokenizer()
 MOE_PRESETS = ("qwen3-moe-tiny", "mixtral-tiny", "glm5-tiny", "qwen3.5-moe-tiny", "deepseek-v3-tiny")
 LOGITS_BOUND = 1e-6  # fp32 rounding of a different summation order, a few ulp of these logits
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21], [22, 23, 24]]
 
 
-@functools.lru_cache(maxsize=None)
-def _model(preset):
-    config = random_model_config(preset, len(TOKENIZER), bos_token_id=TOKENIZER.bos_token_id,
-                                 eos_token_id=TOKENIZER.eos_token_id, pad_token_id=TOKENIZER.pad_token_id)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
 def _with_experts(preset, implementation):
-    model = copy.deepcopy(_model(preset))
+    model = copy.deepcopy(tiny_model(preset))
     model.set_experts_implementation(implementation)
     return model
 

@@ -17,12 +17,15 @@ than the perturbed model's own routing does.
 
 import copy
 import functools
+import os
+import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles.models import build_tiny_tokenizer, random_model_config
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tiny_models import TOKENIZER, tiny_model  # noqa: E402
 from miles.rl.loss import collate_samples, forward_logprobs
 from miles.rollout.embedded import EmbeddedRolloutEngine
 from miles.rollout.types import SamplingParams
@@ -31,21 +34,12 @@ from miles.routing.record import RouteRecorder
 from miles.routing.replay import RouteReplay
 from miles.routing.routers import find_routers, route_shape, route_shape_of_config
 
-TOKENIZER = build_tiny_tokenizer()
 SOFTMAX_PRESETS = ("qwen3-moe-tiny", "qwen3.5-moe-tiny", "mixtral-tiny")
 SIGMOID_PRESETS = ("glm5-tiny", "deepseek-v3-tiny")
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16], [17, 18, 19]]
 MAX_NEW_TOKENS = 6
 
 
-@functools.lru_cache(maxsize=None)
-def _model(preset):
-    """The preset's model, built once (tests perturb copies of it; gradients are all they write to it)."""
-    config = random_model_config(preset, len(TOKENIZER), bos_token_id=TOKENIZER.bos_token_id,
-                                 eos_token_id=TOKENIZER.eos_token_id, pad_token_id=TOKENIZER.pad_token_id)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(config).eval()
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,7 +93,7 @@ def _response_logprobs(logprobs, batch):
                                                   ("qwen3-moe-tiny", True), ("mixtral-tiny", True),
                                                   ("deepseek-v3-tiny", True)])
 def test_generate_records_the_experts_a_full_forward_chooses(preset, static_cache):
-    model = _model(preset)
+    model = tiny_model(preset)
     samples = _recorded_samples(model, static_cache)
     shape = route_shape(model)
     assert len({len(s.response_ids) for s in samples}) > 1, "rows of different lengths: padding and early stops"
@@ -111,19 +105,19 @@ def test_generate_records_the_experts_a_full_forward_chooses(preset, static_cach
 
 
 def test_the_engine_records_nothing_unless_asked_and_refuses_a_dense_model():
-    engine = EmbeddedRolloutEngine(model=copy.deepcopy(_model("qwen3-moe-tiny")), tokenizer=TOKENIZER, device="cpu")
+    engine = EmbeddedRolloutEngine(model=copy.deepcopy(tiny_model("qwen3-moe-tiny")), tokenizer=TOKENIZER, device="cpu")
     assert all(s.routes is None for s in engine.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW_TOKENS)))
     engine.close()
     with pytest.raises(ValueError, match="recording routes needs an MoE model; LlamaForCausalLM has no MoE router"):
-        EmbeddedRolloutEngine(model=copy.deepcopy(_model("llama-tiny")), tokenizer=TOKENIZER, device="cpu",
+        EmbeddedRolloutEngine(model=copy.deepcopy(tiny_model("llama-tiny")), tokenizer=TOKENIZER, device="cpu",
                               record_routes=True)
 
 
 def test_route_shapes_of_a_config_and_of_its_model_agree():
     for preset in SOFTMAX_PRESETS + SIGMOID_PRESETS:
-        model = _model(preset)
+        model = tiny_model(preset)
         assert route_shape_of_config(model.config.to_dict()) == route_shape(model) is not None, preset
-    assert route_shape_of_config(_model("llama-tiny").config.to_dict()) is None
+    assert route_shape_of_config(tiny_model("llama-tiny").config.to_dict()) is None
 
 
 def _with_own_routes(model, samples):
@@ -144,8 +138,8 @@ def _with_own_routes(model, samples):
 @pytest.mark.parametrize("preset", SOFTMAX_PRESETS + SIGMOID_PRESETS)
 def test_replaying_a_forward_s_own_routes_changes_nothing(preset, dtype):
     """Bitwise: the family's gate weights recomputed over its own choice, in its order, are the router's."""
-    model = copy.deepcopy(_model(preset)).to(dtype)
-    samples, batch, natural = _with_own_routes(model, _recorded_samples(_model(preset)))
+    model = copy.deepcopy(tiny_model(preset)).to(dtype)
+    samples, batch, natural = _with_own_routes(model, _recorded_samples(tiny_model(preset)))
     replayed, replay = _logprobs(model, batch, samples)
     assert torch.equal(replayed, natural)
     assert replay.mismatch_shares() == [0.0] * len(find_routers(model))
@@ -160,7 +154,7 @@ def _perturb_all_routers(model, seed=1):
 
 @pytest.mark.parametrize("preset", SOFTMAX_PRESETS + SIGMOID_PRESETS)
 def test_replay_gives_the_trainer_the_recorded_experts_in_every_layer(preset):
-    model = _model(preset)
+    model = tiny_model(preset)
     samples = _recorded_samples(model)
     batch = _batch(samples)
     perturbed = copy.deepcopy(model)
@@ -183,7 +177,7 @@ def test_replay_gives_the_trainer_the_recorded_experts_in_every_layer(preset):
 
 @pytest.mark.parametrize("preset", SIGMOID_PRESETS)
 def test_replay_undoes_a_perturbed_selection_bias_exactly(preset):
-    model = _model(preset)
+    model = tiny_model(preset)
     samples, batch, unperturbed = _with_own_routes(model, _recorded_samples(model)[:1])
     perturbed = copy.deepcopy(model)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
@@ -199,7 +193,7 @@ def test_replay_undoes_a_perturbed_selection_bias_exactly(preset):
 
 @pytest.mark.parametrize("preset", SOFTMAX_PRESETS)
 def test_replay_undoes_perturbed_rows_of_unchosen_experts_up_to_rounding(preset):
-    model = _model(preset)
+    model = tiny_model(preset)
     samples, batch, unperturbed = _with_own_routes(model, _recorded_samples(model)[:1])
     recorded = samples[0].routes.expert_ids()
     perturbed = copy.deepcopy(model)
@@ -225,7 +219,7 @@ def test_replay_undoes_perturbed_rows_of_unchosen_experts_up_to_rounding(preset)
 
 @pytest.mark.parametrize("preset", SOFTMAX_PRESETS + SIGMOID_PRESETS)
 def test_gradients_reach_the_routers_under_replay(preset):
-    model = _model(preset)
+    model = tiny_model(preset)
     samples, batch, _ = _with_own_routes(model, _recorded_samples(model))
     routers = [site.module.weight for site in find_routers(model)]
 
@@ -252,7 +246,7 @@ def test_gradients_reach_the_routers_under_replay(preset):
 
 
 def test_a_replay_refuses_routes_of_another_length_and_a_forward_of_another_grid():
-    model = _model("qwen3-moe-tiny")
+    model = tiny_model("qwen3-moe-tiny")
     samples = _recorded_samples(model)
     batch = _batch(samples)
     short = batch["attention_mask"].clone()
