@@ -95,8 +95,9 @@ class TrainEngine(abc.ABC):
         returns the policy's description."""
 
     @abc.abstractmethod
-    def policy_config(self) -> dict[str, Any]:
-        """The policy's transformers config as a dict (what :func:`miles.sizing.flops.model_flops` reads)."""
+    def policy_flops(self) -> Any:
+        """The policy's FLOP coefficients (:class:`miles.sizing.flops.ModelFlops`), counted from the model as this
+        engine builds it; ``ModelConfigError`` when they cannot be counted."""
 
     @abc.abstractmethod
     def describe(self) -> dict[str, Any]:

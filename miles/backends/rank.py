@@ -44,8 +44,8 @@ import torch.distributed as dist
 from miles import checkpoint
 from miles.config import RunConfig, store_config
 from miles.offload.plan import EngineNeeds
-from miles.sizing.flops import model_flops, peak_bf16_flops, train_flops
-from miles.sizing.model_params import ModelConfigError
+from miles.sizing.flops import peak_bf16_flops, train_flops
+from miles.sizing.tensors import ModelConfigError
 from miles_plugins.host.ownership import DirectoryLock, claim_directory, remove_created
 from miles_plugins.optimizers.nvme_stream import stream_optimizer_state
 
@@ -163,7 +163,7 @@ class TrainRank:
         device = self.engine.device
         peak = peak_bf16_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else None)
         try:
-            return model_flops(self.engine.policy_config(), name="the policy"), peak
+            return self.engine.policy_flops(), peak
         except ModelConfigError as e:
             logger.warning("rank %d: model FLOPs not counted, so no train_mfu: %s", self.rank, e)
             return None, peak

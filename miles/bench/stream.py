@@ -36,8 +36,8 @@ import time
 
 import torch
 
-from miles.sizing.model_params import STAND_IN_TENSORS, stand_in_numels
 from miles.sizing.store_plan import moment_bytes_per_param
+from miles.sizing.tensors import STAND_IN_TENSORS, stand_in_numels
 from miles_plugins.optimizers.streaming.config import DEFAULT_CHUNK_MB, DEFAULT_DEPTH, DEFAULT_IO_THREADS, MOMENT_DTYPES
 from miles_plugins.optimizers.streaming.units import GB, MiB
 

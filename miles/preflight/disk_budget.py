@@ -73,13 +73,15 @@ class DiskBudget:
         return " + ".join(f"{n / GIB:.2f} GiB {what}" for n, what in terms if n) or "nothing"
 
 
-def model_tensors_of_run(model_source: str, hf_config: dict | None, tp: int = 1):
+def model_tensors_of_run(model_source: str, hf_config: dict | None, tp: int = 1, backend: str = "torch"):
     """The policy's tensors as :mod:`miles.sizing` counts them (a ``ModelTensors``, dense and expert apart):
-    from ``--hf-checkpoint``'s config.json, the embedded default's count, or the tiny model's config. None
-    when the config describes an architecture the counter does not know (the free-space checks are then
-    skipped rather than guessed). ``tp``: the tensor-parallel size the vocabulary is padded for (Megatron's
-    128 x TP)."""
-    from miles.sizing.model_params import ModelConfigError, flat_model, model_tensors
+    from ``--hf-checkpoint``'s config.json (the megatron backend's model through its family, without the
+    multi-token-prediction layers it does not build; the torch backend's as transformers lays it out), the
+    embedded default's count, or the tiny model's config. None when the config describes an architecture the
+    counter does not know (the free-space checks are then skipped rather than guessed; the model checks say
+    what is wrong with it). ``tp``: the tensor-parallel size the vocabulary is padded for (Megatron's 128 x TP)."""
+    from miles.sizing.model_params import model_tensors
+    from miles.sizing.tensors import ModelConfigError, flat_model
 
     if model_source == "smollm2":
         return flat_model(SMOLLM2_PARAMS, name="SmolLM2-135M-Instruct")
@@ -88,6 +90,13 @@ def model_tensors_of_run(model_source: str, hf_config: dict | None, tp: int = 1)
 
         # the tiny char vocabulary is under 128 tokens; the counter pads any vocabulary to 128
         return model_tensors({**TINY_MODEL_CONFIG, "vocab_size": 128}, "tiny", tp=tp)
+    if backend == "megatron":
+        from miles.backends.megatron_backend.families import UnsupportedModelError, count_tensors, read_config
+
+        try:
+            return count_tensors(read_config(hf_config, "--hf-checkpoint"), "--hf-checkpoint", tp=tp, mtp=False)
+        except (ModelConfigError, UnsupportedModelError):
+            return None
     try:
         return model_tensors(hf_config or {}, "--hf-checkpoint", tp=tp)
     except (ModelConfigError, KeyError, TypeError, ValueError):

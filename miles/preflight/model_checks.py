@@ -1,5 +1,6 @@
 """A ``--hf-checkpoint`` folder judged before anything allocates the model: its config.json (read bounded; the
-sizes and each family's rules: :func:`miles.models.check_hf_config`), a ``model_type`` the chosen backend builds,
+sizes and each family's rules: :func:`miles.models.check_hf_config`), a ``model_type`` the chosen backend builds
+(the megatron backend's: read by its family as the trainer reads it),
 the kernels a Gated DeltaNet model needs on GPUs, the tokenizer files (:func:`miles.models.check_tokenizer_files`)
 and the weights' dtypes and vocabulary rows (:func:`miles.models.check_weights`). Each problem is one :class:`ArgumentError`
 naming the file, the value and the fix.
@@ -47,6 +48,8 @@ def check_model_folder(d: RunConfig, env: Environment) -> None:
     except ModelFolderError as e:
         raise ArgumentError(f"--hf-checkpoint {config_path}: {e.problem}.", ("--hf-checkpoint",), f"{e.fix}.") from None
     _check_model_type(config_path, config["model_type"], backend)
+    if backend == "megatron":
+        _check_megatron_reads(config_path, config)
     _check_linear_attention_kernels(config, backend, d.cluster.dry_run, env)
     try:
         check_tokenizer_files(folder, env.is_file, env.has_module)
@@ -78,6 +81,23 @@ def _check_model_type(config_path: str, model_type: str, backend: str) -> None:
                             f"among them {', '.join(close)}, ...).", ("--hf-checkpoint",),
                             "pass the folder of a model transformers supports (its config.json's model_type), or "
                             "upgrade transformers if the model is newer than it.")
+
+
+def _check_megatron_reads(config_path: str, config: dict[str, Any]) -> None:
+    """The config read as the trainer will read it (its family's reading): what the backend cannot build
+    exactly is refused now, in the trainer's words, instead of on every rank after Ray started."""
+    from miles.backends.megatron_backend.families import UnsupportedModelError, read_config
+    from miles.sizing.tensors import ModelConfigError
+
+    try:
+        read_config(config, config_path)
+    except UnsupportedModelError as e:
+        raise ArgumentError(f"--hf-checkpoint {config_path}: {e}.", ("--hf-checkpoint", "--train-backend"),
+                            "change that field if the model really has that value, or use --train-backend torch "
+                            "(it trains what transformers builds).") from None
+    except ModelConfigError as e:
+        raise ArgumentError(f"--hf-checkpoint {e}.", ("--hf-checkpoint",), "pass a folder whose config.json is the "
+                            "model's own transformers config.") from None
 
 
 def _check_linear_attention_kernels(config: dict[str, Any], backend: str, dry_run: bool, env: Environment) -> None:

@@ -22,33 +22,24 @@ EXPERIMENTAL_MODEL_PARALLEL_FLAG = "--experimental-model-parallel"
 
 
 def model_parallel_sizes(d: RunConfig, env: Environment) -> dict[str, Any]:
-    """The policy's sizes the layout rules read (None where unknown here: a size is then not checked)."""
-    from miles.models import TINY_MODEL_CONFIG
-    from miles.sizing.model_params import ModelConfigError, num_experts, text_config
-
+    """The policy's sizes the layout rules read (None where unknown here: a size is then not checked): a
+    checkpoint's as the megatron backend's family of it reads them, the tiny model's from its config."""
     unknown = dict(num_layers=None, num_attention_heads=None, num_query_groups=None, num_experts=None,
                    indexer_layers=None, linear_key_heads=None, linear_value_heads=None)
     if d.model_source == "tiny":
-        config = dict(TINY_MODEL_CONFIG)
-    elif d.model_source == "hf_checkpoint":
-        try:
-            config = text_config(env.read_json(os.path.join(d.model.hf_checkpoint, "config.json")))
-        except (OSError, ValueError, AttributeError, ModelConfigError):
-            return unknown  # the model checks report an unreadable config.json in their own words
-    else:
+        from miles.models import TINY_MODEL_CONFIG as tiny
+
+        return dict(unknown, num_layers=tiny["num_hidden_layers"], num_attention_heads=tiny["num_attention_heads"],
+                    num_query_groups=tiny["num_key_value_heads"], num_experts=0)
+    if d.model_source != "hf_checkpoint":
         return unknown
-    heads = config.get("num_attention_heads")
+    from miles.backends.megatron_backend.families import layout_sizes, read_config
+
+    config_path = os.path.join(d.model.hf_checkpoint, "config.json")
     try:
-        experts = num_experts(config)
-    except (ModelConfigError, TypeError, ValueError):
-        experts = None
-    types = config.get("indexer_types")  # GLM-5's sparse attention: "full" computes its own top-k, "shared" reuses
-    indexer_layers = ([t == "full" for t in types] if isinstance(types, list)
-                      and len(types) == config.get("num_hidden_layers") else None)
-    return dict(num_layers=config.get("num_hidden_layers"), num_attention_heads=heads,
-                num_query_groups=config.get("num_key_value_heads", heads), num_experts=experts,
-                indexer_layers=indexer_layers, linear_key_heads=config.get("linear_num_key_heads"),
-                linear_value_heads=config.get("linear_num_value_heads"))
+        return dict(unknown, **layout_sizes(read_config(env.read_json(config_path), config_path)))
+    except (OSError, ValueError):  # the model checks report an unreadable or unbuildable config.json in their words
+        return unknown
 
 
 def _given_model_parallel_flags(d: RunConfig) -> list[tuple[str, str]]:

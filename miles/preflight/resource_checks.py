@@ -110,7 +110,8 @@ def _model_tensors(cfg: RunConfig, env: Environment):
             hf_config = env.read_json(os.path.join(cfg.model.hf_checkpoint, "config.json"))
         except (OSError, ValueError):
             return None  # the model loader reports an unreadable config.json with its own words
-    return model_tensors_of_run(cfg.model_source, hf_config, tp=cfg.training.tensor_model_parallel_size)
+    return model_tensors_of_run(cfg.model_source, hf_config, tp=cfg.training.tensor_model_parallel_size,
+                                backend=cfg.training.train_backend)
 
 
 def _check_output_directories(cfg: RunConfig, env: Environment,

@@ -26,9 +26,9 @@ from typing import Callable, Optional, Sequence
 
 from miles.config import RunConfig
 from miles.preflight.disk_budget import model_tensors_of_run, rank_disk_need
-from miles.sizing.model_params import ModelTensors
 from miles.sizing.estimate import GB, SizingError
 from miles.sizing.sharding import LayoutError
+from miles.sizing.tensors import ModelTensors
 
 from . import layout
 
@@ -163,7 +163,8 @@ def check_node_disks(cfg: RunConfig, pg) -> list[NodeDisk]:
 
     if not cfg.uses_rank_dirs:
         return []
-    model = model_tensors_of_run(cfg.model_source, _hf_config(cfg), tp=cfg.training.tensor_model_parallel_size)
+    model = model_tensors_of_run(cfg.model_source, _hf_config(cfg), tp=cfg.training.tensor_model_parallel_size,
+                                 backend=cfg.training.train_backend)
     if model is None:  # as in validation: skipped, not guessed
         logger.warning("per-node disk check skipped: the model's architecture is unknown to `miles plan`")
         return []

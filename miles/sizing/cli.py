@@ -5,6 +5,10 @@
     miles plan --params 1.5B --nodes 1 --gpus-per-node 1 --from-bench bench.json
 
 `miles plan --help` lists every flag with its default. Also runs as `python -m miles.sizing.cli`.
+
+A model the megatron backend builds is read through its family (``miles.backends.megatron_backend.families``), as
+the trainer reads it: the plan sizes what the backend builds and refuses what it cannot build, in its words. Any
+other model type is sized as transformers lays it out, for the torch backend (data parallel only).
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from miles_plugins.optimizers.streaming.config import DEFAULT_BUCKET_NUMEL, MOME
 from .bounds import (BUCKET_NUMEL, CHECKPOINT_COPIES, HARDWARE, MAX_JSON_BYTES, PARALLEL_SIZE, PARAMS, PIPELINE_SIZE,
                      STAGE_LAYERS, TIMING, Bound, PlanInputError, check_bound, shown, shown_path)
 from .inputs import GB, GRAD_BYTES, Hardware, SizingError, Training, short_decimal
-from .model_params import ModelTensors, flat_model, model_tensors
+from .model_params import model_tensors
 from .presets import PRESET_NAMES, preset_arg, preset_config
 from .sharding import DEFAULT_ETP, Parallelism
+from .tensors import ModelConfigError, ModelTensors, flat_model
 
 # The estimate and the report are imported once the arguments parsed: the store's codecs they plan with need
 # torch (seconds to import), and a bad argument is refused before that.
@@ -222,7 +227,33 @@ def _model(args) -> ModelTensors:
         config, name = preset_config(args.preset), args.preset
     else:
         config, name = read_json_file("--config", args.config), args.config
-    return model_tensors(config, name, tp=args.tp, mtp=not args.no_mtp)
+    return read_model(config, name, args, mtp=not args.no_mtp)
+
+
+def read_model(config, name: str, args, mtp: bool) -> ModelTensors:
+    """The tensors of a config.json's model: through its family where the megatron backend builds it (a config it
+    refuses is refused here), else as transformers lays it out, which only a data-parallel layout trains."""
+    from miles.backends.megatron_backend.families import (SUPPORTED_MODEL_TYPES, UnsupportedModelError,
+                                                          count_tensors, read_config)
+
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type in SUPPORTED_MODEL_TYPES:
+        try:
+            return count_tensors(read_config(config, name), name, tp=args.tp, mtp=mtp)
+        except UnsupportedModelError as exc:
+            raise ModelConfigError(f"{shown_path(name)}: {exc} (--train-backend megatron would refuse it too; "
+                                   "--params sizes a parameter count without an architecture)") from None
+    tensors = model_tensors(config, name, tp=args.tp, mtp=mtp)  # a config it cannot count is refused first
+    what = f"model_type {shown(model_type)}" if model_type is not None else "a config without model_type"
+    model_parallel = [f"--{flag} {value}" for flag, value in (("tp", args.tp), ("pp", args.pp), ("ep", args.ep))
+                      if value > 1]
+    if model_parallel:
+        raise SizingError(f"{shown_path(name)}: {what} is not built by --train-backend megatron (it builds "
+                          f"{', '.join(SUPPORTED_MODEL_TYPES)}), and {' '.join(model_parallel)} needs it: plan the "
+                          "torch backend's data-parallel layout (--tp 1 --pp 1 --ep 1), or a model of those types")
+    print(f"miles plan: note: {shown_path(name)}: {what} is not built by --train-backend megatron: sized as "
+          "transformers lays it out (--train-backend torch trains it, data parallel only)", file=sys.stderr)
+    return tensors
 
 
 def _hardware(args) -> Hardware:

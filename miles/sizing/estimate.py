@@ -21,9 +21,9 @@ from miles_plugins.optimizers.streaming.footprint import StoreFootprint, smalles
 
 from .bounds import MAX_BUCKETS
 from .inputs import GB, GRAD_BYTES, WEIGHT_BYTES, Hardware, SizingError, Training, short_decimal
-from .model_params import ModelTensors
 from .sharding import Parallelism, RankShard, check_parallelism, rank_shards
 from .store_plan import TierSplit, plan_store, split_by_host_tier
+from .tensors import ModelTensors
 
 GIB = 2**30
 RESIDENT_STATE_BYTES = 12  # Megatron's resident Adam: fp32 main + two fp32 moments per owned param

@@ -1,8 +1,9 @@
 """Model FLOPs of training on a batch of sequences, and MFU: what fraction of the device's peak the train
 call turned into the model's arithmetic.
 
-For a model described by a transformers config (through :func:`~miles.sizing.model_params.model_tensors`,
-Megatron's layout), forward + backward of one sequence of ``L`` tokens costs::
+For a model's tensors in Megatron's layout (:func:`tensor_flops`: a megatron family's count, or
+:func:`model_flops` of a transformers config through :func:`~miles.sizing.model_params.model_tensors`),
+forward + backward of one sequence of ``L`` tokens costs::
 
     F(L) = 6 * P_active * L  +  3 * W_attn * L * (L + 1)
 
@@ -27,9 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .model_params import ModelTensors, experts_per_token, model_tensors, num_experts, text_config
+from .model_params import experts_per_token, model_tensors
+from .tensors import ModelTensors
 
-__all__ = ["ModelFlops", "model_flops", "train_flops", "peak_bf16_flops", "mfu"]
+__all__ = ["ModelFlops", "model_flops", "tensor_flops", "train_flops", "peak_bf16_flops", "mfu"]
 
 # Dense bf16 tensor-core peak, FLOP/s, by the name torch.cuda.get_device_name reports (first match wins).
 PEAK_BF16_FLOPS = (("H100", 989e12), ("H200", 989e12), ("H800", 989e12), ("A100", 312e12), ("A800", 312e12))
@@ -68,14 +70,19 @@ def _attention_width(layer) -> int:
 
 
 def model_flops(config: dict, name: str = "model") -> ModelFlops:
-    """The formula's coefficients for the model a transformers ``config`` dict describes (multi-token
-    prediction layers left out: the RL step does not train them). ModelConfigError (from
+    """The formula's coefficients for the model a transformers ``config`` dict describes, as transformers lays it
+    out (multi-token prediction layers left out: the RL step does not train them). ModelConfigError (from
     :func:`~miles.sizing.model_params.model_tensors`) for a config it cannot count."""
-    tensors: ModelTensors = model_tensors(config, name=name, mtp=False)
-    experts = num_experts(text_config(config))
+    return tensor_flops(model_tensors(config, name=name, mtp=False), experts_per_token(config))
+
+
+def tensor_flops(tensors: ModelTensors, top_k: int) -> ModelFlops:
+    """The formula's coefficients for a model's tensors (a megatron family counts its own:
+    ``families.count_tensors``) whose tokens each pass through ``top_k`` of the routed experts."""
+    experts = 1 + max((t.expert for t in tensors.all() if t.expert is not None), default=-1)
     dense = sum(t.numel for t in tensors.all() if t.expert is None and _is_matrix(t.name, t.shape))
     routed = sum(t.numel for t in tensors.all() if t.expert is not None)
-    active = dense + (routed * experts_per_token(config) // experts if experts else 0)
+    active = dense + (routed * top_k // experts if experts else 0)
     if not any(t.name == "output_layer" for t in tensors.last):  # tied: the embedding's matrix is the output layer
         active += tensors.first[0].numel
     return ModelFlops(active_params=active, attention_width=sum(_attention_width(layer) for layer in tensors.layers))

@@ -1,84 +1,76 @@
-"""Parameter tensors of a model, from a transformers `config.json` dict: names, shapes, and how they shard.
+"""A transformers `config.json` dict read into its model's tensors (``miles.sizing.tensors``' builders), for the
+model types no megatron family builds (the torch backend trains any transformers causal LM) and the torch
+engine's FLOP count; a model a family builds is read through the family (``families.read_config``), as its
+trainer reads it. Every value is checked where it is read, with the ranges of :data:`CONFIG_SIZES`;
+:func:`check_config_bounds` checks all of them on an untrusted config before anything is built from it.
 
-What is modelled (Megatron-core's GPT layout, which is what the megatron backend trains):
-  * attention, one of
-      - GQA (Llama/Qwen): fused `linear_qkv` [q + 2 kv, hidden] (q doubled when the output is gated,
-        as Qwen3-Next/3.5's `attn_output_gate`), `linear_proj`, optional per-head q/k norms;
-      - MLA (DeepSeek-V3/GLM-5): q down/up (or a direct q projection without `q_lora_rank`), kv
-        down/up, output projection, the two latent norms; the down projections are replicated
-        across tensor parallelism (Megatron-core builds them "duplicated"), the rest is split;
-      - a DeepSeek sparse-attention indexer when `index_n_heads` is set (replicated: small), on the layers
-        that compute their own top-k (GLM-5's `indexer_types`: "shared" layers reuse another's);
-      - Gated DeltaNet linear attention on the layers `layer_types` marks "linear_attention"
-        (Qwen3-Next/3.5): fused in-projection (q, k, v, z, b, a), depthwise conv, A_log, dt_bias,
-        gated norm, out-projection;
-  * MLP: dense SwiGLU (fused gate/up `linear_fc1` [2 ffn, hidden], `linear_fc2`) on dense layers;
-    on MoE layers a router [experts, hidden] (replicated), per-expert SwiGLU weights (the only
-    "expert" tensors, sharded by expert parallelism), and shared experts (+ their sigmoid gate
-    when the model has one: Qwen);
-  * norms (replicated), embedding and output layer (vocab-parallel; the vocabulary padded to a
-    multiple of 128 x TP as Megatron does; no output layer when embeddings are tied);
-  * multi-token-prediction layers (DeepSeek/GLM `num_nextn_predict_layers`, Qwen `mtp_num_hidden_layers`):
-    two norms, `eh_proj` [hidden, 2 hidden] and one transformer layer each (full attention, MoE when the
-    model is MoE), sharing embedding and output with the main model.
-Not modelled: biases (none of the presets has any besides the indexer's), vision towers of
-multimodal checkpoints (RL recipes usually freeze them), Megatron's DDP buffer padding (< 3%).
+Layer kinds from the config's per-layer keys: attention as `layer_types` says ("linear_attention": a Gated
+DeltaNet), else MLA where `kv_lora_rank` is set (with its DSA indexer where `index_n_heads` is, on the layers
+`indexer_types` gives their own), else GQA; the MLP dense on the first `first_k_dense_replace` layers,
+`mlp_only_layers` and off the `decoder_sparse_step`, MoE elsewhere when the config has experts;
+multi-token-prediction layers from `num_nextn_predict_layers` (DeepSeek/GLM) or `mtp_num_hidden_layers` (Qwen).
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass
-from typing import Optional
+from functools import partial
+from typing import Callable, Optional
 
-from .bounds import (EXPERTS, HIDDEN, LAYER_COUNT_OR_NONE, LAYERS, MAX_LAYERS, MAX_PARAMS, MAX_TENSORS, PARALLEL_SIZE,
-                     PARAMS, WIDTH, WIDTH_OR_NONE, Bound, PlanInputError, check_bound, shown, shown_path)
+from .bounds import (EXPERTS, HIDDEN, LAYER_COUNT_OR_NONE, LAYERS, MAX_LAYERS, PARALLEL_SIZE, WIDTH, WIDTH_OR_NONE,
+                     Bound, check_bound, shown, shown_path)
+from .tensors import (ModelConfigError, ModelTensors, Tensor, assemble_model, decoder_layer_tensors,
+                      gated_deltanet_tensors, gqa_tensors, indexer_tensors, mla_tensors, mlp_tensors, mtp_layer_tensors)
 
-VOCAB_PAD_MULTIPLE = 128  # Megatron's make-vocab-size-divisible-by default (times TP)
-
-
-@dataclass(frozen=True)
-class Tensor:
-    """One trained parameter. `tp_split`: the tensor is divided over tensor parallelism (else replicated).
-    `expert`: index of the routed expert it belongs to (None for everything else)."""
-
-    name: str
-    shape: tuple[int, ...]
-    tp_split: bool = True
-    expert: Optional[int] = None
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-
-@dataclass(frozen=True)
-class ModelTensors:
-    """A model's tensors by pipeline position: `first` lives on the first stage (embedding), `layers[i]`
-    is decoder layer i, `last` lives on the last stage (final norm, output layer, MTP layers)."""
-
-    name: str
-    first: tuple[Tensor, ...]
-    layers: tuple[tuple[Tensor, ...], ...]
-    last: tuple[Tensor, ...]
-
-    def all(self) -> list[Tensor]:
-        return [*self.first, *(t for layer in self.layers for t in layer), *self.last]
-
-    def total(self, expert: Optional[bool] = None) -> int:
-        """Params of the whole model; expert=True/False counts only routed-expert / other tensors."""
-        return sum(t.numel for t in self.all() if expert is None or (t.expert is not None) == expert)
-
-
-class ModelConfigError(PlanInputError):
-    """A config.json that lacks what the planner needs, or holds a value it cannot use; the message names
-    the key and the value."""
+__all__ = ["CONFIG_SIZES", "LAYER_LISTS", "check_config_bounds", "model_tensors", "num_experts", "experts_per_token",
+           "text_config"]
 
 
 # ---- reading a config: every value is checked where it is read --------------------------------------------
+# Every integer size the reader takes from a config, with its range (the *_OR_NONE ranges take 0 for "none"):
+# the reader checks one where it reads it, check_config_bounds all that a config sets.
+CONFIG_SIZES: dict[str, Bound] = {
+    "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "vocab_size": WIDTH,
+    "intermediate_size": WIDTH, "moe_intermediate_size": WIDTH,
+    "num_experts": EXPERTS, "n_routed_experts": EXPERTS, "num_local_experts": EXPERTS,
+    "num_experts_per_tok": EXPERTS, "moe_topk": EXPERTS,
+    "shared_expert_intermediate_size": WIDTH_OR_NONE, "n_shared_experts": EXPERTS,
+    "first_k_dense_replace": LAYER_COUNT_OR_NONE, "decoder_sparse_step": LAYERS,
+    "num_attention_heads": WIDTH, "num_key_value_heads": WIDTH, "head_dim": WIDTH,
+    "q_lora_rank": WIDTH_OR_NONE, "kv_lora_rank": WIDTH, "qk_nope_head_dim": WIDTH, "qk_rope_head_dim": WIDTH,
+    "v_head_dim": WIDTH,
+    "index_n_heads": WIDTH_OR_NONE, "index_head_dim": WIDTH, "index_topk_freq": LAYERS,
+    "index_skip_topk_offset": LAYER_COUNT_OR_NONE,
+    "linear_num_key_heads": WIDTH, "linear_num_value_heads": WIDTH, "linear_key_head_dim": WIDTH,
+    "linear_value_head_dim": WIDTH, "linear_conv_kernel_dim": WIDTH, "full_attention_interval": LAYERS,
+    "num_nextn_predict_layers": LAYER_COUNT_OR_NONE, "mtp_num_hidden_layers": LAYER_COUNT_OR_NONE,
+}
+LAYER_LISTS = ("layer_types", "mlp_only_layers", "indexer_types")  # one entry per decoder layer (at most)
+
+
+def _json_object(config, name: str) -> dict:
+    if not isinstance(config, dict):
+        raise ModelConfigError(f"{shown_path(name)}: must be a JSON object (a transformers config.json), not a "
+                               f"{type(config).__name__}")
+    return config
+
+
+def check_config_bounds(config: dict, name: str = "model") -> None:
+    """ModelConfigError, naming `name`, the key and the value, for a language model's config (its `text_config`
+    in a multimodal one) that sets a size of CONFIG_SIZES outside its range or a per-layer list (LAYER_LISTS)
+    longer than MAX_LAYERS. For the families, which hand the dict to transformers' config classes (these build
+    per-layer lists from num_hidden_layers): an untrusted config.json is bounded before anything is built from
+    it. Keys it does not set are not its business (nor are nulls)."""
+    cfg = text_config(_json_object(config, name))
+    for key, bound in CONFIG_SIZES.items():
+        if cfg.get(key) is not None:
+            check_bound(ModelConfigError, f"{shown_path(name)}: {key} =", cfg[key], bound)
+    for key in LAYER_LISTS:
+        value = cfg.get(key)
+        if isinstance(value, (list, str, dict)) and len(value) > MAX_LAYERS:
+            raise ModelConfigError(f"{shown_path(name)}: {key} = {shown(value)}: holds {len(value)} entries, more "
+                                   f"than the {MAX_LAYERS} layers a model may have (one entry per decoder layer)")
+
+
 def _missing(cfg: dict, keys: tuple[str, ...]) -> ModelConfigError:
     names = " or ".join(repr(k) for k in keys)
     present = ", ".join(shown(k, 40) for k in sorted(map(str, cfg))[:20]) or "none"
@@ -86,18 +78,18 @@ def _missing(cfg: dict, keys: tuple[str, ...]) -> ModelConfigError:
                             f"{present}{', ...' if len(cfg) > 20 else ''})")
 
 
-def _optional(cfg: dict, key: str, *alternatives: str, bound: Bound = WIDTH) -> Optional[int]:
-    """The first of the keys the config sets (not null), within `bound`; None when it sets none."""
+def _optional(cfg: dict, key: str, *alternatives: str) -> Optional[int]:
+    """The first of the keys the config sets (not null), within its CONFIG_SIZES range; None when it sets none."""
     for k in (key, *alternatives):
         if cfg.get(k) is not None:
-            check_bound(ModelConfigError, f"{k} =", cfg[k], bound)
+            check_bound(ModelConfigError, f"{k} =", cfg[k], CONFIG_SIZES[k])
             return cfg[k]
     return None
 
 
-def _count(cfg: dict, key: str, *alternatives: str, bound: Bound = WIDTH, default: Optional[int] = None) -> int:
+def _count(cfg: dict, key: str, *alternatives: str, default: Optional[int] = None) -> int:
     """As _optional, with `default` when no key is set; without a default a missing key is refused."""
-    value = _optional(cfg, key, *alternatives, bound=bound)
+    value = _optional(cfg, key, *alternatives)
     if value is not None:
         return value
     if default is None:
@@ -143,8 +135,11 @@ def text_config(cfg: dict) -> dict:
     return cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
 
 
-# ---- attention -----------------------------------------------------------------------------------------------
-def _gqa(cfg: dict, h: int, p: str) -> list[Tensor]:
+# ---- the reader's parts: each reads its sizes now and returns a builder of the tensors under a prefix -------
+Build = Callable[[str], list[Tensor]]
+
+
+def _gqa(cfg: dict, h: int) -> Build:
     heads = _count(cfg, "num_attention_heads")
     kv = _count(cfg, "num_key_value_heads", default=heads)
     if heads % kv:
@@ -157,73 +152,46 @@ def _gqa(cfg: dict, h: int, p: str) -> list[Tensor]:
         hd = h // heads
     # Qwen3-Next / Qwen3.5 always gate (transformers has no switch; their config.json may not say so)
     gated = _flag(cfg, "attn_output_gate", default=_model_type(cfg).startswith(("qwen3_next", "qwen3_5")))
-    q_out = heads * hd * (2 if gated else 1)
-    out = [Tensor(f"{p}.linear_qkv", (q_out + 2 * kv * hd, h)), Tensor(f"{p}.linear_proj", (h, heads * hd))]
-    if _has_qk_norm(cfg):
-        out += [Tensor(f"{p}.q_layernorm", (hd,), tp_split=False), Tensor(f"{p}.k_layernorm", (hd,), tp_split=False)]
-    return out
-
-
-def _has_qk_norm(cfg: dict) -> bool:
     # Qwen3 and later normalize q and k per head; their configs do not always say so explicitly.
-    return _flag(cfg, "qk_norm", default=_model_type(cfg).startswith(("qwen3", "qwen3_5")))
+    qk_norm = _flag(cfg, "qk_norm", default=_model_type(cfg).startswith(("qwen3", "qwen3_5")))
+    return partial(gqa_tensors, hidden=h, heads=heads, kv_heads=kv, head_dim=hd, gated=gated, qk_norm=qk_norm)
 
 
-def _mla(cfg: dict, h: int, p: str, indexer: bool = True) -> list[Tensor]:
-    heads = _count(cfg, "num_attention_heads")
-    q_lora = _optional(cfg, "q_lora_rank", bound=WIDTH_OR_NONE)
-    kv_lora = _count(cfg, "kv_lora_rank")
-    nope, rope, v = _count(cfg, "qk_nope_head_dim"), _count(cfg, "qk_rope_head_dim"), _count(cfg, "v_head_dim")
-    out = []
-    if q_lora:
-        out += [Tensor(f"{p}.linear_q_down_proj", (q_lora, h), tp_split=False),
-                Tensor(f"{p}.q_layernorm", (q_lora,), tp_split=False),
-                Tensor(f"{p}.linear_q_up_proj", (heads * (nope + rope), q_lora))]
-    else:
-        out.append(Tensor(f"{p}.linear_q_proj", (heads * (nope + rope), h)))
-    out += [Tensor(f"{p}.linear_kv_down_proj", (kv_lora + rope, h), tp_split=False),
-            Tensor(f"{p}.kv_layernorm", (kv_lora,), tp_split=False),
-            Tensor(f"{p}.linear_kv_up_proj", (heads * (nope + v), kv_lora)),
-            Tensor(f"{p}.linear_proj", (h, heads * v))]
-    ih = _optional(cfg, "index_n_heads", bound=WIDTH_OR_NONE)
-    if ih and indexer:
-        ihd = _count(cfg, "index_head_dim")
-        out += [Tensor(f"{p}.indexer.wq_b", (ih * ihd, q_lora or h), tp_split=False),
-                Tensor(f"{p}.indexer.wk", (ihd, h), tp_split=False),
-                Tensor(f"{p}.indexer.k_norm", (ihd,), tp_split=False),
-                Tensor(f"{p}.indexer.k_norm_bias", (ihd,), tp_split=False),
-                Tensor(f"{p}.indexer.weights_proj", (ih, h), tp_split=False)]
-    return out
+def _mla(cfg: dict, h: int, indexer: bool) -> Build:
+    """MLA, with the DSA indexer when the config has one (`index_n_heads`) and `indexer` (the layer's own)."""
+    heads, q_lora = _count(cfg, "num_attention_heads"), _optional(cfg, "q_lora_rank")
+    mla = partial(mla_tensors, hidden=h, heads=heads, q_lora_rank=q_lora,
+                  kv_lora_rank=_count(cfg, "kv_lora_rank"), qk_nope_head_dim=_count(cfg, "qk_nope_head_dim"),
+                  qk_rope_head_dim=_count(cfg, "qk_rope_head_dim"), v_head_dim=_count(cfg, "v_head_dim"))
+    index_heads = _optional(cfg, "index_n_heads")
+    if not (index_heads and indexer):
+        return mla
+    index = partial(indexer_tensors, hidden=h, q_lora_rank=q_lora, index_heads=index_heads,
+                    index_head_dim=_count(cfg, "index_head_dim"))
+    return lambda p: [*mla(p), *index(p)]
 
 
-def _gated_deltanet(cfg: dict, h: int, p: str) -> list[Tensor]:
-    k_heads, v_heads = _count(cfg, "linear_num_key_heads"), _count(cfg, "linear_num_value_heads")
-    key_dim = k_heads * _count(cfg, "linear_key_head_dim")
-    v_head_dim = _count(cfg, "linear_value_head_dim")
-    value_dim = v_heads * v_head_dim
-    kernel = _count(cfg, "linear_conv_kernel_dim", default=4)
-    return [Tensor(f"{p}.in_proj", (2 * key_dim + 2 * value_dim + 2 * v_heads, h)),  # q k v z, then b a
-            Tensor(f"{p}.conv1d", (2 * key_dim + value_dim, 1, kernel)),
-            Tensor(f"{p}.A_log", (v_heads,)), Tensor(f"{p}.dt_bias", (v_heads,)),
-            Tensor(f"{p}.norm", (v_head_dim,), tp_split=False),
-            Tensor(f"{p}.out_proj", (h, value_dim))]
+def _gated_deltanet(cfg: dict, h: int) -> Build:
+    return partial(gated_deltanet_tensors, hidden=h, key_heads=_count(cfg, "linear_num_key_heads"),
+                   value_heads=_count(cfg, "linear_num_value_heads"),
+                   key_head_dim=_count(cfg, "linear_key_head_dim"),
+                   value_head_dim=_count(cfg, "linear_value_head_dim"),
+                   conv_kernel=_count(cfg, "linear_conv_kernel_dim", default=4))
 
 
-def _is_mla(cfg: dict) -> bool:
-    return cfg.get("kv_lora_rank") is not None
-
-
-def _attention(cfg: dict, h: int, p: str, linear: bool, indexer: bool = True) -> list[Tensor]:
+def _attention(cfg: dict, h: int, linear: bool, indexer: bool) -> Build:
+    """The attention of a layer, built under the layer's prefix."""
     if linear:
-        return _gated_deltanet(cfg, h, f"{p}.linear_attention")
-    if _is_mla(cfg):
-        return _mla(cfg, h, f"{p}.self_attention", indexer)
-    return _gqa(cfg, h, f"{p}.self_attention")
+        build, kind = _gated_deltanet(cfg, h), "linear_attention"
+    elif cfg.get("kv_lora_rank") is not None:
+        build, kind = _mla(cfg, h, indexer), "self_attention"
+    else:
+        build, kind = _gqa(cfg, h), "self_attention"
+    return lambda p: build(f"{p}.{kind}")
 
 
-# ---- MLP -----------------------------------------------------------------------------------------------------
 def num_experts(cfg: dict) -> int:
-    return _count(cfg, "num_experts", "n_routed_experts", "num_local_experts", bound=EXPERTS, default=0)
+    return _count(cfg, "num_experts", "n_routed_experts", "num_local_experts", default=0)
 
 
 def experts_per_token(config: dict) -> int:
@@ -231,30 +199,24 @@ def experts_per_token(config: dict) -> int:
     cfg = text_config(config)
     if num_experts(cfg) == 0:
         return 0
-    return _count(cfg, "num_experts_per_tok", "moe_topk", bound=EXPERTS)
+    return _count(cfg, "num_experts_per_tok", "moe_topk")
 
 
-def _swiglu(p: str, h: int, ffn: int, expert: Optional[int] = None) -> list[Tensor]:
-    return [Tensor(f"{p}.linear_fc1", (2 * ffn, h), expert=expert), Tensor(f"{p}.linear_fc2", (h, ffn), expert=expert)]
-
-
-def _mlp(cfg: dict, h: int, p: str, dense: bool) -> list[Tensor]:
+def _mlp(cfg: dict, h: int, dense: bool) -> Build:
     if dense:
-        return _swiglu(f"{p}.mlp", h, _count(cfg, "intermediate_size"))
+        return partial(mlp_tensors, hidden=h, ffn=_count(cfg, "intermediate_size"))
     experts = num_experts(cfg)
     ffn = _count(cfg, "moe_intermediate_size", "intermediate_size")  # Mixtral's experts are its MLP's width
-    out = [Tensor(f"{p}.mlp.router", (experts, h), tp_split=False)]
-    for e in range(experts):
-        out += _swiglu(f"{p}.mlp.experts.{e}", h, ffn, expert=e)
-    shared_ffn = _optional(cfg, "shared_expert_intermediate_size", bound=WIDTH_OR_NONE)
+    shared_ffn = _optional(cfg, "shared_expert_intermediate_size")
     gated = shared_ffn is not None  # Qwen gates its shared expert
     if shared_ffn is None:
-        shared_ffn = (_optional(cfg, "n_shared_experts", bound=EXPERTS) or 0) * ffn
-    if shared_ffn:
-        out += _swiglu(f"{p}.mlp.shared_experts", h, shared_ffn)
-        if gated:
-            out.append(Tensor(f"{p}.mlp.shared_experts.gate", (1, h), tp_split=False))
-    return out
+        shared_ffn = (_optional(cfg, "n_shared_experts") or 0) * ffn
+    return partial(mlp_tensors, hidden=h, ffn=ffn, experts=experts, shared_ffn=shared_ffn, shared_gate=gated)
+
+
+def _layer(cfg: dict, h: int, linear: bool, dense: bool, indexer: bool) -> Build:
+    attention, mlp = _attention(cfg, h, linear, indexer), _mlp(cfg, h, dense)
+    return lambda p: decoder_layer_tensors(p, h, attention(p), mlp(p))
 
 
 def _indexer_layers(cfg: dict, n_layers: int) -> list[bool]:
@@ -263,8 +225,8 @@ def _indexer_layers(cfg: dict, n_layers: int) -> list[bool]:
     types = _layer_list(cfg, "indexer_types", str, n_layers, exact=True)
     if types is not None:
         return [t != "shared" for t in types]
-    freq = max(_optional(cfg, "index_topk_freq", bound=LAYERS) or 1, 1)
-    offset = _optional(cfg, "index_skip_topk_offset", bound=LAYER_COUNT_OR_NONE)
+    freq = max(_optional(cfg, "index_topk_freq") or 1, 1)
+    offset = _optional(cfg, "index_skip_topk_offset")
     offset = 2 if offset is None else offset  # transformers' default
     return [max(i - offset + 1, 0) % freq == 0 for i in range(n_layers)]
 
@@ -272,11 +234,11 @@ def _indexer_layers(cfg: dict, n_layers: int) -> list[bool]:
 def _layer_kinds(cfg: dict, n_layers: int) -> list[tuple[bool, bool, bool]]:
     """(linear attention, dense MLP, own DSA indexer) of each decoder layer, from the config's per-layer keys."""
     experts = num_experts(cfg)
-    first_dense = _optional(cfg, "first_k_dense_replace", bound=LAYER_COUNT_OR_NONE) or 0
+    first_dense = _optional(cfg, "first_k_dense_replace") or 0
     mlp_only = frozenset(_layer_list(cfg, "mlp_only_layers", int, n_layers, exact=False) or ())
-    step = _optional(cfg, "decoder_sparse_step", bound=LAYERS) or 1
+    step = _optional(cfg, "decoder_sparse_step") or 1
     types = _layer_list(cfg, "layer_types", str, n_layers, exact=True)
-    interval = _optional(cfg, "full_attention_interval", bound=LAYERS)
+    interval = _optional(cfg, "full_attention_interval")
     hybrid = interval is not None and cfg.get("linear_num_value_heads") is not None
 
     def linear(i: int) -> bool:
@@ -291,31 +253,6 @@ def _layer_kinds(cfg: dict, n_layers: int) -> list[tuple[bool, bool, bool]]:
     return [(linear(i), dense(i), indexers[i]) for i in range(n_layers)]
 
 
-def _decoder_layer(cfg: dict, h: int, p: str, linear: bool, dense: bool, indexer: bool = True) -> list[Tensor]:
-    return [Tensor(f"{p}.input_layernorm", (h,), tp_split=False), *_attention(cfg, h, p, linear, indexer),
-            Tensor(f"{p}.pre_mlp_layernorm", (h,), tp_split=False), *_mlp(cfg, h, p, dense)]
-
-
-def _mtp_layer(cfg: dict, h: int, p: str, moe: bool) -> list[Tensor]:
-    return [Tensor(f"{p}.enorm", (h,), tp_split=False), Tensor(f"{p}.hnorm", (h,), tp_split=False),
-            Tensor(f"{p}.eh_proj", (h, 2 * h)),
-            *_decoder_layer(cfg, h, f"{p}.transformer_layer", linear=False, dense=not moe),
-            Tensor(f"{p}.final_layernorm", (h,), tp_split=False)]
-
-
-def _mtp_layers(cfg: dict) -> int:
-    return _count(cfg, "num_nextn_predict_layers", "mtp_num_hidden_layers", bound=LAYER_COUNT_OR_NONE, default=0)
-
-
-def padded_vocab(vocab: int, tp: int) -> int:
-    multiple = VOCAB_PAD_MULTIPLE * tp
-    return -(-vocab // multiple) * multiple
-
-
-def _numel(tensors) -> int:
-    return sum(t.numel for t in tensors)
-
-
 # ---- the model -----------------------------------------------------------------------------------------------
 def model_tensors(config: dict, name: str = "model", tp: int = 1, mtp: bool = True) -> ModelTensors:
     """All trained tensors of the language model a transformers config describes.
@@ -325,65 +262,29 @@ def model_tensors(config: dict, name: str = "model", tp: int = 1, mtp: bool = Tr
     the key and the value, for a config the planner cannot count.
     """
     check_bound(ModelConfigError, "tensor-parallel size", tp, PARALLEL_SIZE)
-    if not isinstance(config, dict):
-        raise ModelConfigError(f"{shown_path(name)}: must be a JSON object (a transformers config.json), not a "
-                               f"{type(config).__name__}")
+    cfg = text_config(_json_object(config, name))
     try:
-        return _model_tensors(text_config(config), name, tp, mtp)
+        assemble = _read_model(cfg, mtp)
     except ModelConfigError as exc:
         raise ModelConfigError(f"{shown_path(name)}: {exc}") from None
+    return assemble(name=name, tp=tp)
 
 
-def _model_tensors(cfg: dict, name: str, tp: int, mtp: bool) -> ModelTensors:
-    h = _count(cfg, "hidden_size", bound=HIDDEN)
-    n_layers = _count(cfg, "num_hidden_layers", bound=LAYERS)
-    vocab = padded_vocab(_count(cfg, "vocab_size"), tp)
+def _read_model(cfg: dict, mtp: bool) -> Callable[..., ModelTensors]:
+    """Every size of the config, read and checked now: assemble_model with all but the name and TP."""
+    h = _count(cfg, "hidden_size")
+    n_layers = _count(cfg, "num_hidden_layers")
+    vocab = _count(cfg, "vocab_size")
     kinds = _layer_kinds(cfg, n_layers)
-    n_mtp = _mtp_layers(cfg) if mtp else 0
+    n_mtp = _count(cfg, "num_nextn_predict_layers", "mtp_num_hidden_layers", default=0) if mtp else 0
     moe = num_experts(cfg) > 0
-    first = (Tensor("embedding", (vocab, h)),)
-    head = [Tensor("decoder.final_layernorm", (h,), tp_split=False)]
-    if not _flag(cfg, "tie_word_embeddings"):
-        head.append(Tensor("output_layer", (vocab, h)))
-    # One layer of each kind is built first, so that a config of a billion layers' worth of tensors or
-    # parameters is refused before they are built.
-    kind_counts = Counter(kinds)
-    parts = [(1, first), (1, head), *((n, _decoder_layer(cfg, h, "probe", *kind)) for kind, n in kind_counts.items())]
-    if n_mtp:
-        parts.append((n_mtp, _mtp_layer(cfg, h, "probe", moe)))
-    tensors = sum(n * len(part) for n, part in parts)
-    if tensors > MAX_TENSORS:
-        raise ModelConfigError(f"{n_layers} layers (+ {n_mtp} MTP) of up to {max(len(p) for _, p in parts)} tensors "
-                               f"each make {tensors} tensors, over the {MAX_TENSORS} the planner counts: check "
-                               "num_hidden_layers and the expert count")
-    params = sum(n * _numel(part) for n, part in parts)
-    if params > MAX_PARAMS:
-        raise ModelConfigError(f"the config describes {params:.3g} parameters, over the {MAX_PARAMS:g} the planner "
-                               "sizes: check hidden_size, num_hidden_layers and the widths")
-    layers = tuple(tuple(_decoder_layer(cfg, h, f"decoder.layers.{i}", *kind)) for i, kind in enumerate(kinds))
-    last = [*head, *(t for m in range(n_mtp) for t in _mtp_layer(cfg, h, f"mtp.layers.{m}", moe))]
-    return ModelTensors(name, first, layers, tuple(last))
+    tied = _flag(cfg, "tie_word_embeddings")
+    builds = {kind: _layer(cfg, h, *kind) for kind in dict.fromkeys(kinds)}  # each kind's sizes, in layer order
+    # an MTP layer's transformer layer: full attention (with its indexer), MoE when the model is MoE
+    mtp_build = _layer(cfg, h, linear=False, dense=not moe, indexer=True) if n_mtp else None
 
+    def build_mtp(p: str) -> list[Tensor]:
+        return mtp_layer_tensors(p, h, mtp_build(f"{p}.transformer_layer"))
 
-STAND_IN_TENSORS = 16  # tensors of a parameter count's stand-in (`miles plan --params`, `miles bench stream`)
-
-
-def stand_in_numels(params: int, tensors: int = STAND_IN_TENSORS) -> list[int]:
-    """The tensor sizes standing in for `params` parameters, one list for `miles plan --params` and the state
-    `miles bench stream` builds, so the plan's buckets are the bench store's: alternately 3/4 and 5/4 of the
-    mean (irregular, so that buckets split tensors as a real model's do), the last taking the rest. Fewer
-    parameters than tensors make one tensor."""
-    if params < tensors:
-        return [params]
-    mean = params // tensors
-    sizes = [mean * 3 // 4 if i % 2 == 0 else mean * 5 // 4 for i in range(tensors - 1)]
-    return [*sizes, params - sum(sizes)]
-
-
-def flat_model(params: int, tensors: int = STAND_IN_TENSORS, name: str = "flat") -> ModelTensors:
-    """A dense stand-in of `params` parameters in the tensors of :func:`stand_in_numels` (one per layer):
-    for sizing the state of a parameter count without an architecture."""
-    check_bound(ModelConfigError, f"{name}: parameter count", params, PARAMS)
-    check_bound(ModelConfigError, f"{name}: tensor count", tensors, Bound(1, MAX_LAYERS, integer=True))
-    sizes = stand_in_numels(params, tensors)
-    return ModelTensors(name, (), tuple((Tensor(f"layers.{i}.weight", (n,)),) for i, n in enumerate(sizes) if n), ())
+    return partial(assemble_model, hidden=h, vocab_size=vocab, tied=tied, layer_kinds=kinds,
+                   build_layer=lambda i, p: builds[kinds[i]](p), mtp_layers=n_mtp, build_mtp=build_mtp)

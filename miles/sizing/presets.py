@@ -40,7 +40,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .model_params import ModelConfigError
+from .tensors import ModelConfigError
 
 GLM5_744B = {
     "model_type": "glm_moe_dsa",

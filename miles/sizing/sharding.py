@@ -22,7 +22,7 @@ from miles.parallel.layout import LayoutError as ParallelLayoutError
 from miles.parallel.layout import stage_layer_counts as layout_stage_layer_counts
 
 from .bounds import PARALLEL_SIZE, PIPELINE_SIZE, STAGE_LAYERS, PlanInputError, check_bound, check_bounds
-from .model_params import ModelTensors, Tensor
+from .tensors import ModelTensors, Tensor
 
 DEFAULT_ETP = DEFAULT_EXPERT_TENSOR_PARALLEL_SIZE  # `miles train`'s default too (miles/parallel/layout.py says why)
 

@@ -72,6 +72,9 @@ def test_a_grouped_experts_qwen3_moe_matches_sequential_mlp_and_transformers(meg
     for grouped in (False, True):
         gpt, _, uses_te = build_gpt_model(hf_model.config, params_dtype=getattr(torch, dtype), use_te=False,
                                           grouped_experts=grouped)
+        # megatron's torch norms (no apex) are built on the CPU in fp32: the whole model in the HF model's place and
+        # dtype, as the trainer moves it
+        gpt = gpt.to("cuda", getattr(torch, dtype))
         experts = {type(m).__name__ for name, m in gpt.named_modules() if name.endswith(".experts")}
         assert experts == {"TEGroupedMLP" if grouped else "SequentialMLP"}, experts
         gpt.load_state_dict(hf_to_megatron(hf_state, hf_model.config, grouped_experts=grouped), strict=False)

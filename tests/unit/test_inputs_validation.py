@@ -224,6 +224,19 @@ def test_the_megatron_backend_names_the_model_types_it_builds(tmp_path):
     validate(tmp_path, "--hf-checkpoint", folder)  # the torch backend trains it
 
 
+def test_the_megatron_backend_reads_the_config_as_its_trainer_does_before_the_run_starts(tmp_path):
+    """Its family's refusal (here rope scaling, which the GPT family does not build) comes from validation, with
+    the field, instead of from every rank once Ray started; the torch backend trains the same config."""
+    llama3 = {**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    folder = model_folder(tmp_path, llama3)
+    message = error(tmp_path, "--hf-checkpoint", folder, "--train-backend", "megatron")
+    assert message.startswith(f"--hf-checkpoint {folder}/config.json: rope type 'llama3' is not supported by the "
+                              "Megatron backend"), message
+    assert message.endswith("or use --train-backend torch (it trains what transformers builds)."), message
+    validate(tmp_path, "--hf-checkpoint", folder)
+
+
 def test_qwen3_5_moe_on_gpus_says_how_to_install_its_kernels(tmp_path, caplog):
     folder = model_folder(tmp_path, QWEN3_5_MOE)
     cuda = dict(cuda_available=lambda: True, gpu_count=lambda: 8)

@@ -19,8 +19,9 @@ from miles.backends.megatron_backend.convert import (  # noqa: E402
 from miles.backends.megatron_backend.families.qwen3_5_moe.weights import gated_qkv_to_megatron  # noqa: E402
 from miles.backends.megatron_backend.model import gpt_model_kwargs, transformer_config_from_hf  # noqa: E402
 from miles.models import RANDOM_MODEL_PRESETS, build_tiny_tokenizer, check_hf_config, write_random_model  # noqa: E402
-from miles.sizing.model_params import VOCAB_PAD_MULTIPLE, model_tensors  # noqa: E402
+from miles.sizing.model_params import model_tensors  # noqa: E402
 from miles.sizing.presets import PRESETS  # noqa: E402
+from miles.sizing.tensors import VOCAB_PAD_MULTIPLE  # noqa: E402
 
 # 4 layers: Gated DeltaNet, full attention, Gated DeltaNet, full attention; GQA 4 q / 2 kv heads (2 per group);
 # 2 key / 4 value linear heads (grouped); head sizes differ from each other so that a swapped one shows.

@@ -29,8 +29,9 @@ from miles.models import (  # noqa: E402
 )
 from miles.rollout.embedded import EmbeddedRolloutEngine  # noqa: E402
 from miles.rollout.types import SamplingParams  # noqa: E402
-from miles.sizing.model_params import VOCAB_PAD_MULTIPLE, model_tensors  # noqa: E402
+from miles.sizing.model_params import model_tensors  # noqa: E402
 from miles.sizing.presets import PRESETS, QWEN3_30B_A3B, RANDOM_MODEL_PRESETS  # noqa: E402
+from miles.sizing.tensors import VOCAB_PAD_MULTIPLE  # noqa: E402
 
 MOE_PRESETS = ("qwen3-moe-tiny", "mixtral-tiny", "glm5-tiny", "qwen3.5-moe-tiny", "deepseek-v3-tiny")
 LOGITS_BOUND = 1e-6  # fp32 rounding of a different summation order, a few ulp of these logits

@@ -9,8 +9,9 @@ import time
 
 import pytest
 
+from miles.backends.megatron_backend.families import read_config
 from miles.sizing.cli import main
-from miles.sizing.presets import GLM5_744B, QWEN3_30B_A3B
+from miles.sizing.presets import GLM5_744B, QWEN3_30B_A3B, preset_config
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_sizing import TINY_MOE  # noqa: E402
@@ -22,9 +23,18 @@ ONE_GPU = ["--nodes", "1", "--gpus-per-node", "1"]
 SMALL_MLA = {**GLM5_744B, "num_hidden_layers": 4, "first_k_dense_replace": 1, "n_routed_experts": 8}
 SMALL_GQA_MOE = {**QWEN3_30B_A3B, "num_hidden_layers": 4, "num_experts": 8}
 SMALL_HYBRID = TINY_MOE  # the Qwen3.5 hybrid shape test_sizing plans
+# Llama-3.1's rope scaling, which transformers builds and the megatron backend does not
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192, "rope_theta": 5e5}
 FLOORS = {"floor": {"concurrent": {"seconds": 17.17, "bytes_read": 18e9, "bytes_written": 18e9},
                     "sequential": {"seconds": 16.46, "read_seconds": 9.53, "write_seconds": 6.93,
                                    "bytes_read": 18e9, "bytes_written": 18e9}}}
+
+
+# A model the megatron backend builds is read through its family, which imports torch and transformers' config
+# classes (seconds, once a process): done here, so that the times below are the plan's, not those first imports'.
+for _preset in ("llama-tiny", "qwen3-moe-tiny", "glm5-tiny", "qwen3.5-moe-tiny"):
+    read_config(preset_config(_preset))
 
 
 def run_plan(argv, capsys):
@@ -220,3 +230,21 @@ def test_the_largest_config_within_the_bounds_still_plans_in_seconds(tmp_path, c
     code, err, seconds = run_plan([*config(tmp_path, wide), "--json", "-"], capsys)
     assert code == 0, err
     assert seconds < 15
+
+
+def test_a_model_the_megatron_backend_builds_is_planned_as_its_family_reads_it(tmp_path, capsys):
+    """What the trainer would refuse, the plan refuses in its words; a model type no family builds is sized as
+    transformers lays it out, for the torch backend's data-parallel layout only."""
+    llama3 = {**SMALL_DENSE, "model_type": "llama", "rope_scaling": LLAMA3_ROPE}
+    path = tmp_path / "llama3.json"
+    path.write_text(json.dumps(llama3))
+    code, err, _ = run_plan(["--config", str(path), *ONE_GPU], capsys)
+    assert code == 2 and "rope type 'llama3' is not supported by the Megatron backend" in err, err
+    assert "--train-backend megatron would refuse it too" in err, err
+    mistral = tmp_path / "mistral.json"
+    mistral.write_text(json.dumps({**SMALL_DENSE, "model_type": "mistral"}))
+    code, err, _ = run_plan(["--config", str(mistral), "--nodes", "1", "--gpus-per-node", "2", "--tp", "2"], capsys)
+    assert code == 2 and "model_type 'mistral' is not built by --train-backend megatron" in err, err
+    assert "--tp 2 needs it" in err, err
+    code, err, _ = run_plan(["--config", str(mistral), *ONE_GPU], capsys)
+    assert code == 0 and "sized as transformers lays it out" in err, err

@@ -8,10 +8,11 @@ import torch
 
 from miles.sizing.cli import disk_speeds_from_bench, main
 from miles.sizing.estimate import GB, GIB, Hardware, SizingError, Training, estimate
-from miles.sizing.model_params import flat_model, model_tensors
+from miles.sizing.model_params import model_tensors
 from miles.sizing.presets import PRESETS, QWEN3_30B_A3B
 from miles.sizing.sharding import LayoutError, Parallelism, rank_shards, stage_tensors
 from miles.sizing.store_plan import plan_store
+from miles.sizing.tensors import flat_model
 from miles_plugins.optimizers.nvme_stream import DEFAULT_BUCKET_NUMEL, stream_optimizer_state
 
 

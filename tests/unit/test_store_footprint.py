@@ -12,9 +12,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_checkpoint import _restarted_process, build  # noqa: E402,F401
 
 from miles.sizing.estimate import Hardware, SizingError, Training, estimate  # noqa: E402
-from miles.sizing.model_params import flat_model  # noqa: E402
 from miles.sizing.sharding import Parallelism, rank_shards  # noqa: E402
 from miles.sizing.store_plan import plan_store  # noqa: E402
+from miles.sizing.tensors import flat_model  # noqa: E402
 from miles_plugins.optimizers.nvme_stream import StoreConfigError  # noqa: E402
 from miles_plugins.optimizers.streaming.config import DEFAULT_BUCKET_NUMEL  # noqa: E402
 from miles_plugins.optimizers.streaming.footprint import smallest_bucket_numel, store_footprint  # noqa: E402

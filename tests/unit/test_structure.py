@@ -442,7 +442,9 @@ LAYERS = (
     ("miles.models", "miles.checkpoint", "miles.rl", "miles.offload", "miles.routing"),
     ("miles.weights", "miles.rollout"),
     ("miles.backends",),
-    ("miles.preflight",),  # validation against the model, the machine and the disks: validate_args
+    # validation against the model, the machine and the disks (validate_args); `miles plan`, which reads a model
+    # the megatron backend builds through its family, as validation does
+    ("miles.preflight", "miles.sizing.cli"),
     ("miles.ray",),
     ("miles.run_lifecycle", "miles.metrics"),
     ("miles.train", "miles.bench"),

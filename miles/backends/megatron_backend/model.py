@@ -159,8 +159,9 @@ def native_fp32_param_names(gpt, hf_config: Any) -> list[str]:
 def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype, expert_model_parallel_size: int = 1,
                     grouped_experts: bool = False, use_te: bool | None = None, fused_attention: bool = True,
                     layout: Optional[ParallelLayout] = None, sequence_parallel: bool = False, pp_rank: int = 0):
-    """``(GPTModel, TransformerConfig, uses_te_spec)`` on the current CUDA device (the CPU without one), weights
-    uninitialized: this rank's pipeline stage (``pp_rank`` of ``layout``; the embedding on the first, the output
+    """``(GPTModel, TransformerConfig, uses_te_spec)`` on the current CUDA device (the CPU without one; without apex,
+    megatron's torch norms are built on the CPU in fp32, so the caller moves the model), weights uninitialized: this
+    rank's pipeline stage (``pp_rank`` of ``layout``; the embedding on the first, the output
     layer on the last).
 
     Needs megatron-core and ``parallel_state.initialize_model_parallel`` to have run (the MoE layers

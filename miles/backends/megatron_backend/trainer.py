@@ -29,11 +29,12 @@ import torch.distributed as dist
 from miles.backends.engine import LossFunction, TrainEngine, tensors_finite
 from miles.backends.rank import TrainRank
 from miles.models import load_policy
+from miles.sizing.flops import tensor_flops
 
-from .families import describe
 from .checkpoint_views import HFModelView, ResidentOptimizerState
 from .convert import hf_moe_layout, hf_to_megatron, iter_megatron_to_hf
 from .expert_gather import gather_layer_experts
+from .families import count_tensors, describe
 from .grad_buffers import GradBuffers
 from .logprobs import LogprobRequest, output_logprobs
 from .machine import DISTRIBUTION, needs_cuda_message, runs_without_cuda
@@ -116,8 +117,9 @@ class MegatronEngine(TrainEngine):
         self._model_view = HFModelView(self.hf_config, self._load_hf_state)
         return description
 
-    def policy_config(self) -> dict[str, Any]:
-        return self.hf_config.to_dict()
+    def policy_flops(self) -> Any:
+        arch = describe(self.hf_config)
+        return tensor_flops(count_tensors(arch, "the policy", mtp=False), arch.moe_topk or 0)
 
     def describe(self) -> dict[str, Any]:
         return {"train_backend": "megatron",

@@ -27,6 +27,7 @@ from miles.models import load_policy
 from miles.offload import make_resizable
 from miles.rl.loss import forward_logprobs
 from miles.routing.replay import RouteReplay
+from miles.sizing.flops import model_flops
 
 from .sharded_optimizer import ShardedMixedPrecisionAdam
 
@@ -69,8 +70,8 @@ class TorchEngine(TrainEngine):
         self.optimizer = self._build_optimizer()
         return description
 
-    def policy_config(self) -> dict:
-        return self.model.config.to_dict()
+    def policy_flops(self):
+        return model_flops(self.model.config.to_dict(), name="the policy")  # transformers' layout of the model
 
     def describe(self) -> dict:
         return {"num_params": sum(p.numel() for p in self.model.parameters())}

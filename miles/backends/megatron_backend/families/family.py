@@ -10,6 +10,11 @@ The shared modules ask the family of a model (``families.family_of``) and never 
   it is Transformer Engine's (megatron-core imported inside);
 - ``layer_rules(arch, layer, fused_norms)``: decoder layer ``layer``'s HF <-> Megatron weight rules
   (``weight_rules.py``);
+- ``attention_tensors(arch, layer, prefix)``: the tensors of decoder layer ``layer``'s token mixer, as ``miles plan``
+  and validation count them (``model_tensors.py`` adds what every family shares);
+- ``layout_sizes(arch)``: the sizes of its own pieces that Megatron's layout rules check
+  (``miles.parallel.layout.check_layout``: a sparse-attention indexer's layers, a Gated DeltaNet's heads) beyond
+  the shared ones (``families.layout_sizes``);
 - ``native_fp32_params``: Megatron parameter-name suffixes that train in fp32 in a bf16 model;
 - ``hf_per_expert_names``: how transformers 4.x names its per-expert weights when not as Qwen3-MoE does;
 - ``tiny_preset``: the random-model preset its tests build (``miles.models.RANDOM_MODEL_PRESETS``).
@@ -22,10 +27,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..architecture import Architecture
+from ..model_tensors import AttentionTensors
 from ..weight_rules import Rule
 
-__all__ = ["Family", "BlockOptions", "PerExpertNames", "stage_of", "gpt_transformer_config",
+__all__ = ["Family", "BlockOptions", "PerExpertNames", "stage_of", "no_layout_sizes", "gpt_transformer_config",
            "mla_transformer_config"]
+
+
+def no_layout_sizes(arch: Architecture) -> dict[str, Any]:
+    return {}
 
 
 def gpt_transformer_config(kwargs: dict[str, Any]) -> Any:
@@ -68,8 +78,10 @@ class Family:
     config_kwargs: Callable[[Architecture], dict[str, Any]]
     block_spec: Callable[[Any, BlockOptions], tuple[Any, bool]]
     layer_rules: Callable[[Architecture, int, bool], list[Rule]]
+    attention_tensors: AttentionTensors
     tiny_preset: str
     transformer_config: Callable[[dict[str, Any]], Any] = gpt_transformer_config
+    layout_sizes: Callable[[Architecture], dict[str, Any]] = no_layout_sizes
     native_fp32_params: tuple[str, ...] = ()
     hf_per_expert_names: Optional[PerExpertNames] = None
 

@@ -12,13 +12,17 @@ no Hadamard rotation. Its layers by ``indexer_types``: "full" computes its own t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
+from miles.sizing.tensors import Tensor, indexer_tensors
+
+from ..architecture import Architecture
 from ..errors import UnsupportedModelError
 from ..tp_shards import TpRules
 from ..weight_rules import Rule, layer_prefixes
 
-__all__ = ["Dsa", "INDEXER_K_NORM_EPS", "DSA_TP_RULES", "read_dsa", "indexer_rules", "dsa_config_kwargs"]
+__all__ = ["Dsa", "INDEXER_K_NORM_EPS", "DSA_TP_RULES", "read_dsa", "indexer_rules", "indexer_layer_tensors",
+           "dsa_layout_sizes", "dsa_config_kwargs"]
 
 INDEXER_K_NORM_EPS = 1e-6  # the indexer's k_norm = nn.LayerNorm(index_head_dim, eps=1e-6)
 
@@ -73,6 +77,20 @@ def indexer_rules(dsa: Dsa, layer: int) -> list[Rule]:
              ("k_norm.weight", "k_norm.weight"), ("k_norm.bias", "k_norm.bias"),
              ("weights_proj.weight", "linear_weights_proj.weight")]
     return [Rule((hf + h,), mc + m) for h, m in names]
+
+
+def indexer_layer_tensors(arch: Architecture, layer: Optional[int], prefix: str) -> list[Tensor]:
+    """The indexer's tensors on a layer that computes its own top-k (a multi-token-prediction layer, ``layer``
+    None, has one); none on a layer that shares another's."""
+    if layer is not None and not arch.dsa.indexer_layers[layer]:
+        return []
+    return indexer_tensors(f"{prefix}.self_attention", arch.hidden_size, arch.mla.q_lora_rank,
+                           arch.dsa.index_n_heads, arch.dsa.index_head_dim)
+
+
+def dsa_layout_sizes(arch: Architecture) -> dict[str, Any]:
+    """A pipeline stage must start on a layer with its own indexer (megatron shares top-k within a stage)."""
+    return dict(indexer_layers=arch.dsa.indexer_layers)
 
 
 def dsa_config_kwargs(dsa: Dsa) -> dict[str, Any]:

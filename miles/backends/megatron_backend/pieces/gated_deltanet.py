@@ -15,12 +15,16 @@ from typing import Any
 
 import torch
 
+from miles.sizing.tensors import Tensor, gated_deltanet_tensors
+
+from ..architecture import Architecture
 from ..errors import UnsupportedModelError
 from ..tp_shards import TpRules
 from ..weight_rules import Rule, cat_rows
 
 __all__ = ["GatedDeltaNetLayout", "NATIVE_FP32_PARAMS", "LAYER_TYPES", "read_gated_deltanet", "gated_deltanet_rules",
-           "gated_deltanet_tp_rules", "gated_deltanet_config_kwargs"]
+           "gated_deltanet_tp_rules", "gated_deltanet_config_kwargs", "gated_deltanet_layer_tensors",
+           "gated_deltanet_layout_sizes"]
 
 # Megatron parameter names (suffixes) kept in fp32 when the model trains in bf16.
 NATIVE_FP32_PARAMS = ("self_attention.A_log",)
@@ -93,6 +97,19 @@ def gated_deltanet_tp_rules(gdn: GatedDeltaNetLayout) -> TpRules:
                    replicated=(r"self_attention\.out_norm\.weight",),
                    sections=(("self_attention.in_proj", (k, k, v, v, heads, heads)),
                              ("self_attention.conv1d", (k, k, v))))
+
+
+def gated_deltanet_layer_tensors(gdn: GatedDeltaNetLayout, hidden: int, prefix: str) -> list[Tensor]:
+    """A Gated DeltaNet layer's tensors under ``prefix`` (megatron-core builds it as the layer's
+    ``self_attention``)."""
+    return gated_deltanet_tensors(f"{prefix}.self_attention", hidden, gdn.num_key_heads, gdn.num_value_heads,
+                                  gdn.key_head_dim, gdn.value_head_dim, gdn.conv_kernel)
+
+
+def gated_deltanet_layout_sizes(arch: Architecture) -> dict[str, Any]:
+    """Tensor parallelism splits the Gated DeltaNet by heads."""
+    gdn = arch.linear_attention
+    return dict(linear_key_heads=gdn.num_key_heads, linear_value_heads=gdn.num_value_heads)
 
 
 def gated_deltanet_config_kwargs(gdn: GatedDeltaNetLayout) -> dict[str, Any]:

@@ -25,13 +25,15 @@ from typing import Any, Optional
 
 import torch
 
-from ..architecture import rope_settings, theta_of
+from miles.sizing.tensors import Tensor, mla_tensors
+
+from ..architecture import Architecture, rope_settings, theta_of
 from ..errors import UnsupportedModelError
 from ..tp_shards import TpRules
 from ..weight_rules import Rule, layer_prefixes
 
 __all__ = ["Mla", "Yarn", "LATENT_NORM_EPS", "MLA_TP_RULES", "read_mla", "read_mla_rope", "mla_attention_rules",
-           "mla_config_kwargs"]
+           "mla_attention_tensors", "mla_config_kwargs"]
 
 LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm are built without an eps
 
@@ -144,6 +146,13 @@ def mla_attention_rules(mla: Mla, layer: int) -> list[Rule]:
                     partial(_rope_pairs_to_halves, **shape))
 
     return [Rule((hf + "input_layernorm.weight",), mc + "input_layernorm.weight"), *(rule(h, m) for h, m in names)]
+
+
+def mla_attention_tensors(arch: Architecture, layer: Optional[int], prefix: str) -> list[Tensor]:
+    """The MLA's tensors under ``prefix`` (``model_tensors.AttentionTensors``), without an indexer."""
+    m = arch.mla
+    return mla_tensors(f"{prefix}.self_attention", arch.hidden_size, arch.num_attention_heads, m.q_lora_rank,
+                       m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim)
 
 
 def mla_config_kwargs(mla: Mla, rope_theta: float) -> dict[str, Any]:

@@ -18,7 +18,8 @@ import dataclasses
 from typing import Any
 
 from ...architecture import Architecture, UnsupportedModelError, reject, require_silu
-from ...pieces.mla import MLA_TP_RULES, mla_attention_rules, mla_config_kwargs, read_mla, read_mla_rope
+from ...pieces.mla import (MLA_TP_RULES, mla_attention_rules, mla_attention_tensors, mla_config_kwargs, read_mla,
+                           read_mla_rope)
 from ...pieces.sigmoid_router import sigmoid_router_fields
 from ...weight_rules import Rule, mlp_rules
 from ..family import BlockOptions, Family, mla_transformer_config
@@ -66,4 +67,5 @@ def _layer_rules(arch: Architecture, layer: int, fused_norms: bool) -> list[Rule
 
 DEEPSEEK_V3 = Family(name="deepseek_v3", model_types=("deepseek_v3",), describe=_describe,
                      config_kwargs=_config_kwargs, block_spec=_block_spec, layer_rules=_layer_rules,
-                     tiny_preset="deepseek-v3-tiny", transformer_config=mla_transformer_config)
+                     attention_tensors=mla_attention_tensors, tiny_preset="deepseek-v3-tiny",
+                     transformer_config=mla_transformer_config)

@@ -9,11 +9,14 @@ on load, so the policy has no MTP weights; they are not trained here (``model.py
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
+
+from miles.sizing.tensors import Tensor
 
 from ...architecture import Architecture, UnsupportedModelError, require_silu, rope_theta
-from ...pieces.dsa import DSA_TP_RULES, dsa_config_kwargs, indexer_rules, read_dsa
-from ...pieces.mla import MLA_TP_RULES, mla_attention_rules, mla_config_kwargs, read_mla
+from ...pieces.dsa import (DSA_TP_RULES, dsa_config_kwargs, dsa_layout_sizes, indexer_layer_tensors, indexer_rules,
+                           read_dsa)
+from ...pieces.mla import MLA_TP_RULES, mla_attention_rules, mla_attention_tensors, mla_config_kwargs, read_mla
 from ...pieces.sigmoid_router import sigmoid_router_fields
 from ...weight_rules import Rule, mlp_rules
 from ..family import BlockOptions, Family, mla_transformer_config, stage_of
@@ -67,6 +70,11 @@ def _layer_rules(arch: Architecture, layer: int, fused_norms: bool) -> list[Rule
     return [*mla_attention_rules(arch.mla, layer), *indexer_rules(arch.dsa, layer), *mlp_rules(arch, layer, False)]
 
 
+def _attention_tensors(arch: Architecture, layer: Optional[int], prefix: str) -> list[Tensor]:
+    return [*mla_attention_tensors(arch, layer, prefix), *indexer_layer_tensors(arch, layer, prefix)]
+
+
 GLM_MOE_DSA = Family(name="glm_moe_dsa", model_types=("glm_moe_dsa",), describe=_describe,
                      config_kwargs=_config_kwargs, block_spec=_block_spec, layer_rules=_layer_rules,
-                     tiny_preset="glm5-tiny", transformer_config=mla_transformer_config)
+                     attention_tensors=_attention_tensors, tiny_preset="glm5-tiny",
+                     transformer_config=mla_transformer_config, layout_sizes=dsa_layout_sizes)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...architecture import Architecture
+from ...model_tensors import gqa_attention_tensors
 from ...weight_rules import Rule, gqa_attention_rules, mlp_rules
 from ..family import Family, PerExpertNames
 from . import config, layers
@@ -23,8 +24,9 @@ def _no_config_kwargs(arch: Architecture) -> dict[str, Any]:
 
 GPT = Family(name="gpt", model_types=("llama", "qwen2", "qwen3", "qwen3_moe"), describe=config.describe,
              config_kwargs=_no_config_kwargs, block_spec=layers.block_spec, layer_rules=_layer_rules,
-             tiny_preset="llama-tiny")
+             attention_tensors=gqa_attention_tensors, tiny_preset="llama-tiny")
 MIXTRAL = Family(name="mixtral", model_types=("mixtral",), describe=config.describe, config_kwargs=_no_config_kwargs,
-                 block_spec=layers.block_spec, layer_rules=_layer_rules, tiny_preset="mixtral-tiny",
+                 block_spec=layers.block_spec, layer_rules=_layer_rules, attention_tensors=gqa_attention_tensors,
+                 tiny_preset="mixtral-tiny",
                  hf_per_expert_names=PerExpertNames("block_sparse_moe",
                                                     {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}))

@@ -30,10 +30,14 @@ What transformers' ``modeling_qwen3_5_moe.py`` computes, and the megatron-core p
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
+
+from miles.sizing.tensors import Tensor
 
 from ...architecture import Architecture
-from ...pieces.gated_deltanet import NATIVE_FP32_PARAMS, gated_deltanet_config_kwargs
+from ...model_tensors import gqa_attention_tensors
+from ...pieces.gated_deltanet import (NATIVE_FP32_PARAMS, gated_deltanet_config_kwargs, gated_deltanet_layer_tensors,
+                                     gated_deltanet_layout_sizes)
 from ..family import Family, gpt_transformer_config
 from . import config, layers, weights
 
@@ -50,7 +54,16 @@ def _transformer_config(kwargs: dict[str, Any]) -> Any:
     return gpt_transformer_config({**kwargs, **layers.gated_delta_rule_kwargs()})  # its kernels win
 
 
+def _attention_tensors(arch: Architecture, layer: Optional[int], prefix: str) -> list[Tensor]:
+    """A Gated DeltaNet on the layers ``layer_types`` marks linear, gated attention on the others (and in MTP)."""
+    gdn = arch.linear_attention
+    if layer is not None and gdn.linear_layers[layer]:
+        return gated_deltanet_layer_tensors(gdn, arch.hidden_size, prefix)
+    return gqa_attention_tensors(arch, layer, prefix)
+
+
 QWEN3_5_MOE = Family(name="qwen3_5_moe", model_types=config.MODEL_TYPES, describe=config.describe,
                      config_kwargs=_config_kwargs, block_spec=layers.block_spec, layer_rules=weights.layer_rules,
-                     tiny_preset="qwen3.5-moe-tiny", transformer_config=_transformer_config,
-                     native_fp32_params=NATIVE_FP32_PARAMS)
+                     attention_tensors=_attention_tensors, tiny_preset="qwen3.5-moe-tiny",
+                     transformer_config=_transformer_config, native_fp32_params=NATIVE_FP32_PARAMS,
+                     layout_sizes=gated_deltanet_layout_sizes)
