@@ -10,6 +10,7 @@ that dies without a result (a segfault, a kill) fails the run at once, with the 
 
 import faulthandler
 import os
+import pickle
 import queue
 import signal
 import tempfile
@@ -23,21 +24,27 @@ def _stack_file(pid: int) -> str:
     return os.path.join(tempfile.gettempdir(), f"miles-test-stacks-{pid}.txt")
 
 
+def _put(results, message) -> None:
+    """``message`` pickled here, by value: a tensor put as it is travels as shared memory that this process hands
+    out when the parent reads it, which fails once this process has exited."""
+    results.put(pickle.dumps(message))
+
+
 def report(target, results, *args):
     """The body of a child: ``target(*args)``'s result on ``results``, or ``{"error": traceback}``."""
     stacks = open(_stack_file(os.getpid()), "w")  # noqa: SIM115 - open for faulthandler while the child lives
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     faulthandler.enable(file=stacks, all_threads=True)  # SIGSEGV / SIGABRT: the stack lands in the same file
     try:
-        results.put(target(*args))
+        _put(results, target(*args))
     except BaseException:
-        results.put({"error": traceback.format_exc()})
+        _put(results, {"error": traceback.format_exc()})
 
 
 def progress(results, who: str, stage: str) -> None:
     """In a child: ``who`` (e.g. ``tp2 rank 1``) reached ``stage``; printed now and remembered by collect."""
     print(f"[{who}] {stage} ({time.strftime('%H:%M:%S')})", flush=True)
-    results.put({_STAGE: stage, "who": who, "pid": os.getpid()})
+    _put(results, {_STAGE: stage, "who": who, "pid": os.getpid()})
 
 
 def start(ctx, results, *targets_and_args):
@@ -78,7 +85,7 @@ def collect(procs, results, timeout: float, grace: float = 20.0) -> list:
             if any("error" in r for r in got):
                 deadline = min(deadline, time.monotonic() + grace)
             try:
-                message = results.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                message = pickle.loads(results.get(timeout=min(1.0, max(0.0, deadline - time.monotonic()))))
             except queue.Empty:
                 # a child that exited non-zero put no result: its peers would wait in a collective forever
                 crashed = [p for p in procs if p.exitcode not in (None, 0)]

@@ -24,7 +24,7 @@ def _weights():
             ("lm_head.weight", torch.randn(8, 4, generator=g).to(torch.bfloat16))]
 
 
-def _sglang_rank(port, names, dtypes, shapes, queue):
+def _sglang_rank(port, names, dtypes, shapes, queue, taken):
     """An sglang rank (the fake engine) in its own process: joins at rank 1 and receives one broadcast."""
     sys.path[:0] = [FAKES, REPO]
     fake_sglang = _load_fake()
@@ -34,6 +34,7 @@ def _sglang_rank(port, names, dtypes, shapes, queue):
         assert engine.update_weights_from_distributed(names, dtypes, shapes, "miles-weights",
                                                       load_format="flattened_bucket") == (True, "Success")
         queue.put({n: t.clone() for n, t in engine.weights.items()})
+        taken.wait(60)  # the tensors travel as shared memory this process hands out: it outlives the parent's get
         engine.destroy_weights_update_group("miles-weights")
     except BaseException as e:  # the parent reports it
         queue.put(repr(e))
@@ -50,15 +51,16 @@ def test_a_trainer_group_meets_sglangs_ranks_and_its_bucket_lands_bit_exact(monk
     bucket = SglangPayloads(fake_sglang.FakeFlattenedTensorBucket, fake_sglang.FakeSerializer).bucket(named)
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
+    queue, taken = ctx.Queue(), ctx.Event()
     rank = ctx.Process(target=_sglang_rank, args=(port, [n for n, _ in named], ["bfloat16"] * 2,
-                                                  [list(t.shape) for _, t in named], queue))
+                                                  [list(t.shape) for _, t in named], queue, taken))
     rank.start()
     try:
         group = WeightUpdateGroup(master_address="127.0.0.1", master_port=port, rank=0, world_size=2, backend="gloo",
                                   group_name="miles-weights", timeout_s=20)
         group.broadcast(bucket.flat)
         received = queue.get(timeout=60)
+        taken.set()
         group.destroy()
     finally:
         rank.join(30)

@@ -161,13 +161,15 @@ def three_buckets():
     return list(iter_buckets(weights(1), max_bytes=1024))[:3]
 
 
-def _receive(port, specs, result):
+def _receive(port, specs, result, taken):
     group = WeightUpdateGroup(master_address="127.0.0.1", master_port=port, rank=1, world_size=2,
                               backend="gloo", group_name="weights-test", timeout_s=TIMEOUT)
     try:
         flats = [receive_bucket(group, BucketSpec.from_dict(d), torch.device("cpu")) for d in specs]
         result.put([{name: v.clone() for name, v in unpack_bucket(BucketSpec.from_dict(d), f)}
                     for d, f in zip(specs, flats)])
+        # the tensors travel as shared memory this process hands out on request: it must outlive the parent's get
+        taken.wait(TIMEOUT)
     finally:
         group.destroy()
 
@@ -182,14 +184,15 @@ def test_gloo_group_broadcasts_mixed_dtype_buckets_and_leaves_the_default_group_
         default = dist.group.WORLD
         port = free_port()
         ctx = mp.get_context("spawn")
-        result = ctx.Queue()
-        receiver = ctx.Process(target=_receive, args=(port, [s.to_dict() for s, _ in buckets], result))
+        result, taken = ctx.Queue(), ctx.Event()
+        receiver = ctx.Process(target=_receive, args=(port, [s.to_dict() for s, _ in buckets], result, taken))
         receiver.start()
         try:
             group = WeightUpdateGroup(master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
                                       backend="gloo", group_name="weights-test", timeout_s=TIMEOUT)
             sent = send_buckets(group, buckets)
             got = result.get(timeout=TIMEOUT)
+            taken.set()
             group.destroy()
             group.destroy()
             receiver.join(TIMEOUT)
