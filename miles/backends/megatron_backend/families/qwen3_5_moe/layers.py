@@ -70,28 +70,30 @@ def _rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-class ZeroCenteredRMSNorm(torch.nn.Module):
-    """``x / rms(x) * (1 + weight)`` in fp32, cast back to the input's dtype; ``weight`` starts at 0."""
+class _RmsNorm(torch.nn.Module):
+    """An RMSNorm megatron builds as ``Norm(config, hidden_size, eps, ...)``: its weight starts at ``INITIAL``."""
+
+    INITIAL = 1.0
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6, **_megatron_norm_kwargs: Any):
         super().__init__()
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        self.weight = torch.nn.Parameter(torch.full((hidden_size,), self.INITIAL, dtype=config.params_dtype))
         self.weight.sequence_parallel = config.sequence_parallel
+
+
+class ZeroCenteredRMSNorm(_RmsNorm):
+    """``x / rms(x) * (1 + weight)`` in fp32, cast back to the input's dtype; ``weight`` starts at 0."""
+
+    INITIAL = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (_rms_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class GatedDeltaNetOutputNorm(torch.nn.Module):
+class GatedDeltaNetOutputNorm(_RmsNorm):
     """The norm half of transformers' gated RMSNorm: ``x / rms(x)`` in fp32, cast to the input's dtype, times
     ``weight`` (used as is). ``GatedDeltaNet`` multiplies by ``silu(gate)`` in fp32 after it, as HF does."""
-
-    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6, **_megatron_norm_kwargs: Any):
-        super().__init__()
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-        self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * _rms_normalized(x, self.eps).to(x.dtype)
